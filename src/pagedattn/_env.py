@@ -1,0 +1,29 @@
+"""Environment predicates, as functions: nothing here runs at import time."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``).
+
+    The variable must be set before ``triton`` is imported; this library never sets it.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached; metadata only, no sync)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count_for(tensor: torch.Tensor) -> int:
+    """SM count of the tensor's device; a small stand-in under the interpreter (CPU)."""
+    if tensor.device.type == "cuda":
+        return num_sms(tensor.device.index if tensor.device.index is not None else 0)
+    return 4

@@ -1,0 +1,173 @@
+"""Input validation for :func:`pagedattn.paged_decode`.
+
+Two kinds of checks:
+
+* metadata checks (rank, shape, dtype, device, divisibility): free, always run, raise
+  ``TypeError``/``ValueError`` naming the argument before any kernel launches;
+* value checks (lengths in range, used page ids in range): they need the data, so they run
+  when the tensors live on the CPU, or when ``validate=True`` (one device-to-host sync).
+  With ``validate=None`` on CUDA they are skipped, keeping the hot path free of host syncs
+  (CUDA-graph capture works); the kernels clamp lengths to the table's capacity and never
+  read block-table entries past ``ceil(len / page_size)``, so they stay in bounds anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = tuple(
+    d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d
+)
+INDEX_DTYPES = (torch.int32, torch.int64)
+KV_LAYOUTS = ("NHD", "HND")
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def _fail(exc: type[Exception], name: str, expected: str, got: Any) -> None:
+    raise exc(f"{name}: expected {expected}, got {got}")
+
+
+def _check_tensor(name: str, t: Any, rank: int, dtypes: tuple, dtype_words: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != rank:
+        _fail(ValueError, name, f"a rank-{rank} tensor", f"shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        _fail(TypeError, name, dtype_words, t.dtype)
+
+
+def cache_dims(key_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
+    """``(num_pages, page_size, num_kv_heads, head_dim)`` of a cache in either layout."""
+    num_pages, a, b, head_dim = key_cache.shape
+    return (num_pages, a, b, head_dim) if kv_layout == "NHD" else (num_pages, b, a, head_dim)
+
+
+def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) -> None:
+    """fp8 scales: a Python float, a 0-d tensor, or a ``[num_kv_heads]`` tensor."""
+    if s is None:
+        return
+    if isinstance(s, bool):
+        _fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", "bool")
+    if isinstance(s, numbers.Real):
+        if not math.isfinite(float(s)):
+            _fail(ValueError, name, "a finite scale", s)
+        return
+    if not isinstance(s, torch.Tensor):
+        _fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", type(s).__name__)
+    if not s.is_floating_point():
+        _fail(TypeError, name, "a floating-point tensor", s.dtype)
+    if not (s.dim() == 0 or (s.dim() == 1 and s.shape[0] == num_kv_heads)):
+        _fail(
+            ValueError, name, f"a float, a 0-d tensor or a [num_kv_heads={num_kv_heads}] tensor",
+            f"shape {tuple(s.shape)}",
+        )
+    if s.device != device:
+        _fail(ValueError, name, f"a tensor on {device}", s.device)
+
+
+def check_metadata(
+    query, key_cache, value_cache, block_tables, context_lens, *, scale, impl, impls,
+    num_splits, out, kv_layout, k_scale, v_scale, return_lse, validate,
+) -> None:
+    """Metadata checks: no data is read, so no host sync. Raises TypeError/ValueError."""
+    if not isinstance(impl, str) or impl not in impls:
+        _fail(ValueError, "impl", f"one of {', '.join(repr(i) for i in impls)}", repr(impl))
+    if kv_layout not in KV_LAYOUTS:
+        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    _check_tensor("query", query, 3, FLOAT_DTYPES, "float32, float16 or bfloat16")
+    cache_dtypes = FLOAT_DTYPES + FP8_DTYPES
+    words = "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"
+    _check_tensor("key_cache", key_cache, 4, cache_dtypes, words)
+    _check_tensor("value_cache", value_cache, 4, cache_dtypes, words)
+    _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
+    _check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, "int32 or int64")
+
+    if value_cache.shape != key_cache.shape:
+        _fail(ValueError, "value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",
+              tuple(value_cache.shape))
+    if value_cache.dtype != key_cache.dtype:
+        _fail(TypeError, "value_cache", f"the dtype of key_cache ({key_cache.dtype})",
+              value_cache.dtype)
+    if key_cache.dtype in FLOAT_DTYPES and key_cache.dtype != query.dtype:
+        _fail(TypeError, "key_cache", f"the query's dtype {query.dtype} (or an fp8 dtype)",
+              key_cache.dtype)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.device != query.device:
+            _fail(ValueError, name, f"a tensor on the query's device {query.device}", t.device)
+
+    batch, num_q_heads, head_dim = query.shape
+    num_pages, page_size, num_kv_heads, cache_head_dim = cache_dims(key_cache, kv_layout)
+    if cache_head_dim != head_dim:
+        _fail(ValueError, "key_cache", f"head_dim {head_dim} (the query's) in the last dim",
+              cache_head_dim)
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        _fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
+    if page_size < 1:
+        _fail(ValueError, "page_size", "at least 1 (key_cache dim)", page_size)
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
+        _fail(ValueError, "num_q_heads",
+              f"a multiple of num_kv_heads={num_kv_heads}", num_q_heads)
+    if block_tables.shape[0] != batch:
+        _fail(ValueError, "block_tables", f"{batch} rows (the batch)", block_tables.shape[0])
+    if context_lens.shape[0] != batch:
+        _fail(ValueError, "context_lens", f"{batch} entries (the batch)", context_lens.shape[0])
+
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            _fail(TypeError, "scale", "a Python float or None", type(scale).__name__)
+        if not math.isfinite(float(scale)):
+            _fail(ValueError, "scale", "a finite float", scale)
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+            _fail(TypeError, "num_splits", "an int or None", type(num_splits).__name__)
+        if num_splits < 1:
+            _fail(ValueError, "num_splits", "an int >= 1 or None", num_splits)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
+        if out.shape != query.shape:
+            _fail(ValueError, "out", f"shape {tuple(query.shape)}", tuple(out.shape))
+        if out.dtype != query.dtype:
+            _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
+        if out.device != query.device:
+            _fail(ValueError, "out", f"a tensor on {query.device}", out.device)
+    check_scale_arg("k_scale", k_scale, num_kv_heads, query.device)
+    check_scale_arg("v_scale", v_scale, num_kv_heads, query.device)
+    if not isinstance(return_lse, bool):
+        _fail(TypeError, "return_lse", "a bool", type(return_lse).__name__)
+    if validate is not None and not isinstance(validate, bool):
+        _fail(TypeError, "validate", "None, True or False", type(validate).__name__)
+
+
+def check_values(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_pages: int, page_size: int
+) -> None:
+    """Value checks: lengths in ``[0, max_pages * page_size]`` and used page ids in
+    ``[0, num_pages)``. Reads the data (a host sync on CUDA). Raises ValueError naming the
+    argument and the first offending batch row."""
+    batch, max_pages = block_tables.shape
+    if batch == 0:
+        return
+    capacity = max_pages * page_size
+    lens = context_lens.long()
+    bad = (lens < 0) | (lens > capacity)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        _fail(ValueError, "context_lens",
+              f"lengths in [0, max_pages * page_size = {capacity}] (row {row})", int(lens[row]))
+    used_pages = (lens.clamp(0, capacity) + page_size - 1) // page_size  # [batch]
+    cols = torch.arange(max_pages, device=block_tables.device)
+    used = cols[None, :] < used_pages[:, None]
+    ids = block_tables.long()
+    bad_ids = used & ((ids < 0) | (ids >= num_pages))
+    if bool(bad_ids.any()):
+        row, col = (int(x) for x in bad_ids.nonzero()[0])
+        _fail(ValueError, "block_tables",
+              f"used page ids in [0, num_pages={num_pages}) (row {row}, column {col})",
+              int(ids[row, col]))

@@ -1,0 +1,43 @@
+"""``@triton.jit`` helpers shared by every decode kernel.
+
+* ``_clamped_context_len``: a sequence's length, clamped to ``[0, max_pages * page_size]`` so a
+  kernel never dereferences block-table entries past the table (lengths are not validated on
+  the device in the hot path; see ``pagedattn._validation``).
+* ``_kv_token_offsets``: element offsets of tokens ``offs_n`` of one kv head, through the
+  block table, in 64-bit (``page_id * stride_page`` can pass 2^31 on large caches).
+* ``_rescale``: the online-softmax rescale factor ``exp2(m_old - m_new)`` (Milakov &
+  Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN-safe when a row has seen no score yet.
+  Every kernel works in the exp2 domain: scores are ``q·k · scale · log2(e)``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity):
+    n = tl.load(context_lens_ptr + b * stride_ctx).to(tl.int32)
+    return tl.minimum(tl.maximum(n, 0), capacity)
+
+
+@triton.jit
+def _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, page_idx, mask):
+    """Physical page ids of logical pages ``page_idx`` (int64; masked entries read as 0)."""
+    row = block_tables_ptr + b.to(tl.int64) * stride_bt_b
+    return tl.load(row + page_idx * stride_bt_p, mask=mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _kv_token_offsets(block_tables_ptr, b, stride_bt_b, stride_bt_p, offs_n, mask_n,
+                      page_size, kv_head, stride_page, stride_tok, stride_head):
+    """Offsets (int64) of token positions ``offs_n`` of sequence ``b``, kv head ``kv_head``."""
+    page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, offs_n // page_size,
+                        mask_n)
+    slot = (offs_n % page_size).to(tl.int64)
+    return page_id * stride_page + slot * stride_tok + kv_head.to(tl.int64) * stride_head
+
+
+@triton.jit
+def _rescale(m_old, m_new):
+    """``exp2(m_old - m_new)``, 0 when ``m_old`` is -inf (never forms -inf - -inf)."""
+    return tl.where(m_old == float("-inf"), 0.0, tl.exp2(m_old - m_new))

@@ -1,0 +1,261 @@
+"""The production decode kernel behind ``impl="auto"``: GQA-packed, multi-page tiles,
+token-balanced split-KV on a persistent grid, and a log-sum-exp merge.
+
+**Work units.** A unit is (split row ``r``, kv head): tokens ``[s·chunk_b, min((s+1)·chunk_b,
+len_b))`` of sequence ``b`` for the whole query group of one kv head. Rows are numbered
+sequence-major: sequence ``b`` owns rows ``[start_b, start_b + n_b)`` with
+``n_b = ceil(len_b / chunk_b)``, so an empty sequence owns none.
+
+**Token-balanced splits, decided on the device.** Every program reads ``context_lens`` (no host
+sync; CUDA-graph replays with new lengths re-plan by themselves) and sizes one chunk for the
+whole batch so that the batch's token-work spreads over about ``UNITS_PER_PROGRAM`` units per
+program: ``chunk = max(MIN_CHUNK, roundup(ceil(total_tokens · num_kv_heads / (programs ·
+UNITS_PER_PROGRAM)), BLOCK_N))``. Long sequences get many splits and short ones one, so the
+longest sequence no longer sets the time (FlashInfer's weakness on real traces). Because
+``Σ ceil(len_b / chunk) ≤ total / chunk + batch``, the rows fit the workspace the host sized
+from shapes alone. A forced ``num_splits`` gives ``chunk_b = roundup(ceil(len_b / num_splits),
+BLOCK_N)`` instead.
+
+**Persistent grid.** ``programs`` (about SMs × occupancy) programs take units round-robin:
+``u = pid, pid + programs, …``; ``u → (r = u // num_kv_heads, kv head = u % num_kv_heads)``;
+``r → b`` by counting the sequences whose rows end at or before ``r`` (a vector scan of
+``context_lens`` in ``BLOCK_B`` slices; batch size is a runtime value, never a constexpr).
+
+**One unit.** The query group, padded to ``BLOCK_H`` rows, is one tile; the program walks
+``BLOCK_N``-token tiles that may span several pages (one block-table load per tile), loads
+K and V once for the whole group, and runs the online softmax in the exp2 domain with
+``scale · log2(e)`` folded into ``q`` (fp32 accumulation). ``USE_DOT`` uses tensor cores
+(``tl.dot``, group padded to ≥ 16 rows); fp32 caches use CUDA-core FMA reductions instead
+(ieee fp32, no tf32). fp8 caches are converted to fp16 in registers (the query too) and
+dequantized by folding ``k_scale`` into ``q`` and ``v_scale`` into the output. Token tiles are
+software-pipelined by Triton (``num_stages``).
+
+A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
+writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and
+``_paged_decode_merge_kernel`` combines the rows with log-sum-exp rescaling. Rows are exactly
+the non-empty splits, so no empty split is ever formed or read. Lengths are clamped to the
+table's capacity; block-table entries past ``ceil(len / page_size)`` are never read.
+
+Feature flags are ``constexpr`` so that later features (sliding window, soft-capping, sinks,
+ALiBi, multi-token queries) are branches of this kernel, not forks.
+"""
+
+import triton
+import triton.language as tl
+
+from pagedattn.kernels.common import _clamped_context_len, _page_ids, _rescale
+
+
+@triton.jit
+def _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B: tl.constexpr):
+    total = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
+        total += tl.sum(tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity))
+    return total
+
+
+@triton.jit
+def _chunk_of(n, chunk, forced_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split for a sequence of length ``n`` (vector or scalar)."""
+    forced = tl.cdiv(tl.cdiv(n, tl.maximum(forced_splits, 1)), BLOCK_N) * BLOCK_N
+    return tl.where(forced_splits > 0, tl.maximum(forced, BLOCK_N), chunk)
+
+
+@triton.jit
+def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_splits,
+                BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sequence ``b`` owning split row ``r`` and the first row ``start_b`` it owns."""
+    b = 0
+    start = 0
+    running = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
+        n = tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity)
+        rows = tl.cdiv(n, _chunk_of(n, chunk, forced_splits, BLOCK_N))
+        ends = running + tl.cumsum(rows, axis=0)
+        before = (ends <= r) & (offs_b < batch)
+        b += tl.sum(before.to(tl.int32))
+        start = tl.maximum(start, tl.max(tl.where(before, ends, 0)))
+        running += tl.sum(rows)
+    return b, start
+
+
+@triton.jit
+def _paged_decode_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, lse_ptr,
+    part_ml_ptr,  # [rows_max, num_q_heads, 2] fp32 (m, l), exp2 domain
+    part_acc_ptr,  # [rows_max, num_q_heads, BLOCK_D] fp32, unnormalized
+    seq_rows_ptr,  # [batch, 2] int32 (start_b, n_b), written by the unit (b, s=0, kv head 0)
+    k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # [num_kv_heads] or 0-d
+    k_scale_val, v_scale_val,  # Python-float scales (used when not SCALE_FROM_PTR)
+    scale_log2,
+    batch, num_kv_heads, group, page_size, max_pages, forced_splits, num_programs,
+    stride_q_b, stride_q_h, stride_q_d,
+    stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
+    stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
+    stride_bt_b, stride_bt_p, stride_ctx,
+    stride_o_b, stride_o_h, stride_o_d,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, UNITS_PER_PROGRAM: tl.constexpr,
+    USE_DOT: tl.constexpr,  # tensor-core tl.dot (else fp32 FMA reductions)
+    DOT_DTYPE: tl.constexpr,  # operand dtype of the dots
+    KV_FP8: tl.constexpr,  # fp8 cache: dequantize through scales
+    SCALE_FROM_PTR: tl.constexpr,  # scales come as tensors (graph-safe), not floats
+    HAS_LSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_q_heads = num_kv_heads * group
+    capacity = max_pages * page_size
+    total = _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B)
+    work = total * num_kv_heads
+    chunk = tl.cdiv(tl.cdiv(work, num_programs * UNITS_PER_PROGRAM), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, MIN_CHUNK)
+    # total rows: Σ ceil(len_b / chunk_b); the last sequence's rows end there
+    last_b, last_start = _locate_row(context_lens_ptr, 2147483647, batch, stride_ctx, capacity,
+                                     chunk, forced_splits, BLOCK_B, BLOCK_N)
+    num_units = last_start * num_kv_heads
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_h = offs_h < group
+    mask_d = offs_d < HEAD_DIM
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+
+    for u in range(pid, num_units, num_programs):
+        r = u // num_kv_heads
+        kv_head = u % num_kv_heads
+        b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
+                                 forced_splits, BLOCK_B, BLOCK_N)
+        ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
+        chunk_b = _chunk_of(ctx, chunk, forced_splits, BLOCK_N)
+        n_rows = tl.cdiv(ctx, chunk_b)
+        tok_start = (r - start_b) * chunk_b
+        tok_end = tl.minimum(tok_start + chunk_b, ctx)
+
+        if SCALE_FROM_PTR:
+            k_scale = tl.load(k_scale_ptr + kv_head * stride_k_scale).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + kv_head * stride_v_scale).to(tl.float32)
+        else:
+            k_scale = k_scale_val
+            v_scale = v_scale_val
+        heads = kv_head * group + offs_h  # [BLOCK_H]
+        q = tl.load(query_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
+                    + offs_d[None, :] * stride_q_d, mask=mask_hd, other=0.0).to(tl.float32)
+        q = q * (scale_log2 * k_scale)  # [BLOCK_H, BLOCK_D]
+        q_dot = q.to(DOT_DTYPE)
+        k_head = kv_head * stride_k_head  # small: within one page
+        v_head = kv_head * stride_v_head
+
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for n0 in range(tok_start, tok_end, BLOCK_N):
+            tok = n0 + offs_n
+            mask_n = tok < tok_end
+            page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // page_size,
+                                mask_n)
+            slot = (tok % page_size).to(tl.int64)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(key_cache_ptr + (page_id * stride_k_page + slot * stride_k_tok
+                                         + k_head)[:, None] + offs_d[None, :] * stride_k_d,
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(value_cache_ptr + (page_id * stride_v_page + slot * stride_v_tok
+                                           + v_head)[:, None] + offs_d[None, :] * stride_v_d,
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if USE_DOT:
+                s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)))  # [BLOCK_H, BLOCK_N] fp32
+            else:
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: a tile holds >= 1 token
+            alpha = _rescale(m, m_new)
+            p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+            l = l * alpha + tl.sum(p, axis=1)
+            if USE_DOT:
+                pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))  # [BLOCK_H, BLOCK_D] fp32
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+
+        if n_rows == 1:
+            out = acc * (v_scale / l)[:, None]
+            tl.store(out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
+                     + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
+                     mask=mask_hd)
+            if HAS_LSE:
+                lse = (m + tl.log2(l)) * 0.6931471805599453  # natural log
+                tl.store(lse_ptr + b.to(tl.int64) * num_q_heads + heads, lse, mask=mask_h)
+        else:
+            row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H]
+            tl.store(part_ml_ptr + row * 2, m, mask=mask_h)
+            tl.store(part_ml_ptr + row * 2 + 1, l, mask=mask_h)
+            tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc * v_scale,
+                     mask=mask_h[:, None])
+        if (r == start_b) & (kv_head == 0):  # the merge reads this for every non-empty b
+            tl.store(seq_rows_ptr + b * 2, start_b)
+            tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
+
+
+@triton.jit
+def _paged_decode_merge_kernel(
+    context_lens_ptr, part_ml_ptr, part_acc_ptr, seq_rows_ptr, out_ptr, lse_ptr,
+    num_kv_heads, group, page_size, max_pages, forced_splits,
+    stride_ctx, stride_o_b, stride_o_h, stride_o_d,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
+    """Grid ``(batch, num_kv_heads)``: merge a sequence's split rows for one query group.
+
+    Length 0: writes zeros (and LSE -inf). One row: the main kernel already wrote the result,
+    nothing to do. Several rows: log-sum-exp merge of the partials ``(m, l, acc)``.
+    The row count is read from ``seq_rows`` only for non-empty sequences, which the main
+    kernel always fills."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    num_q_heads = num_kv_heads * group
+    ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < group
+    heads = kv_head * group + offs_h
+    out_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
+                + offs_d[None, :] * stride_o_d)
+    out_mask = mask_h[:, None] & (offs_d[None, :] < HEAD_DIM)
+    if ctx == 0:
+        tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+        if HAS_LSE:
+            tl.store(lse_ptr + b.to(tl.int64) * num_q_heads + heads,
+                     tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+    else:
+        start = tl.load(seq_rows_ptr + b * 2)
+        n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
+        if n_rows > 1:
+            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_H], tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            for r in range(start, start + n_rows):
+                row = r * num_q_heads + heads.to(tl.int64)
+                m_s = tl.load(part_ml_ptr + row * 2, mask=mask_h, other=0.0)
+                l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_h, other=0.0)
+                acc_s = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+                                mask=mask_h[:, None], other=0.0)
+                m_new = tl.maximum(m, m_s)
+                alpha = _rescale(m, m_new)
+                beta = tl.exp2(m_s - m_new)  # m_s finite: every row held tokens
+                l = l * alpha + l_s * beta
+                acc = acc * alpha[:, None] + acc_s * beta[:, None]
+                m = m_new
+            l_safe = tl.where(mask_h, l, 1.0)
+            tl.store(out_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=out_mask)
+            if HAS_LSE:
+                tl.store(lse_ptr + b.to(tl.int64) * num_q_heads + heads,
+                         (m + tl.log2(l_safe)) * 0.6931471805599453, mask=mask_h)

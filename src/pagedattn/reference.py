@@ -1,0 +1,90 @@
+"""The float64 oracle: the definition of a correct paged decode.
+
+Pure PyTorch, runs on any device (the tests use the CPU). It gathers each sequence's
+first ``ceil(context_len / page_size)`` pages through ``block_tables``, keeps the first
+``context_len`` tokens, dequantizes fp8 caches with ``k_scale``/``v_scale``, and computes
+``softmax(q·Kᵀ·scale)·V`` per query head in float64 with grouped-query attention
+(query head ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)``).
+
+Nothing else in the package is imported here: the oracle depends on torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+class ReferenceOutput(NamedTuple):
+    out: torch.Tensor  # [batch, num_q_heads, head_dim] float64
+    lse: torch.Tensor  # [batch, num_q_heads] float64, natural log, -inf for an empty row
+
+
+def _per_head_scale(scale, num_kv_heads: int) -> torch.Tensor:
+    if scale is None:
+        return torch.ones(num_kv_heads, dtype=torch.float64)
+    t = torch.as_tensor(scale, dtype=torch.float64).detach().cpu()
+    return t.expand(num_kv_heads) if t.dim() == 0 else t.reshape(num_kv_heads)
+
+
+def paged_decode_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    kv_layout: str = "NHD",
+    k_scale=None,
+    v_scale=None,
+) -> ReferenceOutput:
+    """Float64 paged decode attention.
+
+    Args:
+        query: ``[batch, num_q_heads, head_dim]``, any float dtype.
+        key_cache, value_cache: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
+            ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND); any float dtype, fp8 too.
+        block_tables: ``[batch, max_pages]`` integer physical page ids; entries past
+            ``ceil(context_len / page_size)`` are never read.
+        context_lens: ``[batch]`` integer token counts.
+        scale: softmax scale; defaults to ``head_dim ** -0.5``.
+        kv_layout: ``"NHD"`` or ``"HND"``.
+        k_scale, v_scale: fp8 dequantization scales (float, 0-d, or ``[num_kv_heads]``); the
+            cache value is ``stored * scale``.
+
+    Returns:
+        ``ReferenceOutput(out, lse)`` in float64; a row with context length 0 has ``out == 0``
+        and ``lse == -inf``.
+    """
+    if kv_layout == "HND":
+        key_cache = key_cache.transpose(1, 2)
+        value_cache = value_cache.transpose(1, 2)
+    batch, num_q_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    sm_scale = head_dim**-0.5 if scale is None else float(scale)
+    ks = _per_head_scale(k_scale, num_kv_heads).to(query.device)
+    vs = _per_head_scale(v_scale, num_kv_heads).to(query.device)
+    out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64, device=query.device)
+    lse = torch.full((batch, num_q_heads), -math.inf, dtype=torch.float64, device=query.device)
+    lens = context_lens.detach().cpu().tolist()
+    for b, n in enumerate(lens):
+        n = int(n)
+        if n <= 0:
+            continue
+        num_used = -(-n // page_size)
+        pages = block_tables[b, :num_used].long()
+        k = key_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[:n]
+        v = value_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[:n]
+        k = k * ks[None, :, None]
+        v = v * vs[None, :, None]
+        k = k.repeat_interleave(group, dim=1)  # [n, num_q_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[b].to(torch.float64)  # [num_q_heads, head_dim]
+        scores = torch.einsum("hd,nhd->hn", q, k) * sm_scale
+        lse[b] = torch.logsumexp(scores, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+    return ReferenceOutput(out, lse)
