@@ -11,7 +11,7 @@ DRAM idle). Each row keeps its own online-softmax state. Tokens are visited one 
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _clamped_context_len, _kv_token_offsets, _rescale
+from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _kv_token_offsets, _rescale
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _baseline_kernel(
     ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
 
     offs_d = tl.arange(0, BLOCK_D)  # the output dim each "thread" owns
-    mask_d = offs_d < HEAD_DIM
+    mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_dd = mask_d[:, None] & mask_d[None, :]  # [BLOCK_D, BLOCK_D]
     q_row = query_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h
     # every "thread" d holds the whole query vector: [BLOCK_D, BLOCK_D], rows identical

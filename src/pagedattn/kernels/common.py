@@ -41,3 +41,14 @@ def _kv_token_offsets(block_tables_ptr, b, stride_bt_b, stride_bt_p, offs_n, mas
 def _rescale(m_old, m_new):
     """``exp2(m_old - m_new)``, 0 when ``m_old`` is -inf (never forms -inf - -inf)."""
     return tl.where(m_old == float("-inf"), 0.0, tl.exp2(m_old - m_new))
+
+
+@triton.jit
+def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Mask of the real head dims. When ``head_dim`` is a power of two the mask is a constant
+    splat, so Triton knows it is uniform along the contiguous dim and emits 16-byte vector
+    loads (an ``offs_d < HEAD_DIM`` mask would force one load per element)."""
+    if HEAD_DIM == BLOCK_D:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        return offs_d < HEAD_DIM

@@ -8,9 +8,9 @@ sequence-major: sequence ``b`` owns rows ``[start_b, start_b + n_b)`` with
 
 **Token-balanced splits, decided on the device.** Every program reads ``context_lens`` (no host
 sync; CUDA-graph replays with new lengths re-plan by themselves) and sizes one chunk for the
-whole batch so that the batch's token-work spreads over about ``UNITS_PER_PROGRAM`` units per
-program: ``chunk = max(MIN_CHUNK, roundup(ceil(total_tokens · num_kv_heads / (programs ·
-UNITS_PER_PROGRAM)), BLOCK_N))``. Long sequences get many splits and short ones one, so the
+whole batch so that the batch's token-work spreads over about ````units_per_program`` units per
+program: ``chunk = max(min_chunk, roundup(ceil(total_tokens · num_kv_heads / (programs ·
+units_per_program)), BLOCK_N))``. Long sequences get many splits and short ones one, so the
 longest sequence no longer sets the time (FlashInfer's weakness on real traces). Because
 ``Σ ceil(len_b / chunk) ≤ total / chunk + batch``, the rows fit the workspace the host sized
 from shapes alone. A forced ``num_splits`` gives ``chunk_b = roundup(ceil(len_b / num_splits),
@@ -24,10 +24,12 @@ BLOCK_N)`` instead.
 **One unit.** The query group, padded to ``BLOCK_H`` rows, is one tile; the program walks
 ``BLOCK_N``-token tiles that may span several pages (one block-table load per tile), loads
 K and V once for the whole group, and runs the online softmax in the exp2 domain with
-``scale · log2(e)`` folded into ``q`` (fp32 accumulation). ``USE_DOT`` uses tensor cores
+``scale · log2(e)`` applied to the fp32 scores (fp32 accumulation; folding it into a 16-bit
+``q`` would round the scores by the query's precision and cost the LSE its accuracy at large
+logits, case B16). ``USE_DOT`` uses tensor cores
 (``tl.dot``, group padded to ≥ 16 rows); fp32 caches use CUDA-core FMA reductions instead
 (ieee fp32, no tf32). fp8 caches are converted to fp16 in registers (the query too) and
-dequantized by folding ``k_scale`` into ``q`` and ``v_scale`` into the output. Token tiles are
+dequantized by applying ``k_scale`` to the scores and ``v_scale`` to the output. Token tiles are
 software-pipelined by Triton (``num_stages``).
 
 A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
@@ -43,7 +45,7 @@ ALiBi, multi-token queries) are branches of this kernel, not forks.
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _clamped_context_len, _page_ids, _rescale
+from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _page_ids, _rescale
 
 
 @triton.jit
@@ -94,6 +96,7 @@ def _paged_decode_kernel(
     k_scale_val, v_scale_val,  # Python-float scales (used when not SCALE_FROM_PTR)
     scale_log2,
     batch, num_kv_heads, group, page_size, max_pages, forced_splits, num_programs,
+    min_chunk, units_per_program,  # split sizing (runtime: tuning them never recompiles)
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
     stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
@@ -101,7 +104,6 @@ def _paged_decode_kernel(
     stride_o_b, stride_o_h, stride_o_d,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, UNITS_PER_PROGRAM: tl.constexpr,
     USE_DOT: tl.constexpr,  # tensor-core tl.dot (else fp32 FMA reductions)
     DOT_DTYPE: tl.constexpr,  # operand dtype of the dots
     KV_FP8: tl.constexpr,  # fp8 cache: dequantize through scales
@@ -113,8 +115,8 @@ def _paged_decode_kernel(
     capacity = max_pages * page_size
     total = _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B)
     work = total * num_kv_heads
-    chunk = tl.cdiv(tl.cdiv(work, num_programs * UNITS_PER_PROGRAM), BLOCK_N) * BLOCK_N
-    chunk = tl.maximum(chunk, MIN_CHUNK)
+    chunk = tl.cdiv(tl.cdiv(work, num_programs * units_per_program), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, min_chunk)
     # total rows: Σ ceil(len_b / chunk_b); the last sequence's rows end there
     last_b, last_start = _locate_row(context_lens_ptr, 2147483647, batch, stride_ctx, capacity,
                                      chunk, forced_splits, BLOCK_B, BLOCK_N)
@@ -124,7 +126,7 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     mask_h = offs_h < group
-    mask_d = offs_d < HEAD_DIM
+    mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_hd = mask_h[:, None] & mask_d[None, :]
 
     for u in range(pid, num_units, num_programs):
@@ -147,10 +149,14 @@ def _paged_decode_kernel(
         heads = kv_head * group + offs_h  # [BLOCK_H]
         q = tl.load(query_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
                     + offs_d[None, :] * stride_q_d, mask=mask_hd, other=0.0).to(tl.float32)
-        q = q * (scale_log2 * k_scale)  # [BLOCK_H, BLOCK_D]
-        q_dot = q.to(DOT_DTYPE)
-        k_head = kv_head * stride_k_head  # small: within one page
-        v_head = kv_head * stride_v_head
+        qk_scale = scale_log2 * k_scale
+        if USE_DOT:
+            q_dot = q.to(DOT_DTYPE)  # unscaled: exact for fp16/bf16 queries
+        else:
+            q = q * qk_scale  # [BLOCK_H, BLOCK_D], fp32: no rounding to speak of
+        # 64-bit: a head-major cache view can put heads more than 2^31 elements apart
+        k_head = kv_head.to(tl.int64) * stride_k_head
+        v_head = kv_head.to(tl.int64) * stride_v_head
 
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
@@ -169,7 +175,7 @@ def _paged_decode_kernel(
                                            + v_head)[:, None] + offs_d[None, :] * stride_v_d,
                         mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             if USE_DOT:
-                s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)))  # [BLOCK_H, BLOCK_N] fp32
+                s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE))) * qk_scale  # [BLOCK_H, BLOCK_N]
             else:
                 s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
             s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -206,56 +212,51 @@ def _paged_decode_kernel(
 @triton.jit
 def _paged_decode_merge_kernel(
     context_lens_ptr, part_ml_ptr, part_acc_ptr, seq_rows_ptr, out_ptr, lse_ptr,
-    num_kv_heads, group, page_size, max_pages, forced_splits,
+    num_q_heads, page_size, max_pages,
     stride_ctx, stride_o_b, stride_o_h, stride_o_d,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
-    """Grid ``(batch, num_kv_heads)``: merge a sequence's split rows for one query group.
+    """Grid ``(batch, num_q_heads)``: merge one head's split rows of one sequence.
 
-    Length 0: writes zeros (and LSE -inf). One row: the main kernel already wrote the result,
-    nothing to do. Several rows: log-sum-exp merge of the partials ``(m, l, acc)``.
-    The row count is read from ``seq_rows`` only for non-empty sequences, which the main
-    kernel always fills."""
+    Length 0: writes zeros (and LSE -inf). One row: the main kernel already wrote the result.
+    Several rows: ``out = Σ acc_r·2^(m_r−M) / Σ l_r·2^(m_r−M)`` with ``M = max m_r``, taking
+    ``BLOCK_R`` rows per step as one vector load (no serial chain of dependent loads). The row
+    range comes from ``seq_rows``, which the main kernel fills for every non-empty sequence;
+    every row in it held tokens, so every ``m_r`` is finite."""
     b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    num_q_heads = num_kv_heads * group
+    h = tl.program_id(1)
     ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
-    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < group
-    heads = kv_head * group + offs_h
-    out_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
-                + offs_d[None, :] * stride_o_d)
-    out_mask = mask_h[:, None] & (offs_d[None, :] < HEAD_DIM)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
+    out_ptrs = out_ptr + b.to(tl.int64) * stride_o_b + h * stride_o_h + offs_d * stride_o_d
+    lse_out = lse_ptr + b.to(tl.int64) * num_q_heads + h
     if ctx == 0:
-        tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        tl.store(out_ptrs, tl.zeros([BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=mask_d)
         if HAS_LSE:
-            tl.store(lse_ptr + b.to(tl.int64) * num_q_heads + heads,
-                     tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+            tl.store(lse_out, float("-inf"))
     else:
         start = tl.load(seq_rows_ptr + b * 2)
         n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
         if n_rows > 1:
-            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_H], tl.float32)
-            acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-            for r in range(start, start + n_rows):
-                row = r * num_q_heads + heads.to(tl.int64)
-                m_s = tl.load(part_ml_ptr + row * 2, mask=mask_h, other=0.0)
-                l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_h, other=0.0)
-                acc_s = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-                                mask=mask_h[:, None], other=0.0)
-                m_new = tl.maximum(m, m_s)
+            m = float("-inf")
+            l = 0.0
+            acc = tl.zeros([BLOCK_D], tl.float32)
+            for r0 in range(0, n_rows, BLOCK_R):
+                mask_r = r0 + offs_r < n_rows
+                row = (start + r0 + offs_r).to(tl.int64) * num_q_heads + h  # [BLOCK_R]
+                m_r = tl.load(part_ml_ptr + row * 2, mask=mask_r, other=float("-inf"))
+                l_r = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_r, other=0.0)
+                acc_r = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+                                mask=mask_r[:, None], other=0.0)  # [BLOCK_R, BLOCK_D]
+                m_new = tl.maximum(m, tl.max(m_r, axis=0))  # finite: row r0 is real
                 alpha = _rescale(m, m_new)
-                beta = tl.exp2(m_s - m_new)  # m_s finite: every row held tokens
-                l = l * alpha + l_s * beta
-                acc = acc * alpha[:, None] + acc_s * beta[:, None]
+                w = tl.where(mask_r, tl.exp2(m_r - m_new), 0.0)  # [BLOCK_R]
+                l = l * alpha + tl.sum(l_r * w, axis=0)
+                acc = acc * alpha + tl.sum(acc_r * w[:, None], axis=0)
                 m = m_new
-            l_safe = tl.where(mask_h, l, 1.0)
-            tl.store(out_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=out_mask)
+            tl.store(out_ptrs, (acc / l).to(out_ptr.dtype.element_ty), mask=mask_d)
             if HAS_LSE:
-                tl.store(lse_ptr + b.to(tl.int64) * num_q_heads + heads,
-                         (m + tl.log2(l_safe)) * 0.6931471805599453, mask=mask_h)
+                tl.store(lse_out, (m + tl.log2(l)) * 0.6931471805599453)

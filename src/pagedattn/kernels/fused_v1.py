@@ -18,7 +18,7 @@ The two stages share this body and differ in the launch, as in the study:
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _clamped_context_len, _kv_token_offsets, _rescale
+from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _kv_token_offsets, _rescale
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def _single_head_kernel(
     h = tl.program_id(1)
     ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
+    mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     q = tl.load(query_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h + offs_d * stride_q_d,
                 mask=mask_d, other=0.0).to(tl.float32) * scale_log2
     m, l, acc = _attend_tokens(

@@ -16,7 +16,7 @@ as in the study); the online softmax keeps a state per query head.
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _clamped_context_len, _page_ids, _rescale
+from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _page_ids, _rescale
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _gqa_reuse_v3_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < HEAD_DIM
+    mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_g = offs_g < group
     heads = kv_head * group + offs_g  # [BLOCK_G] query heads of this kv head
     q_ptrs = (query_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h

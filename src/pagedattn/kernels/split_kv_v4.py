@@ -19,7 +19,7 @@ programs for small batches and long contexts, but no GQA reuse (each query head 
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _clamped_context_len, _rescale
+from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _rescale
 from pagedattn.kernels.fused_v1 import _attend_tokens
 
 
@@ -46,7 +46,7 @@ def _split_kv_v4_kernel(
     end = tl.minimum(start + chunk, ctx)
     if start < end:  # an empty split writes nothing; the merge skips it by the same rule
         offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
+        mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
         q = tl.load(query_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h
                     + offs_d * stride_q_d, mask=mask_d, other=0.0).to(tl.float32) * scale_log2
         m, l, acc = _attend_tokens(
@@ -93,4 +93,4 @@ def _split_kv_v4_merge_kernel(
     out = tl.where(l > 0, acc / l, 0.0)
     o_row = out_ptr + b.to(tl.int64) * stride_o_b + h * stride_o_h
     tl.store(o_row + offs_d * stride_o_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+             mask=_dim_mask(offs_d, HEAD_DIM, BLOCK_D))

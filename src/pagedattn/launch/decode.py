@@ -22,6 +22,10 @@ from pagedattn.kernels.decode import _paged_decode_kernel, _paged_decode_merge_k
 from pagedattn.launch._common import LOG2E, block_d, decode_strides, record
 
 
+# split rows merged per vector step: covers the usual split counts in one load round
+_MERGE_BLOCK_R = 32
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tile and launch choices for one (head_dim, group, cache dtype, page_size)."""
@@ -120,21 +124,21 @@ def paged_decode_auto(query, key_cache, value_cache, block_tables, context_lens,
         kp if from_ptr else part_ml, vp if from_ptr else part_ml, ks, vs, kv_, vv_,
         scale * LOG2E,
         batch, num_kv_heads, group, page_size, max_pages, forced, programs,
+        cfg.min_chunk, cfg.units_per_program,
         *decode_strides(query, key_cache, value_cache, block_tables, context_lens),
         *out.stride(),
         HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_B=128,
-        MIN_CHUNK=cfg.min_chunk, UNITS_PER_PROGRAM=cfg.units_per_program,
         USE_DOT=cfg.use_dot, DOT_DTYPE=_dot_dtype(query.dtype, key_cache.dtype, interpret),
         KV_FP8=key_cache.dtype in FP8_DTYPES, SCALE_FROM_PTR=from_ptr,
         HAS_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     record("paged_decode", compiled)
-    compiled = _paged_decode_merge_kernel[(batch, num_kv_heads)](
+    compiled = _paged_decode_merge_kernel[(batch, num_q_heads)](
         context_lens, part_ml, part_acc, seq_rows, out, lse_arg,
-        num_kv_heads, group, page_size, max_pages, forced,
+        num_q_heads, page_size, max_pages,
         context_lens.stride(0), *out.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_H=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_R=_MERGE_BLOCK_R,
         HAS_LSE=lse is not None, num_warps=4,
     )
     record("paged_decode_merge", compiled)
