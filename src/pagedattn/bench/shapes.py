@@ -1,0 +1,244 @@
+"""Model shapes and benchmark shapes (every row of ``shared/peers/README.md``), and a builder.
+
+A :class:`BenchShape` is one decode batch: a model's head layout, a dtype, a cache dtype and
+the KV length of every sequence. ``page_size`` is 16 throughout. Names follow the peers table,
+so our rows line up with the peers' numbers. The byte counts follow ``API.md``: GB = 1e9 bytes;
+"KV bytes" are the K and V bytes of the valid tokens; the minimal bytes of one call add q,
+out and the used block-table entries (int32).
+
+Context lengths are computed lazily (the trace shapes read a CSV): :func:`get_shape` builds a
+shape on first use; importing this module does no I/O.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from pagedattn.bench.traces import sample_context_lens
+
+FP8_E4M3 = torch.float8_e4m3fn
+#: fp8 caches store ``value / scale``; this spread fills the e4m3 grid (max 448) with N(0, 1) data.
+FP8_K_SCALE, FP8_V_SCALE = 1.0 / 64.0, 1.0 / 32.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Attention layout of one model layer: ``num_q_heads`` query heads sharing
+    ``num_kv_heads`` kv heads of ``head_dim`` each, in the model's serving dtype."""
+
+    name: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+
+
+MODELS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("llama-3-8b", 32, 8, 128),
+    ModelShape("qwen2.5-7b", 28, 4, 128),  # group 7
+    ModelShape("smollm2-135m", 9, 3, 64),  # group 3, head_dim 64
+    ModelShape("mha", 32, 32, 128),
+    ModelShape("tp8-70b", 8, 1, 128),  # one GPU's shard of a 64/8 model
+    ModelShape("hd256", 16, 8, 256),
+    ModelShape("seed", 32, 8, 128, torch.float32),  # the study's workload
+)}
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """One benchmark decode batch. ``context_lens[b]`` is sequence ``b``'s KV length (tokens)."""
+
+    name: str
+    model: ModelShape
+    context_lens: tuple[int, ...]
+    dtype: torch.dtype  # query and output dtype
+    cache_dtype: torch.dtype  # the dtype or float8_e4m3fn
+    page_size: int = 16
+    k_scale: float | None = None  # dequantization: cache value = stored * scale (fp8 only)
+    v_scale: float | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.context_lens)
+
+    @property
+    def pages_per_seq(self) -> list[int]:
+        return [math.ceil(n / self.page_size) for n in self.context_lens]
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the valid K and V tokens: ``2 * tokens * num_kv_heads * head_dim * elem``."""
+        m = self.model
+        return 2 * self.num_tokens * m.num_kv_heads * m.head_dim * _element_size(self.cache_dtype)
+
+    @property
+    def minimal_bytes(self) -> int:
+        """Bytes one decode call must move: valid K/V + q + out + used block-table entries."""
+        m = self.model
+        q_bytes = self.batch * m.num_q_heads * m.head_dim * _element_size(self.dtype)
+        return self.kv_bytes + 2 * q_bytes + 4 * sum(self.pages_per_seq)
+
+    def describe(self) -> str:
+        m = self.model
+        lens = self.context_lens
+        return (f"{self.name}: batch {self.batch}, heads {m.num_q_heads}/{m.num_kv_heads}, "
+                f"head_dim {m.head_dim}, {str(self.dtype).removeprefix('torch.')} query, "
+                f"{str(self.cache_dtype).removeprefix('torch.')} cache, context "
+                f"{min(lens, default=0)}..{max(lens, default=0)} ({self.num_tokens:,} tokens), "
+                f"KV {self.kv_bytes / 1e6:,.1f} MB")
+
+
+def make_shape(name: str, model: ModelShape | str, context_lens, *, fp8: bool = False,
+               dtype: torch.dtype | None = None, page_size: int = 16) -> BenchShape:
+    """A :class:`BenchShape` for a model (or registry name) and explicit lengths."""
+    model = MODELS[model] if isinstance(model, str) else model
+    dtype = model.dtype if dtype is None else dtype
+    return BenchShape(name, model, tuple(int(n) for n in context_lens), dtype,
+                      FP8_E4M3 if fp8 else dtype, page_size,
+                      FP8_K_SCALE if fp8 else None, FP8_V_SCALE if fp8 else None)
+
+
+def ragged_lognormal_lens(batch: int = 64, seed: int = 0) -> list[int]:
+    """``exp(7 + N(0, 1))`` (float32 draws, truncated to int), clipped to [1, 16384]; rows 0
+    and 1 set to 1 and 17 (a lone token, a page plus one). Seed 0 totals 127,851 tokens."""
+    z = torch.randn(batch, generator=torch.Generator().manual_seed(seed))
+    lens = torch.exp(7.0 + z).clamp(1, 16384).long().tolist()
+    lens[:2] = [1, 17][:batch]
+    return lens
+
+
+class _Spec(NamedTuple):
+    model: str
+    lens: Callable[[], list[int]]
+    fp8: bool = False
+
+
+def _uniform(batch: int, context: int) -> Callable[[], list[int]]:
+    return lambda: [context] * batch
+
+
+_SPECS: dict[str, _Spec] = {
+    "seed-fp32-b64-c2048": _Spec("seed", _uniform(64, 2048)),
+    "llama8b-b1-c32k": _Spec("llama-3-8b", _uniform(1, 32768)),
+    "llama8b-b8-c8k": _Spec("llama-3-8b", _uniform(8, 8192)),
+    "llama8b-b64-c2k": _Spec("llama-3-8b", _uniform(64, 2048)),
+    "llama8b-b64-c8k": _Spec("llama-3-8b", _uniform(64, 8192)),
+    "llama8b-b256-c1k": _Spec("llama-3-8b", _uniform(256, 1024)),
+    "qwen7b-b64-c4k": _Spec("qwen2.5-7b", _uniform(64, 4096)),
+    "mha-b32-c4k": _Spec("mha", _uniform(32, 4096)),
+    "tp8-70b-b128-c8k": _Spec("tp8-70b", _uniform(128, 8192)),
+    "hd256-b32-c4k": _Spec("hd256", _uniform(32, 4096)),
+    "hd64-smollm-b64-c2k": _Spec("smollm2-135m", _uniform(64, 2048)),
+    "fp8-llama8b-b64-c8k": _Spec("llama-3-8b", _uniform(64, 8192), fp8=True),
+    "fp8-llama8b-b1-c32k": _Spec("llama-3-8b", _uniform(1, 32768), fp8=True),
+    "ragged-b64-llama8b": _Spec("llama-3-8b", ragged_lognormal_lens),
+    "azure-conv-b64-llama8b": _Spec("llama-3-8b", lambda: sample_context_lens("azure", 64, 0)),
+    # API.md's recipe (180,464 tokens, max 35,355): the batch the peers timed (their GB/s imply
+    # 739 MB); peers/README.md's "190,524 tokens, max 62,572" is a different draw
+    "mooncake-b16-llama8b": _Spec("llama-3-8b", lambda: sample_context_lens("mooncake", 16, 0)),
+    # beyond the peers table: pure latency, the served model at batch 1, a larger real batch
+    "llama8b-b1-c1k": _Spec("llama-3-8b", _uniform(1, 1024)),
+    "smollm-b1-c2k": _Spec("smollm2-135m", _uniform(1, 2048)),
+    "mooncake-b64-llama8b": _Spec("llama-3-8b", lambda: sample_context_lens("mooncake", 64, 0)),
+}
+#: the rows of ``shared/peers/README.md``, in its order
+PEER_SHAPES: tuple[str, ...] = tuple(_SPECS)[:16]
+SHAPES: tuple[str, ...] = tuple(_SPECS)
+
+
+@functools.cache
+def get_shape(name: str) -> BenchShape:
+    """The registered shape ``name`` (built on first use). Raises ValueError if unknown."""
+    if name not in _SPECS:
+        raise ValueError(f"shape: unknown {name!r}; known: {', '.join(SHAPES)}")
+    spec = _SPECS[name]
+    return make_shape(name, spec.model, spec.lens(), fp8=spec.fp8)
+
+
+def select_shapes(selection: str) -> list[BenchShape]:
+    """``"all"``, ``"peers"`` or a comma list of names -> shapes, in that order."""
+    presets = {"all": SHAPES, "peers": PEER_SHAPES}
+    names = presets.get(selection) or [s.strip() for s in selection.split(",") if s.strip()]
+    return [get_shape(n) for n in names]
+
+
+class BenchBatch(NamedTuple):
+    """Device tensors of one shape, in ``paged_decode``'s positional order, plus fp8 scales."""
+
+    query: torch.Tensor  # [batch, num_q_heads, head_dim]
+    key_cache: torch.Tensor  # NHD [num_pages, page_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [batch, max_pages] int32
+    context_lens: torch.Tensor  # [batch] int32
+    k_scale: float | None
+    v_scale: float | None
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self[:5]
+
+    @property
+    def scales(self) -> dict[str, Any]:
+        """``{"k_scale": .., "v_scale": ..}`` for fp8 caches, else ``{}``."""
+        return {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+
+def build_batch(shape: BenchShape, device: str | torch.device = "cpu", seed: int = 0, *,
+                poison: bool = True, extra_pages: int = 2) -> BenchBatch:
+    """Allocate a shape's decode batch on ``device``, the way a serving engine leaves it.
+
+    Physical pages are a random permutation of ``[0, num_pages)`` (fragmented order), with
+    ``extra_pages`` unused pages. K/V/q are drawn with ``torch.randn`` on the device itself (no
+    host-side cache, no Python loop over tokens or pages). With ``poison``, unused slots (whole
+    unused pages and the tails of last pages) hold NaN and block-table padding holds -1 and
+    out-of-range ids, so a kernel that reads past a length fails loudly. fp8 caches hold
+    ``N(0, 1) / scale`` so that ``stored * scale`` is standard normal.
+    """
+    device = torch.device(device)
+    m, ps = shape.model, shape.page_size
+    need = torch.tensor(shape.pages_per_seq, dtype=torch.int64).reshape(-1)  # [batch]
+    num_pages = int(need.sum()) + extra_pages
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_pages, generator=g)
+    max_pages = max(int(need.max()) if need.numel() else 0, 1)
+    cols = torch.arange(max_pages)
+    valid = cols[None, :] < need[:, None]  # [batch, max_pages]
+    idx = ((torch.cumsum(need, 0) - need)[:, None] + cols[None, :]).clamp(max=num_pages - 1)
+    pad = torch.where(cols % 2 == 0, -1, num_pages + 7 + cols) if poison else torch.tensor(-1)
+    tables = torch.where(valid, perm[idx], pad.expand(valid.shape)).to(torch.int32)
+    lens = torch.tensor(shape.context_lens, dtype=torch.int64).reshape(-1)
+    fill = (lens[:, None] - cols[None, :] * ps).clamp(0, ps)  # tokens in each used page
+    tokens_in_page = torch.zeros(num_pages, dtype=torch.int64)
+    tokens_in_page[perm[idx][valid]] = fill[valid]
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    fp8 = shape.cache_dtype != shape.dtype
+    draw = torch.bfloat16 if fp8 else shape.cache_dtype
+    cache_shape = (num_pages, ps, m.num_kv_heads, m.head_dim)
+    caches = []
+    for s in (shape.k_scale, shape.v_scale):
+        x = torch.randn(cache_shape, generator=gen, device=device, dtype=draw)
+        if fp8 and s is not None:
+            x.mul_(1.0 / s)
+        if poison:
+            used = torch.arange(ps, device=device)[None, :] < tokens_in_page.to(device)[:, None]
+            x.masked_fill_(~used[:, :, None, None], float("nan"))
+        caches.append(x.to(shape.cache_dtype))
+    query = torch.randn(shape.batch, m.num_q_heads, m.head_dim, generator=gen, device=device,
+                        dtype=shape.dtype)
+    return BenchBatch(query, caches[0], caches[1], tables.to(device),
+                      lens.to(torch.int32).to(device), shape.k_scale, shape.v_scale)

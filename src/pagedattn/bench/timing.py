@@ -1,0 +1,124 @@
+"""Cold-L2 timing of CUDA work, eager and as CUDA-graph replays, and the read roofline.
+
+Every repetition first overwrites a flush buffer of at least twice the L2 (the H200's L2 is
+60 MB; the size is read from the device when torch exposes it), so each timed call starts with
+a cold L2, then times the call alone with a pair of CUDA events. Results are in microseconds:
+the median and the 20th/80th percentiles over the repetitions, after a warm-up. The host
+never syncs between repetitions (one sync at the end), so Python launch overhead overlaps the
+flush, as in ``triton.testing.do_bench``.
+
+CUDA only: timing never happens in pytest, and interpreter times are not performance.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+H200_L2_BYTES = 60 * 2**20
+MIN_FLUSH_BYTES = 256 * 2**20
+
+
+class Timing(NamedTuple):
+    """Per-call times in microseconds over ``reps`` cold-L2 repetitions."""
+
+    median_us: float
+    p20_us: float
+    p80_us: float
+    reps: int
+
+
+def l2_cache_bytes(device: torch.device | str | int | None = None) -> int:
+    """The device's L2 size in bytes (``L2_cache_size`` when torch exposes it, else 60 MB)."""
+    props = torch.cuda.get_device_properties(torch.device("cuda", 0) if device is None
+                                             else device)
+    return int(getattr(props, "L2_cache_size", 0) or H200_L2_BYTES)
+
+
+def _flush_buffer(device) -> torch.Tensor:
+    nbytes = max(2 * l2_cache_bytes(device), MIN_FLUSH_BYTES)
+    return torch.empty(nbytes // 4, dtype=torch.int32, device=device)
+
+
+def _summarize(times_ms: list[float]) -> Timing:
+    us = sorted(t * 1e3 for t in times_ms)
+    q = statistics.quantiles(us, n=5, method="inclusive") if len(us) > 1 else us * 4
+    return Timing(statistics.median(us), q[0], q[3], len(us))
+
+
+def _timed_reps(launch: Callable[[], object], reps: int, device) -> Timing:
+    flush = _flush_buffer(device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends, strict=True):
+        flush.zero_()  # evict the L2: the next call reads its bytes from HBM
+        start.record()
+        launch()
+        end.record()
+    torch.cuda.synchronize(device)
+    return _summarize([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])
+
+
+def time_cold(fn: Callable[[], object], *, reps: int = 100, warmup: int = 10,
+              device: torch.device | str | None = None) -> Timing:
+    """Time ``fn()`` eagerly (launch overhead included) on cold L2; returns :class:`Timing`."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    return _timed_reps(fn, reps, device)
+
+
+def capture_graph(fn: Callable[[], object], *, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """Capture one call of ``fn`` into a CUDA graph (after ``warmup`` calls on a side stream,
+    as capture requires). ``fn`` must not sync with the host (``validate=None`` on CUDA)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 10,
+               device: torch.device | str | None = None) -> Timing:
+    """Capture ``fn`` once, then time ``graph.replay()`` on cold L2. The flush runs between
+    replays, outside the graph and outside the events around each replay."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    graph = capture_graph(fn)
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    try:
+        return _timed_reps(graph.replay, reps, device)
+    finally:
+        del graph
+
+
+def measure_read_bandwidth(device: torch.device | str | None = None, *, nbytes: int = 2**31,
+                           reps: int = 30, warmup: int = 5) -> float:
+    """Read roofline in GB/s (1e9 bytes/s): a streaming-read Triton kernel summing ``nbytes``
+    (default 2 GiB) of bf16, timed like the decode calls (median, cold L2). Measure it in the
+    same run as the kernels it is compared with (``API.md``)."""
+    from pagedattn.bench.readbw_kernel import stream_read  # imports Triton: keep it lazy
+
+    device = torch.device("cuda") if device is None else torch.device(device)
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    partial = stream_read(x)  # compile outside the timing
+    if partial.double().sum().item() != x.numel():  # the kernel must have read every element
+        raise RuntimeError("measure_read_bandwidth: the streaming read missed elements")
+    timing = time_cold(lambda: stream_read(x, partial), reps=reps, warmup=warmup, device=device)
+    return gb_per_s(nbytes, timing.median_us)
+
+
+def gb_per_s(nbytes: int, time_us: float) -> float:
+    """``nbytes`` moved in ``time_us`` microseconds, in GB/s (1e9 bytes per second)."""
+    return nbytes / (time_us * 1e-6) / 1e9

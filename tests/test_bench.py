@@ -1,0 +1,292 @@
+"""The benchmark's data and plumbing on the CPU: traces, shapes, bytes, batches, reports,
+the harness loop with fake timers. No timing happens here (API.md: never in pytest)."""
+
+import csv
+import json
+import math
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedattn.bench import harness, report
+from pagedattn.bench.shapes import (
+    FP8_E4M3,
+    MODELS,
+    PEER_SHAPES,
+    SHAPES,
+    build_batch,
+    get_shape,
+    make_shape,
+    ragged_lognormal_lens,
+    select_shapes,
+)
+from pagedattn.bench.timing import Timing, _summarize, gb_per_s
+from pagedattn.bench.traces import load_trace, sample_context_lens
+from pagedattn.reference import paged_decode_reference
+
+PEERS_README = Path("/work/shared/peers/README.md")
+#: the rows of shared/peers/README.md's table, in its order
+PEER_TABLE = (
+    "seed-fp32-b64-c2048", "llama8b-b1-c32k", "llama8b-b8-c8k", "llama8b-b64-c2k",
+    "llama8b-b64-c8k", "llama8b-b256-c1k", "qwen7b-b64-c4k", "mha-b32-c4k", "tp8-70b-b128-c8k",
+    "hd256-b32-c4k", "hd64-smollm-b64-c2k", "fp8-llama8b-b64-c8k", "fp8-llama8b-b1-c32k",
+    "ragged-b64-llama8b", "azure-conv-b64-llama8b", "mooncake-b16-llama8b",
+)
+
+
+# --- traces -------------------------------------------------------------------------------
+
+def test_traces_load_every_row():
+    azure, mooncake = load_trace("azure"), load_trace("mooncake")
+    assert len(azure) == 19_366 and azure[0] == (374, 44)  # CRLF file, no final newline
+    assert len(mooncake) == 12_031 and mooncake[0] == (6758, 500)
+    with pytest.raises(ValueError, match="trace"):
+        load_trace("burstgpt")
+
+
+def _recipe(rows, batch, g):
+    """API.md's recipe, written out independently."""
+    idx = torch.randint(0, len(rows), (batch,), generator=g)
+    out = []
+    for i in idx.tolist():
+        ctx, gen = rows[i]
+        out.append(ctx + int(torch.randint(0, max(gen, 1), (1,), generator=g)))
+    return out
+
+
+@pytest.mark.parametrize("trace,batch,seed", [("azure", 64, 0), ("mooncake", 16, 0),
+                                              ("azure", 5, 3)])
+def test_sampling_follows_the_recipe(trace, batch, seed):
+    expect = _recipe(load_trace(trace), batch, torch.Generator().manual_seed(seed))
+    assert sample_context_lens(trace, batch, seed) == expect
+
+
+def test_sampling_totals():
+    azure = sample_context_lens("azure", 64, 0)
+    assert (sum(azure), max(azure)) == (81_465, 6_791)  # peers/README.md
+    mooncake = sample_context_lens("mooncake", 16, 0)
+    assert (sum(mooncake), max(mooncake)) == (180_464, 35_355)  # API.md's recipe
+    # peers/README.md's quoted 190,524 / 62,572 is a draw continued after azure b64:
+    g = torch.Generator().manual_seed(0)
+    sample_context_lens("azure", 64, generator=g)
+    continued = sample_context_lens("mooncake", 16, generator=g)
+    assert (sum(continued), max(continued)) == (190_524, 62_572)
+    assert sample_context_lens("azure", 64, 1) != azure
+
+
+# --- shapes and bytes ---------------------------------------------------------------------
+
+def test_registry_holds_every_peers_row():
+    assert PEER_SHAPES == PEER_TABLE
+    assert set(PEER_SHAPES) <= set(SHAPES)
+    if PEERS_README.exists():  # cross-check against the file itself where it is present
+        names = re.findall(r"^\| ([a-z0-9-]+) \| .*us / ", PEERS_README.read_text(), re.M)
+        assert set(names) == set(PEER_TABLE)
+    assert [s.name for s in select_shapes("peers")] == list(PEER_TABLE)
+    assert [s.name for s in select_shapes("all")] == list(SHAPES)
+    assert [s.name for s in select_shapes("mha-b32-c4k, hd256-b32-c4k")] == [
+        "mha-b32-c4k", "hd256-b32-c4k"]
+    with pytest.raises(ValueError, match="shape"):
+        get_shape("nope")
+
+
+@pytest.mark.parametrize("name,heads,batch,ctx,dtype,cache", [
+    ("seed-fp32-b64-c2048", (32, 8, 128), 64, 2048, torch.float32, torch.float32),
+    ("llama8b-b1-c32k", (32, 8, 128), 1, 32768, torch.bfloat16, torch.bfloat16),
+    ("qwen7b-b64-c4k", (28, 4, 128), 64, 4096, torch.bfloat16, torch.bfloat16),
+    ("mha-b32-c4k", (32, 32, 128), 32, 4096, torch.bfloat16, torch.bfloat16),
+    ("tp8-70b-b128-c8k", (8, 1, 128), 128, 8192, torch.bfloat16, torch.bfloat16),
+    ("hd256-b32-c4k", (16, 8, 256), 32, 4096, torch.bfloat16, torch.bfloat16),
+    ("hd64-smollm-b64-c2k", (9, 3, 64), 64, 2048, torch.bfloat16, torch.bfloat16),
+    ("fp8-llama8b-b64-c8k", (32, 8, 128), 64, 8192, torch.bfloat16, FP8_E4M3),
+])
+def test_uniform_shapes(name, heads, batch, ctx, dtype, cache):
+    s = get_shape(name)
+    m = s.model
+    assert (m.num_q_heads, m.num_kv_heads, m.head_dim) == heads
+    assert s.context_lens == (ctx,) * batch and s.page_size == 16
+    assert (s.dtype, s.cache_dtype) == (dtype, cache)
+    fp8 = cache == FP8_E4M3
+    assert (s.k_scale is not None) == fp8 and (not fp8 or s.k_scale != 1.0 != s.v_scale)
+
+
+def test_ragged_and_trace_shapes():
+    ragged = get_shape("ragged-b64-llama8b").context_lens
+    assert len(ragged) == 64 and ragged[:2] == (1, 17)
+    assert all(1 <= n <= 16384 for n in ragged) and ragged == tuple(ragged_lognormal_lens())
+    assert sum(ragged) == 127_851
+    assert get_shape("azure-conv-b64-llama8b").num_tokens == 81_465
+    assert get_shape("mooncake-b16-llama8b").num_tokens == 180_464
+    assert set(MODELS) >= {"llama-3-8b", "qwen2.5-7b", "smollm2-135m", "mha", "tp8-70b",
+                           "hd256", "seed"}
+
+
+def test_byte_counts_by_hand():
+    s = make_shape("t", "smollm2-135m", [1, 17, 40])  # bf16, 9/3 heads, head_dim 64
+    kv = 2 * 58 * 3 * 64 * 2
+    assert s.kv_bytes == kv
+    assert s.minimal_bytes == kv + 2 * (3 * 9 * 64 * 2) + 4 * (1 + 2 + 3)
+    assert make_shape("t", "llama-3-8b", [16], fp8=True).kv_bytes == 2 * 16 * 8 * 128
+    assert get_shape("llama8b-b64-c8k").kv_bytes == 2 * 64 * 8192 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("name,us,pct", [  # FlashInfer tensor-core cells of peers/README.md
+    ("llama8b-b64-c8k", 503.3, 98), ("qwen7b-b64-c4k", 138.1, 89),
+    ("hd64-smollm-b64-c2k", 44.0, 53), ("fp8-llama8b-b64-c8k", 423.1, 58),
+    ("ragged-b64-llama8b", 265.5, 45), ("azure-conv-b64-llama8b", 149.4, 51),
+    ("mooncake-b16-llama8b", 197.4, 86),
+])
+def test_minimal_bytes_match_the_peers_table(name, us, pct):
+    """time x % x 4366 GB/s recovers our byte count within the table's rounding."""
+    implied = pct / 100 * 4366e9 * us * 1e-6
+    ours = get_shape(name).minimal_bytes
+    assert abs(ours - implied) / ours <= 0.5 / pct + 0.05 / us + 0.002
+
+
+def test_build_batch_is_paged_shuffled_and_poisoned():
+    shape = make_shape("t", "smollm2-135m", [1, 17, 40, 0], dtype=torch.float32)
+    b = build_batch(shape, "cpu", seed=1)
+    num_pages = b.key_cache.shape[0]
+    assert b.key_cache.shape == (6 + 2, 16, 3, 64) and b.block_tables.dtype == torch.int32
+    used = [b.block_tables[i, :p].tolist() for i, p in enumerate(shape.pages_per_seq)]
+    flat = [p for row in used for p in row]
+    assert sorted(flat) == sorted(set(flat)) and all(0 <= p < num_pages for p in flat)
+    assert flat != sorted(flat)  # fragmented order
+    assert (b.block_tables[3] == -1).any() and (b.block_tables[3] >= num_pages).any()
+    page17 = used[1][1]  # sequence 1's second page holds one token
+    assert not b.key_cache[page17, 0].isnan().any() and b.key_cache[page17, 1:].isnan().all()
+    ref = paged_decode_reference(*b.tensors).out
+    assert torch.isfinite(ref).all() and (ref[3] == 0).all()
+    clean = build_batch(shape, "cpu", seed=1, poison=False)
+    assert not clean.key_cache.isnan().any()
+
+
+def test_build_batch_fp8_scales():
+    shape = make_shape("t", "llama-3-8b", [20, 5], fp8=True)
+    b = build_batch(shape, "cpu", poison=False)
+    assert b.key_cache.dtype == FP8_E4M3 and b.query.dtype == torch.bfloat16
+    assert b.scales == {"k_scale": shape.k_scale, "v_scale": shape.v_scale}
+    k = b.key_cache.float() * shape.k_scale  # dequantized: about N(0, 1)
+    assert 0.7 < k.std().item() < 1.3
+    assert torch.isfinite(paged_decode_reference(*b.tensors, **b.scales).out).all()
+
+
+# --- timing helpers (pure arithmetic; nothing is timed) -------------------------------------
+
+def test_timing_summary_and_units():
+    t = _summarize([x / 1000 for x in range(1, 102)])  # ms -> µs 1..101
+    assert (t.median_us, t.reps) == (51.0, 101) and t.p20_us == 21.0 and t.p80_us == 81.0
+    assert gb_per_s(2_000_000, 1.0) == pytest.approx(2000.0)
+
+
+def test_stream_read_kernel_reads_everything():
+    from pagedattn.bench.readbw_kernel import stream_read
+
+    x = torch.arange(3 * 1024 + 5, dtype=torch.float32).to(torch.bfloat16)
+    partial = stream_read(x, chunk=2048, block=512)
+    assert partial.shape == (2,)
+    assert partial.double().sum().item() == pytest.approx(x.double().sum().item(), rel=1e-6)
+
+
+# --- reports ------------------------------------------------------------------------------
+
+def _fake_rows():
+    rows = []
+    for shape in ("llama8b-b1-c32k", "ragged-b64-llama8b"):
+        for impl, us in (("auto", 50.0), ("flashinfer-tc", 60.0)):
+            r = harness.base_row(get_shape(shape), impl, "ours" if impl == "auto" else "peer")
+            r.update(median_us=us, p20_us=us - 1, p80_us=us + 1, graph_median_us=us - 5,
+                     gbps=r["minimal_bytes"] / us / 1e3, graph_gbps=r["minimal_bytes"] / (us - 5)
+                     / 1e3, rel_l2_error=2e-3, tolerance=1e-2, status="ok")
+            rows.append(r)
+    rows.append({**harness.base_row(get_shape("seed-fp32-b64-c2048"), "flashinfer-tc", "peer"),
+                 "status": "unsupported", "error": "flashinfer-tc: no fp32"})
+    return rows
+
+
+def test_reports_csv_json_md_png(tmp_path):
+    rows = _fake_rows()
+    meta = {"gpu": "FakeGPU", "torch": "2.x", "triton": "3.6.0", "git_sha": "abc",
+            "date": "2026-12-01T00:00:00+00:00"}
+    paths = harness.write_reports(rows, meta, 4000.0, tmp_path)
+    with paths["csv"].open(newline="") as f:
+        got = list(csv.DictReader(f))
+    assert len(got) == 5 and got[0]["gpu"] == "FakeGPU" and got[0]["git_sha"] == "abc"
+    for col in ("median_us", "gbps", "pct_roofline", "graph_pct_roofline", "kv_bytes"):
+        assert col in got[0]
+    assert float(got[0]["pct_roofline"]) == pytest.approx(100 * float(got[0]["gbps"]) / 4000)
+    doc = json.loads(paths["json"].read_text())
+    assert doc["meta"]["roofline_gbps"] == 4000.0 and len(doc["rows"]) == 5
+    md = paths["md"].read_text()
+    assert "| shape" in md and "4,000 GB/s" in md and "unsupported" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = report.terminal_table(rows)
+    assert "ragged-b64-llama8b" in text and "graph µs" in text
+
+
+def test_compile_metadata():
+    assert report.compile_metadata(None) == {}
+    kernel = SimpleNamespace(name="_k", n_regs=96, n_spills=0,
+                             metadata=SimpleNamespace(shared=16384, num_warps=4, num_stages=2))
+    md = report.compile_metadata(kernel)
+    assert md == {"name": "_k", "n_regs": 96, "n_spills": 0, "shared_bytes": 16384,
+                  "num_warps": 4, "num_stages": 2}
+    assert "regs=96" in report.format_kernels({"_k": md})
+    dict_md = report.compile_metadata(SimpleNamespace(metadata={"shared": 0, "num_warps": 8}))
+    assert dict_md["num_warps"] == 8 and dict_md["n_regs"] is None
+    assert isinstance(report.last_compiled(), dict)
+
+
+def test_environment_meta_on_cpu():
+    meta = report.environment_meta(None)
+    assert meta["gpu"].startswith("cpu") and meta["torch"] == torch.__version__
+    assert set(report.META_KEYS) <= set(meta)
+
+
+# --- the harness loop, with fake timers ---------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_bench_shape_with_fake_timers():
+    shape = make_shape("tiny", "smollm2-135m", [5, 17, 33], dtype=torch.float32)
+    fake = lambda fn: Timing(10.0, 9.0, 11.0, 3)  # noqa: E731
+    rows = harness.bench_shape(shape, ["auto", "gqa_reuse_v3"],
+                               ["naive", "flex-paged", "flex-gathered", "flashinfer-tc"], "cpu",
+                               timer=fake, graph_timer=fake)
+    by = {r["impl"]: r for r in rows}
+    for name in ("auto", "gqa_reuse_v3", "naive", "flex-paged", "flex-gathered"):
+        assert by[name]["status"] == "ok", by[name]
+        assert by[name]["rel_l2_error"] < 1e-4 and by[name]["median_us"] == 10.0
+        assert by[name]["gbps"] == pytest.approx(shape.minimal_bytes / 10e-6 / 1e9)
+        assert by[name]["graph_median_us"] == 10.0
+    assert by["flashinfer-tc"]["status"] == "unsupported"
+    harness.finalize(rows, {"gpu": "cpu"}, 1000.0)
+    assert by["auto"]["pct_roofline"] == pytest.approx(100 * by["auto"]["gbps"] / 1000)
+
+
+def test_bench_shape_reports_failures_and_unsupported(monkeypatch):
+    import pagedattn.api as api
+
+    shape = make_shape("tiny8", "llama-3-8b", [3, 20], fp8=True)
+    monkeypatch.setattr(api, "paged_decode", lambda *a, **k: torch.zeros_like(a[0]))
+    rows = harness.bench_shape(shape, ["auto", "split_kv_v4"], ["naive"], "cpu", timer=None)
+    by = {r["impl"]: r for r in rows}
+    assert by["auto"]["status"] == "FAIL" and by["auto"]["rel_l2_error"] == pytest.approx(1.0)
+    assert by["split_kv_v4"]["status"] == "unsupported"
+    assert by["naive"]["status"] == "unsupported"
+
+
+def test_bench_main_without_gpu(capsys, tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    harness.add_arguments(parser)
+    if not torch.cuda.is_available():
+        assert harness.main(parser.parse_args(["--out-dir", str(tmp_path)])) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert harness.main(parser.parse_args(["--list"])) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in PEER_TABLE)
+    assert not math.isnan(get_shape("llama8b-b1-c1k").kv_bytes)
