@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything pagedattn runs on the H200, in phases sized for one `device` call each (< 10 min).
-#   bash scripts/gpu_check.sh tune    # GPU tests of the kernels, main job, tile/launch sweep
-#   bash scripts/gpu_check.sh bench   # harness vs peers (FlashInfer carried in .ext_fi), ladder
-#   bash scripts/gpu_check.sh serve   # model, CUDA graphs, torch.compile, hardening, sanitizer
+#   bash scripts/gpu_check.sh tune      # GPU tests of the kernels, main job, tile/launch sweep
+#   bash scripts/gpu_check.sh tuneprof  # kernel tests, tuned table, ncu profile, ladder
+#   bash scripts/gpu_check.sh bench     # harness: auto vs peers (FlashInfer sdist in .ext_fi)
+#   bash scripts/gpu_check.sh serve     # model, CUDA graphs, torch.compile, hardening, sanitizer
+# Each phase packs its results into $OUT/results-<phase>.tgz (the device returns <= 8 files).
 # Full logs and tables go to $OUT (default ./out). Run from the repo root; no install needed.
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -39,8 +41,14 @@ setup_flashinfer() {  # the peers/README.md recipe: sdist, data links, CUDA 13 f
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || true
 }
 
+pack() {  # the device returns at most 8 files: ship the run as one archive plus its logs
+  tar czf "$OUT/results-$phase.tgz" -C "$RES" . && ls -la "$OUT"
+}
+RES=/tmp/res-$phase
+mkdir -p "$RES"
+
 case "$phase" in
-  tune)
+  tune)  # first exploration run (kept for the record: docs/perf-notes.md, step 1)
     env_info
     stamp "GPU tests of the kernels"
     timeout 240 python3 -m pytest -q -x tests/test_decode.py -p no:cacheprovider 2>&1 \
@@ -48,24 +56,38 @@ case "$phase" in
     stamp "main job: llama-3-8b, azure trace, batches 8 and 64"
     for b in 8 64; do
       timeout 120 python3 -m pagedattn.cli run --model llama-3-8b --batch "$b" \
-        --csv "$OUT/mainjob-llama8b-b$b.csv" 2>&1 | tee "$OUT/mainjob-b$b.log"
+        --csv "$RES/mainjob-llama8b-b$b.csv" 2>&1 | tee "$RES/mainjob-b$b.log"
     done
     stamp "tile/launch sweep"
     timeout 330 python3 scripts/tune_decode.py --shapes peers --reps 20 \
-      --out "$OUT/tune.csv" > "$OUT/tune.log" 2>&1
-    tail -3 "$OUT/tune.log"
-    python3 - "$OUT/tune.csv" <<'PY' | tee "$OUT/tune-best.txt"
-import csv, sys, collections
-rows = list(csv.DictReader(open(sys.argv[1])))
-best = {}
-for r in rows:
-    if r["shape"] not in best or float(r["median_us"]) < float(best[r["shape"]]["median_us"]):
-        best[r["shape"]] = r
-for s, r in best.items():
-    print(s, {k: r[k] for k in ("block_n", "num_warps", "num_stages", "ctas_per_sm",
-          "units_per_program", "min_chunk", "median_us", "gbps")})
-PY
+      --out "$RES/tune.csv" --table "$RES/tuned_h200.json" > "$RES/tune.log" 2>&1
+    grep chosen "$RES/tune.log"
+    pack
     ;;
+  tuneprof)  # second run: tuned table (oracle-checked), then the ladder under ncu
+    env_info; ncu --version | tee -a "$OUT/env.txt"
+    stamp "tile/launch sweep -> tuned table (kept on the machine in .tuned/ for the next call)"
+    mkdir -p .tuned
+    timeout 230 python3 scripts/tune_decode.py --shapes peers --reps 12 \
+      --out "$RES/tune.csv" --table .tuned/tuned_h200.json > "$RES/tune.log" 2>&1
+    grep -E "chosen|oracle|Error" "$RES/tune.log" | head -40; cp .tuned/tuned_h200.json "$RES/"
+    export PAGEDATTN_TUNED_TABLE=$PWD/.tuned/tuned_h200.json
+    stamp "ladder: 5 stages + auto on the study's shape and a trace batch, under ncu"
+    timeout 210 python3 -m pagedattn.cli ladder --out "$RES/docs/ladder-h200.md" \
+      --out-dir "$RES/ladder" > "$RES/ladder.log" 2>&1; tail -40 "$RES/ladder.log"
+    pack
+    ;;
+  bench)  # final numbers: auto vs peers, eager and graph, roofline in the same run
+    env_info
+    setup_flashinfer
+    [ -f .tuned/tuned_h200.json ] && export PAGEDATTN_TUNED_TABLE=$PWD/.tuned/tuned_h200.json
+    stamp "benchmark harness, peers shapes"
+    timeout 420 python3 -m pagedattn.cli bench --shapes peers --impls auto \
+      --peers naive,flashinfer-tc --graph --reps 50 --out-dir "$RES/bench" 2>&1 \
+      | tee "$RES/bench.log" | tail -45
+    pack
+    ;;
+
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 stamp "done"

@@ -85,7 +85,13 @@ def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_
     return b, start
 
 
-@triton.jit
+# runtime values that change from call to call: never specialized (no recompiles for a new
+# batch size, table width, split policy or grid)
+_RUNTIME_ARGS = ["batch", "max_pages", "forced_splits", "num_programs", "min_chunk",
+                 "units_per_program", "stride_q_b", "stride_bt_b", "stride_o_b"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_ARGS)
 def _paged_decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, lse_ptr,
@@ -95,7 +101,7 @@ def _paged_decode_kernel(
     k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # [num_kv_heads] or 0-d
     k_scale_val, v_scale_val,  # Python-float scales (used when not SCALE_FROM_PTR)
     scale_log2,
-    batch, num_kv_heads, group, page_size, max_pages, forced_splits, num_programs,
+    batch, num_kv_heads, group, max_pages, forced_splits, num_programs,
     min_chunk, units_per_program,  # split sizing (runtime: tuning them never recompiles)
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
@@ -104,15 +110,17 @@ def _paged_decode_kernel(
     stride_o_b, stride_o_h, stride_o_d,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,  # a model constant: token -> (page, slot) by shifts/multiplies
     USE_DOT: tl.constexpr,  # tensor-core tl.dot (else fp32 FMA reductions)
     DOT_DTYPE: tl.constexpr,  # operand dtype of the dots
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no tf32), else the default
     KV_FP8: tl.constexpr,  # fp8 cache: dequantize through scales
     SCALE_FROM_PTR: tl.constexpr,  # scales come as tensors (graph-safe), not floats
     HAS_LSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_q_heads = num_kv_heads * group
-    capacity = max_pages * page_size
+    capacity = max_pages * PAGE_SIZE
     total = _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B)
     work = total * num_kv_heads
     chunk = tl.cdiv(tl.cdiv(work, num_programs * units_per_program), BLOCK_N) * BLOCK_N
@@ -161,12 +169,16 @@ def _paged_decode_kernel(
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        # page ids of the first tile; inside the loop the next tile's ids are fetched one
+        # iteration ahead, so the K/V loads never wait on a block-table load of their own
+        # iteration and the pipeliner can keep several tiles in flight
+        tok = tok_start + offs_n
+        page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // PAGE_SIZE,
+                            tok < tok_end)
         for n0 in range(tok_start, tok_end, BLOCK_N):
             tok = n0 + offs_n
             mask_n = tok < tok_end
-            page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // page_size,
-                                mask_n)
-            slot = (tok % page_size).to(tl.int64)
+            slot = (tok % PAGE_SIZE).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(key_cache_ptr + (page_id * stride_k_page + slot * stride_k_tok
                                          + k_head)[:, None] + offs_d[None, :] * stride_k_d,
@@ -174,8 +186,12 @@ def _paged_decode_kernel(
             v = tl.load(value_cache_ptr + (page_id * stride_v_page + slot * stride_v_tok
                                            + v_head)[:, None] + offs_d[None, :] * stride_v_d,
                         mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
+            page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p,
+                                tok_next // PAGE_SIZE, tok_next < tok_end)
             if USE_DOT:
-                s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE))) * qk_scale  # [BLOCK_H, BLOCK_N]
+                s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)),
+                           input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
             else:
                 s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
             s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -184,7 +200,8 @@ def _paged_decode_kernel(
             p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
             l = l * alpha + tl.sum(p, axis=1)
             if USE_DOT:
-                pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))  # [BLOCK_H, BLOCK_D] fp32
+                pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                            input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_D] fp32
             else:
                 pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             acc = acc * alpha[:, None] + pv
@@ -209,7 +226,7 @@ def _paged_decode_kernel(
             tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_pages", "stride_o_b"])
 def _paged_decode_merge_kernel(
     context_lens_ptr, part_ml_ptr, part_acc_ptr, seq_rows_ptr, out_ptr, lse_ptr,
     num_q_heads, page_size, max_pages,

@@ -10,7 +10,10 @@ num_kv_heads`` split rows (or ``batch · num_splits`` when forced).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import triton
@@ -34,35 +37,56 @@ class DecodeConfig:
     block_n: int  # tokens per tile (may span several pages)
     num_warps: int
     num_stages: int
-    use_dot: bool
+    use_dot: bool  # tl.dot (tensor cores; ieee FMA for fp32) or broadcast-reduce on CUDA cores
     ctas_per_sm: int  # persistent programs per SM
     min_chunk: int  # fewest tokens per split
     units_per_program: int  # target split units per program (balance vs merge cost)
 
 
+#: tuned entries (``scripts/tune_decode.py`` on the H200), keyed by :func:`config_key`; the
+#: file is data, read once. ``PAGEDATTN_TUNED_TABLE`` points at another table (tuning runs).
+_TUNED_TABLE = Path(__file__).with_name("tuned_h200.json")
+
+
+def config_key(head_dim: int, group: int, cache_dtype: torch.dtype, page_size: int) -> str:
+    return f"hd{head_dim}-g{group}-{str(cache_dtype).removeprefix('torch.')}-ps{page_size}"
+
+
+@functools.lru_cache(maxsize=1)
+def _tuned_table() -> dict[str, dict]:
+    path = Path(os.environ.get("PAGEDATTN_TUNED_TABLE", _TUNED_TABLE))
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get("configs", {})
+
+
+def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> DecodeConfig:
+    """The untuned rule (``docs/perf-notes.md``): tiles of about 16 KB of K per stage, three
+    stages, as many resident programs as fit; the tuned table overrides it per key."""
+    bd = block_d(head_dim)
+    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
+    block_n = 64 if bd <= 128 else 32
+    if cache_dtype == torch.float32:  # fp32 tiles are twice the bytes
+        block_n //= 2
+    # ctas_per_sm is a cap: the launcher fits the grid to the kernel's real occupancy
+    return DecodeConfig(block_h=block_h, block_n=block_n, num_warps=4, num_stages=3,
+                        use_dot=True, ctas_per_sm=4, min_chunk=512, units_per_program=1)
+
+
 @functools.lru_cache(maxsize=None)
 def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size: int,
                   interpret: bool) -> DecodeConfig:
-    """The heuristic table. Keyed on shapes and dtype only, so a new batch size or context
-    length never recompiles (Triton caches one binary per constexpr set)."""
-    bd = block_d(head_dim)
-    use_dot = cache_dtype != torch.float32  # fp32: ieee FMA path (tf32 would break 1e-4)
-    if use_dot:
-        block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
-        # two [BLOCK_N, BLOCK_D] tiles per stage; keep a stage near 32 KB at 16-bit
-        block_n = 64 if bd <= 128 else 32
-        num_warps, num_stages, ctas_per_sm = 4, 3, 2
-    else:
-        block_h = triton.next_power_of_2(group)
-        # [BLOCK_H, BLOCK_N, BLOCK_D] products live in registers: cap them at 8K elements
-        block_n = max(16, min(64, 8192 // (block_h * bd)))
-        num_warps, num_stages, ctas_per_sm = 4, 2, 2
+    """Tuned entry when the table has this key, else the heuristic. Keyed on shapes and dtype
+    only, so a new batch size or context length never recompiles (Triton caches one binary per
+    constexpr set; split sizing is a runtime argument)."""
+    cfg = heuristic_config(head_dim, group, cache_dtype)
+    tuned = _tuned_table().get(config_key(head_dim, group, cache_dtype, page_size))
+    if tuned and not interpret:
+        cfg = replace(cfg, **{k: v for k, v in tuned.items() if k in cfg.__dataclass_fields__})
     if interpret:  # the interpreter runs programs one by one: fewer, smaller is faster
-        ctas_per_sm, num_stages = 1, 1
-        block_n = min(block_n, 32)
-    return DecodeConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
-                        num_stages=num_stages, use_dot=use_dot, ctas_per_sm=ctas_per_sm,
-                        min_chunk=4 * block_n, units_per_program=2)
+        cfg = replace(cfg, ctas_per_sm=1, num_stages=1, block_n=min(cfg.block_n, 32),
+                      min_chunk=128)
+    return cfg
 
 
 def _dot_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype, interpret: bool):
@@ -71,6 +95,11 @@ def _dot_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype, interpret: bo
     if cache_dtype == torch.bfloat16:
         return tl.float32 if interpret else tl.bfloat16  # interpreter bf16 dots are garbage
     return {torch.float16: tl.float16}.get(cache_dtype, tl.float32)
+
+
+def _dot_precision(cache_dtype: torch.dtype) -> str:
+    """fp32 operands use exact ieee products (tf32 would miss the 1e-4 contract)."""
+    return "ieee" if cache_dtype == torch.float32 else "tf32"
 
 
 def _scale_args(k_scale, v_scale, device):
@@ -91,8 +120,32 @@ def _scale_args(k_scale, v_scale, device):
     return None, None, 0, 0, k_val, v_val, False
 
 
-def num_programs(query: torch.Tensor, config: DecodeConfig) -> int:
-    return sm_count_for(query) * config.ctas_per_sm
+def _resident_ctas(compiled, num_warps: int, device: torch.device) -> int:
+    """How many programs of ``compiled`` fit on one SM at once (shared memory, registers,
+    warps). A persistent grid larger than this would run in waves and lose its balance."""
+    compiled._init_handles()  # loads the binary: fills n_regs
+    props = torch.cuda.get_device_properties(device)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    smem = compiled.metadata.shared + 1024  # the driver reserves 1 KB per block
+    regs = -(-max(compiled.n_regs, 1) * 32 // 256) * 256 * num_warps  # 256-register granules
+    by_smem = smem_sm // smem if compiled.metadata.shared else 32
+    return max(1, min(by_smem, regs_sm // regs, 64 // num_warps, 32))
+
+
+_RESIDENT: dict[tuple, int] = {}
+
+
+def num_programs(query: torch.Tensor, config: DecodeConfig, compile_kernel) -> int:
+    """Persistent grid size: SMs x min(config cap, resident programs per SM). The occupancy
+    comes from the compiled kernel (``compile_kernel()`` compiles without launching), cached
+    per (device, config, dtypes)."""
+    if query.device.type != "cuda":
+        return sm_count_for(query) * config.ctas_per_sm
+    key = (query.device.index, config, query.dtype)
+    if key not in _RESIDENT:
+        _RESIDENT[key] = _resident_ctas(compile_kernel(), config.num_warps, query.device)
+    return sm_count_for(query) * min(config.ctas_per_sm, _RESIDENT[key])
 
 
 def paged_decode_auto(query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
@@ -105,34 +158,48 @@ def paged_decode_auto(query, key_cache, value_cache, block_tables, context_lens,
     interpret = is_interpreter()
     cfg = choose_config(head_dim, group, key_cache.dtype, page_size, interpret)
     bd = block_d(head_dim)
-    programs = num_programs(query, cfg)
-    forced = int(num_splits or 0)
-    if forced:
-        rows_max = batch * forced
-    else:
-        rows_max = batch + triton.cdiv(programs * cfg.units_per_program, num_kv_heads)
     device = query.device
-    part_ml = torch.empty(rows_max, num_q_heads, 2, dtype=torch.float32, device=device)
-    part_acc = torch.empty(rows_max, num_q_heads, bd, dtype=torch.float32, device=device)
-    seq_rows = torch.empty(batch, 2, dtype=torch.int32, device=device)
+    forced = int(num_splits or 0)
     kp, vp, ks, vs, kv_, vv_, from_ptr = _scale_args(k_scale, v_scale, device)
     lse_arg = lse if lse is not None else out
     max_pages = block_tables.shape[1]
-    compiled = _paged_decode_kernel[(programs,)](
-        query, key_cache, value_cache, block_tables, context_lens, out, lse_arg,
-        part_ml, part_acc, seq_rows,
-        kp if from_ptr else part_ml, vp if from_ptr else part_ml, ks, vs, kv_, vv_,
-        scale * LOG2E,
-        batch, num_kv_heads, group, page_size, max_pages, forced, programs,
-        cfg.min_chunk, cfg.units_per_program,
-        *decode_strides(query, key_cache, value_cache, block_tables, context_lens),
-        *out.stride(),
+    constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_B=128,
+        PAGE_SIZE=page_size,
         USE_DOT=cfg.use_dot, DOT_DTYPE=_dot_dtype(query.dtype, key_cache.dtype, interpret),
+        DOT_PRECISION=_dot_precision(key_cache.dtype),
         KV_FP8=key_cache.dtype in FP8_DTYPES, SCALE_FROM_PTR=from_ptr,
         HAS_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+    def args(programs, part_ml, part_acc, seq_rows):
+        return (
+            query, key_cache, value_cache, block_tables, context_lens, out, lse_arg,
+            part_ml, part_acc, seq_rows,
+            kp if from_ptr else part_ml, vp if from_ptr else part_ml, ks, vs, kv_, vv_,
+            scale * LOG2E,
+            batch, num_kv_heads, group, max_pages, forced, programs,
+            cfg.min_chunk, cfg.units_per_program,
+            *decode_strides(query, key_cache, value_cache, block_tables, context_lens),
+            *out.stride(),
+        )
+
+    def compile_kernel():
+        dummy = torch.empty(1, dtype=torch.float32, device=device)
+        return _paged_decode_kernel.warmup(*args(1, dummy, dummy, dummy), grid=(1,),
+                                           **constexprs)
+
+    programs = num_programs(query, cfg, compile_kernel)
+    if forced:
+        rows_max = batch * forced
+    else:
+        rows_max = batch + triton.cdiv(programs * cfg.units_per_program, num_kv_heads)
+    part_ml = torch.empty(rows_max, num_q_heads, 2, dtype=torch.float32, device=device)
+    part_acc = torch.empty(rows_max, num_q_heads, bd, dtype=torch.float32, device=device)
+    seq_rows = torch.empty(batch, 2, dtype=torch.int32, device=device)
+    compiled = _paged_decode_kernel[(programs,)](
+        *args(programs, part_ml, part_acc, seq_rows), **constexprs)
     record("paged_decode", compiled)
     compiled = _paged_decode_merge_kernel[(batch, num_q_heads)](
         context_lens, part_ml, part_acc, seq_rows, out, lse_arg,
