@@ -3,8 +3,8 @@
 Shapes are grouped by the table key (head_dim, group, cache dtype, page_size), since one key
 gets one config. For each key, stage 1 times every tile (block_n, num_warps, num_stages) on
 all the key's shapes and keeps the tile with the best geometric-mean slowdown against each
-shape's fastest; stage 2 does the same for the launch (ctas_per_sm cap, units_per_program,
-min_chunk) on that tile. Times are cold-L2 eager medians; each variant's output is compared
+shape's fastest (fp32 also tries the CUDA-core path); stage 2 does the same for the launch (persistent or one program per unit,
+ctas_per_sm cap, units_per_program, min_chunk) on that tile. Times are cold-L2 eager medians; each variant's output is compared
 with the untuned config's (relative L2) so a broken variant shows. This is a tuning aid: the
 benchmark harness makes the published numbers. Usage (repo root, GPU machine):
 
@@ -18,7 +18,6 @@ import argparse
 import collections
 import csv
 import dataclasses
-import itertools
 import json
 import math
 import sys
@@ -32,8 +31,14 @@ from pagedattn.launch import decode as launch_decode
 from pagedattn.reference import paged_decode_reference
 from pagedattn.testing import tolerance_for
 
-TILES = list(itertools.product((64, 128), (4, 8), (2, 3, 4)))  # block_n, warps, stages
-LAUNCHES = list(itertools.product((2, 4), (1, 2, 4), (2, 4, 8)))  # ctas cap, units, chunk x bn
+# block_n, warps, stages, use_dot
+TILES = [(32, 4, 3, True), (32, 4, 4, True), (64, 4, 2, True), (64, 4, 3, True),
+         (64, 4, 4, True), (64, 8, 3, True), (128, 4, 2, True), (128, 8, 3, True)]
+TILES_FP32 = [(32, 4, 2, True), (32, 4, 3, True), (64, 4, 2, True), (32, 8, 2, True),
+              (16, 4, 2, False), (16, 4, 3, False), (32, 4, 2, False), (16, 8, 2, False)]
+# persistent, ctas cap, units per resident program, min_chunk in tiles
+LAUNCHES = ([(False, 4, u, mc) for u in (1, 2, 4) for mc in (2, 8)]
+            + [(True, c, u, 2) for c in (2, 4) for u in (1, 4)])
 
 
 def _geomean_best(rows, shapes, fields):
@@ -99,24 +104,24 @@ def main() -> int:
                 launch_decode.choose_config = base_choose
 
         names = [s.name for s in shapes]
-        for bn, w, st in TILES:
-            trial(dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=st,
+        tiles = TILES_FP32 if shapes[0].cache_dtype == torch.float32 else TILES
+        for bn, w, st, dot in tiles:
+            trial(dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=st, use_dot=dot,
                                       min_chunk=4 * bn), "tile")
-        tile = _geomean_best([r for r in rows if r["stage"] == "tile"], names,
-                             ("block_n", "num_warps", "num_stages"))
+        tile_fields = ("block_n", "num_warps", "num_stages", "use_dot")
+        tile = _geomean_best([r for r in rows if r["stage"] == "tile"], names, tile_fields)
         if tile is None:
             continue
-        tiled = dataclasses.replace(base, block_n=tile[0], num_warps=tile[1], num_stages=tile[2])
-        for ctas, upp, mc in LAUNCHES:
-            trial(dataclasses.replace(tiled, ctas_per_sm=ctas, units_per_program=upp,
-                                      min_chunk=mc * tiled.block_n), "launch")
-        launch = _geomean_best([r for r in rows if r["stage"] == "launch"], names,
-                               ("ctas_per_sm", "units_per_program", "min_chunk"))
+        tiled = dataclasses.replace(base, **dict(zip(tile_fields, tile)))
+        for pers, ctas, upp, mc in LAUNCHES:
+            trial(dataclasses.replace(tiled, persistent=pers, ctas_per_sm=ctas,
+                                      units_per_program=upp, min_chunk=mc * tiled.block_n),
+                  "launch")
+        launch_fields = ("persistent", "ctas_per_sm", "units_per_program", "min_chunk")
+        launch = _geomean_best([r for r in rows if r["stage"] == "launch"], names, launch_fields)
         if launch is not None:
-            chosen = dataclasses.replace(tiled, ctas_per_sm=launch[0],
-                                         units_per_program=launch[1], min_chunk=launch[2])
-            table[key] = {f: getattr(chosen, f) for f in ("block_n", "num_warps", "num_stages",
-                          "ctas_per_sm", "units_per_program", "min_chunk")}
+            chosen = dataclasses.replace(tiled, **dict(zip(launch_fields, launch)))
+            table[key] = dataclasses.asdict(chosen)
             print("chosen", key, table[key], flush=True)
             _write_table(args.table, table, args.shapes)  # after each key: a timeout keeps it
         all_rows += rows

@@ -95,3 +95,22 @@ def test_empty_batch(device):
     inputs = make_paged_inputs([], num_q_heads=4, num_kv_heads=2, device=device)
     out = pagedattn.paged_decode(*inputs)
     assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("persistent,use_dot", [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_auto_launch_modes(persistent, use_dot, dtype, device, monkeypatch):
+    """Both grids of the production kernel (one program per unit, persistent) and both
+    arithmetic paths (tensor-core dots, CUDA-core reductions) match the oracle, splits
+    included (lengths long enough for several units per sequence)."""
+    from dataclasses import replace
+
+    from pagedattn.launch import decode as launch_decode
+
+    base = launch_decode.choose_config
+    monkeypatch.setattr(launch_decode, "choose_config", lambda *a: replace(
+        base(*a), persistent=persistent, use_dot=use_dot, block_n=16, min_chunk=16))
+    inputs = make_paged_inputs([0, 3, 70, 129, 17], num_q_heads=6, num_kv_heads=2, head_dim=64,
+                               page_size=16, dtype=dtype, seed=5, device=device)
+    out = _run("auto", inputs)
+    assert rel_l2_error(out, paged_decode_reference(*inputs).out) <= tolerance_for(dtype)

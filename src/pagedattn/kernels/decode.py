@@ -8,18 +8,20 @@ sequence-major: sequence ``b`` owns rows ``[start_b, start_b + n_b)`` with
 
 **Token-balanced splits, decided on the device.** Every program reads ``context_lens`` (no host
 sync; CUDA-graph replays with new lengths re-plan by themselves) and sizes one chunk for the
-whole batch so that the batch's token-work spreads over about ````units_per_program`` units per
-program: ``chunk = max(min_chunk, roundup(ceil(total_tokens · num_kv_heads / (programs ·
-units_per_program)), BLOCK_N))``. Long sequences get many splits and short ones one, so the
-longest sequence no longer sets the time (FlashInfer's weakness on real traces). Because
-``Σ ceil(len_b / chunk) ≤ total / chunk + batch``, the rows fit the workspace the host sized
-from shapes alone. A forced ``num_splits`` gives ``chunk_b = roundup(ceil(len_b / num_splits),
-BLOCK_N)`` instead.
+whole batch so that the batch's token-work spreads over about ``target_units`` units:
+``chunk = max(min_chunk, roundup(ceil(total_tokens · num_kv_heads / target_units), BLOCK_N))``.
+Long sequences get many splits and short ones one, so the longest sequence no longer sets the
+time (FlashInfer's weakness on real traces). Because ``Σ ceil(len_b / chunk) ≤ total / chunk +
+batch``, the rows fit the workspace the host sized from shapes alone (``batch + target_units /
+num_kv_heads`` rows). A forced ``num_splits`` gives ``chunk_b = roundup(ceil(len_b /
+num_splits), BLOCK_N)`` instead.
 
-**Persistent grid.** ``programs`` (about SMs × occupancy) programs take units round-robin:
-``u = pid, pid + programs, …``; ``u → (r = u // num_kv_heads, kv head = u % num_kv_heads)``;
-``r → b`` by counting the sequences whose rows end at or before ``r`` (a vector scan of
-``context_lens`` in ``BLOCK_B`` slices; batch size is a runtime value, never a constexpr).
+**Grid.** ``num_programs`` programs take units ``u = pid, pid + num_programs, …``;
+``u → (r = u // num_kv_heads, kv head = u % num_kv_heads)``; ``r → b`` by counting the
+sequences whose rows end at or before ``r`` (a vector scan of ``context_lens`` in ``BLOCK_B``
+slices; batch size is a runtime value, never a constexpr). The launcher either sizes the grid
+to the largest possible unit count, one unit per program (the hardware balances; programs past
+the real count exit after the scan), or makes it persistent (SMs × resident programs).
 
 **One unit.** The query group, padded to ``BLOCK_H`` rows, is one tile; the program walks
 ``BLOCK_N``-token tiles that may span several pages (one block-table load per tile), loads
@@ -88,7 +90,7 @@ def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_
 # runtime values that change from call to call: never specialized (no recompiles for a new
 # batch size, table width, split policy or grid)
 _RUNTIME_ARGS = ["batch", "max_pages", "forced_splits", "num_programs", "min_chunk",
-                 "units_per_program", "stride_q_b", "stride_bt_b", "stride_o_b"]
+                 "target_units", "stride_q_b", "stride_bt_b", "stride_o_b"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_ARGS)
@@ -102,7 +104,7 @@ def _paged_decode_kernel(
     k_scale_val, v_scale_val,  # Python-float scales (used when not SCALE_FROM_PTR)
     scale_log2,
     batch, num_kv_heads, group, max_pages, forced_splits, num_programs,
-    min_chunk, units_per_program,  # split sizing (runtime: tuning them never recompiles)
+    min_chunk, target_units,  # split sizing (runtime: tuning them never recompiles)
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
     stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
@@ -123,7 +125,7 @@ def _paged_decode_kernel(
     capacity = max_pages * PAGE_SIZE
     total = _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B)
     work = total * num_kv_heads
-    chunk = tl.cdiv(tl.cdiv(work, num_programs * units_per_program), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(work, target_units), BLOCK_N) * BLOCK_N
     chunk = tl.maximum(chunk, min_chunk)
     # total rows: Σ ceil(len_b / chunk_b); the last sequence's rows end there
     last_b, last_start = _locate_row(context_lens_ptr, 2147483647, batch, stride_ctx, capacity,

@@ -3,8 +3,10 @@
 Everything here is decided from shapes and dtypes (metadata), never from the values of
 ``context_lens``: no host sync, and a CUDA graph captured once replays correctly for any new
 lengths and block tables (the kernel re-plans its splits on the device every launch). The
-workspace is bounded by shapes: ``rows_max = batch + programs · UNITS_PER_PROGRAM /
-num_kv_heads`` split rows (or ``batch · num_splits`` when forced).
+workspace is bounded by shapes: ``rows_max = batch + target_units / num_kv_heads`` split rows
+(or ``batch · num_splits`` when forced), with ``target_units = resident programs ·
+units_per_program`` (resident programs: SMs × how many fit per SM, read off the compiled
+kernel).
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ _MERGE_BLOCK_R = 32
 class DecodeConfig:
     """Tile and launch choices for one (head_dim, group, cache dtype, page_size)."""
 
-    block_h: int  # query rows per tile (the group, padded; >= 16 for tensor cores)
     block_n: int  # tokens per tile (may span several pages)
     num_warps: int
     num_stages: int
     use_dot: bool  # tl.dot (tensor cores; ieee FMA for fp32) or broadcast-reduce on CUDA cores
-    ctas_per_sm: int  # persistent programs per SM
+    ctas_per_sm: int  # cap on resident programs per SM counted in the split target
     min_chunk: int  # fewest tokens per split
-    units_per_program: int  # target split units per program (balance vs merge cost)
+    units_per_program: int  # split units per resident program (balance vs merge cost)
+    persistent: bool = False  # grid = resident programs looping over units, else one per unit
 
 
 #: tuned entries (``scripts/tune_decode.py`` on the H200), keyed by :func:`config_key`; the
@@ -64,13 +66,12 @@ def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> Dec
     """The untuned rule (``docs/perf-notes.md``): tiles of about 16 KB of K per stage, three
     stages, as many resident programs as fit; the tuned table overrides it per key."""
     bd = block_d(head_dim)
-    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
     block_n = 64 if bd <= 128 else 32
     if cache_dtype == torch.float32:  # fp32 tiles are twice the bytes
         block_n //= 2
     # ctas_per_sm is a cap: the launcher fits the grid to the kernel's real occupancy
-    return DecodeConfig(block_h=block_h, block_n=block_n, num_warps=4, num_stages=3,
-                        use_dot=True, ctas_per_sm=4, min_chunk=512, units_per_program=1)
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, use_dot=True,
+                        ctas_per_sm=4, min_chunk=512, units_per_program=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,7 +86,7 @@ def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size
         cfg = replace(cfg, **{k: v for k, v in tuned.items() if k in cfg.__dataclass_fields__})
     if interpret:  # the interpreter runs programs one by one: fewer, smaller is faster
         cfg = replace(cfg, ctas_per_sm=1, num_stages=1, block_n=min(cfg.block_n, 32),
-                      min_chunk=128)
+                      min_chunk=128, persistent=True)
     return cfg
 
 
@@ -136,10 +137,10 @@ def _resident_ctas(compiled, num_warps: int, device: torch.device) -> int:
 _RESIDENT: dict[tuple, int] = {}
 
 
-def num_programs(query: torch.Tensor, config: DecodeConfig, compile_kernel) -> int:
-    """Persistent grid size: SMs x min(config cap, resident programs per SM). The occupancy
-    comes from the compiled kernel (``compile_kernel()`` compiles without launching), cached
-    per (device, config, dtypes)."""
+def resident_programs(query: torch.Tensor, config: DecodeConfig, compile_kernel) -> int:
+    """SMs x min(config cap, resident programs per SM). The occupancy comes from the compiled
+    kernel (``compile_kernel()`` compiles without launching), cached per (device, config,
+    dtype)."""
     if query.device.type != "cuda":
         return sm_count_for(query) * config.ctas_per_sm
     key = (query.device.index, config, query.dtype)
@@ -164,7 +165,9 @@ def paged_decode_auto(query, key_cache, value_cache, block_tables, context_lens,
     lse_arg = lse if lse is not None else out
     max_pages = block_tables.shape[1]
     constexprs = dict(
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_B=128,
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n, BLOCK_B=128,
+        # the query group is the tile's rows: tl.dot needs >= 16 (padding rows are masked)
+        BLOCK_H=max(16 if cfg.use_dot else 1, triton.next_power_of_2(group)),
         PAGE_SIZE=page_size,
         USE_DOT=cfg.use_dot, DOT_DTYPE=_dot_dtype(query.dtype, key_cache.dtype, interpret),
         DOT_PRECISION=_dot_precision(key_cache.dtype),
@@ -173,33 +176,35 @@ def paged_decode_auto(query, key_cache, value_cache, block_tables, context_lens,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
-    def args(programs, part_ml, part_acc, seq_rows):
+    def args(programs, target_units, part_ml, part_acc, seq_rows):
         return (
             query, key_cache, value_cache, block_tables, context_lens, out, lse_arg,
             part_ml, part_acc, seq_rows,
             kp if from_ptr else part_ml, vp if from_ptr else part_ml, ks, vs, kv_, vv_,
             scale * LOG2E,
             batch, num_kv_heads, group, max_pages, forced, programs,
-            cfg.min_chunk, cfg.units_per_program,
+            cfg.min_chunk, target_units,
             *decode_strides(query, key_cache, value_cache, block_tables, context_lens),
             *out.stride(),
         )
 
     def compile_kernel():
         dummy = torch.empty(1, dtype=torch.float32, device=device)
-        return _paged_decode_kernel.warmup(*args(1, dummy, dummy, dummy), grid=(1,),
+        return _paged_decode_kernel.warmup(*args(1, 1, dummy, dummy, dummy), grid=(1,),
                                            **constexprs)
 
-    programs = num_programs(query, cfg, compile_kernel)
+    resident = resident_programs(query, cfg, compile_kernel)
+    target_units = resident * cfg.units_per_program
     if forced:
         rows_max = batch * forced
-    else:
-        rows_max = batch + triton.cdiv(programs * cfg.units_per_program, num_kv_heads)
+    else:  # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
+        rows_max = batch + triton.cdiv(target_units, num_kv_heads)
+    programs = resident if cfg.persistent else rows_max * num_kv_heads
     part_ml = torch.empty(rows_max, num_q_heads, 2, dtype=torch.float32, device=device)
     part_acc = torch.empty(rows_max, num_q_heads, bd, dtype=torch.float32, device=device)
     seq_rows = torch.empty(batch, 2, dtype=torch.int32, device=device)
     compiled = _paged_decode_kernel[(programs,)](
-        *args(programs, part_ml, part_acc, seq_rows), **constexprs)
+        *args(programs, target_units, part_ml, part_acc, seq_rows), **constexprs)
     record("paged_decode", compiled)
     compiled = _paged_decode_merge_kernel[(batch, num_q_heads)](
         context_lens, part_ml, part_acc, seq_rows, out, lse_arg,
