@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue 6 (hardening) on the H200, from the repo root, in one device call (about 5-6 min):
+#   1. the gpu-marked tests of the hardening files (natural sizes of B01..B22, CUDA graphs,
+#      no-sync and capture checks of validate=, determinism at natural sizes);
+#   2. the longer hypothesis fuzz against the float64 oracle (random seed, printed);
+#   3. compute-sanitizer memcheck and racecheck over scripts/sanitize_driver.py (every impl
+#      on boundary shapes), after one plain run that warms Triton's cache (the JIT would
+#      otherwise compile under the sanitizer).
+#   bash scripts/gpu_hardening.sh [all|tests|fuzz|sanitize]
+# Logs go to $OUT (default ./out), at most 8 files (the device returns no more):
+#   hardening-tests.log, hardening-fuzz.log, sanitize-warm.log, sanitize-memcheck.log,
+#   sanitize-racecheck.log, sanitizer-summary.md (errors per tool, timings, pass/fail).
+set -u -o pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+what=${1:-all}
+t0=$(date +%s)
+stamp() { echo "[gpu_hardening +$(( $(date +%s) - t0 ))s] $*"; }
+SUMMARY=$OUT/sanitizer-summary.md
+FILES="tests/test_cases_masking.py tests/test_cases_shapes.py tests/test_cases_runtime.py
+       tests/test_validation.py tests/test_determinism.py tests/test_fuzz.py"
+declare -A SECS STATUS
+
+phase() {  # phase NAME TIMEOUT LOG CMD...: run, time, keep the exit status
+  local name=$1 limit=$2 log=$3; shift 3
+  local s=$(date +%s)
+  stamp "$name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$log" 2>&1
+  STATUS[$name]=$?
+  SECS[$name]=$(( $(date +%s) - s ))
+  tail -n 25 "$log"
+  stamp "$name: exit ${STATUS[$name]} after ${SECS[$name]}s"
+}
+
+if [[ $what == all || $what == tests ]]; then
+  # pytest-xdist (in the H200 image): Triton compiles in 4 processes at once; one file per
+  # process (B01 holds 2 x 4.9 GB caches in one process only)
+  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
+  # shellcheck disable=SC2086
+  phase tests 200 "$OUT/hardening-tests.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    $XDIST -rfE --durations=15 -k "not fuzz_against_oracle_gpu" $FILES
+fi
+
+if [[ $what == all || $what == fuzz ]]; then
+  SEED=${FUZZ_SEED:-$RANDOM$RANDOM}
+  stamp "fuzz seed $SEED (rerun: FUZZ_SEED=$SEED bash scripts/gpu_hardening.sh fuzz)"
+  PAGEDATTN_FUZZ_EXAMPLES=${PAGEDATTN_FUZZ_EXAMPLES:-40} phase fuzz 100 \
+    "$OUT/hardening-fuzz.log" python3 -m pytest -q -p no:cacheprovider -rfE \
+    --hypothesis-seed="$SEED" --hypothesis-show-statistics \
+    "tests/test_fuzz.py::test_fuzz_against_oracle_gpu"
+  echo "seed $SEED" >> "$OUT/hardening-fuzz.log"
+fi
+
+count_errors() {  # memcheck: "ERROR SUMMARY: N errors"; racecheck: "(N errors, M warnings)"
+  local log=$1 n
+  n=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | grep -oE "[0-9]+" | tail -1)
+  [ -z "$n" ] && n=$(grep -oE "\([0-9]+ errors?" "$log" | grep -oE "[0-9]+" | tail -1)
+  echo "${n:-unknown}"
+}
+
+if [[ $what == all || $what == sanitize ]]; then
+  phase warm 60 "$OUT/sanitize-warm.log" python3 scripts/sanitize_driver.py
+  export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # one allocation per tensor: OOB is visible
+  phase memcheck 110 "$OUT/sanitize-memcheck.log" compute-sanitizer --tool memcheck \
+    --leak-check no --print-limit 50 python3 scripts/sanitize_driver.py
+  phase racecheck 110 "$OUT/sanitize-racecheck.log" compute-sanitizer --tool racecheck \
+    --racecheck-report hazard --print-limit 50 python3 scripts/sanitize_driver.py
+  unset PYTORCH_NO_CUDA_MEMORY_CACHING
+fi
+
+{
+  echo "# Hardening on the GPU ($(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null))"
+  echo
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /'
+  python3 -c "import torch, triton; print('torch', torch.__version__, '/ triton', triton.__version__)"
+  echo
+  echo "| phase | exit | seconds | errors | log |"
+  echo "|---|---|---|---|---|"
+  for p in tests fuzz warm memcheck racecheck; do
+    [ -n "${STATUS[$p]+x}" ] || continue
+    case $p in
+      tests|fuzz) log=hardening-$p.log
+        err=$(grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/$log" | tail -1) ;;
+      warm) log=sanitize-warm.log; err=$(grep -E "failure" "$OUT/$log" | tail -1) ;;
+      *) log=sanitize-$p.log; err="$(count_errors "$OUT/$log") sanitizer errors; driver: $(grep -E "failure" "$OUT/$log" | tail -1)" ;;
+    esac
+    echo "| $p | ${STATUS[$p]} | ${SECS[$p]} | ${err:-?} | $log |"
+  done
+  echo
+  echo "Exit 124 = the phase hit its time limit. Total: $(( $(date +%s) - t0 )) s."
+} > "$SUMMARY"
+cat "$SUMMARY"
+stamp "done"

@@ -1,0 +1,279 @@
+"""The validation contract (issue 6): one parametrized case per argument error, each asserting
+the exception type, that the message names the argument, and that it is raised before any
+kernel launch (every launcher is patched to fail); then ``validate=``'s value checks on the
+CPU and, on a GPU, that ``validate=None`` never syncs and ``validate=True`` refuses graph
+capture.
+"""
+
+import pytest
+import torch
+from _hardening import IMPLS, NAN, STAGES, check, run
+
+import pagedattn
+from pagedattn.launch import decode as launch_decode
+from pagedattn.launch import stages as launch_stages
+from pagedattn.testing import make_paged_inputs
+
+FP16, FP8 = torch.float16, torch.float8_e4m3fn
+LAUNCHERS = [(launch_stages, name) for name in STAGES] + [(launch_decode, "paged_decode_auto")]
+
+
+class Launched(Exception):
+    pass
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Every launcher raises ``Launched``: an error raised later came too late."""
+    def fail(*args, **kwargs):
+        raise Launched("a kernel launched before validation finished")
+
+    for module, name in LAUNCHERS:
+        monkeypatch.setattr(module, name, fail)
+
+
+def _base(head_dim=64, dtype=FP16):
+    """Valid inputs: ctx [5, 0, 17], Hq 4 / Hkv 2, page 8, 4 pages of table (capacity 32)."""
+    return list(make_paged_inputs([5, 0, 17], num_q_heads=4, num_kv_heads=2, head_dim=head_dim,
+                                  page_size=8, dtype=dtype, max_pages=4))
+
+
+def _arg(i, fn):
+    """A case that replaces positional argument ``i`` by ``fn(it)``."""
+    def mutate(args, kw):
+        args[i] = fn(args[i])
+    return mutate
+
+
+def _kw(**values):
+    def mutate(args, kw):
+        kw.update(values)
+    return mutate
+
+
+def _both_caches(fn):
+    def mutate(args, kw):
+        args[1], args[2] = fn(args[1]), fn(args[2])
+    return mutate
+
+
+def _table(row, col, value):
+    def mutate(args, kw):
+        args[3] = args[3].clone()
+        args[3][row, col] = value
+    return mutate
+
+
+def _lens(values):
+    return _arg(4, lambda t: torch.tensor(values, dtype=t.dtype))
+
+
+def _head_dim(d):
+    def mutate(args, kw):
+        args[:] = _base(head_dim=d)
+    return mutate
+
+
+Q, K, V, BT, CL = range(5)
+META = torch.device("meta")
+# id -> (mutation, exception, regex the message must match: the argument's name)
+ERRORS = {
+    "query-rank2": (_arg(Q, lambda t: t[:, 0]), ValueError, "query"),
+    "query-rank4": (_arg(Q, lambda t: t[None]), ValueError, "query"),
+    "query-not-tensor": (_arg(Q, lambda t: t.tolist()), TypeError, "query"),
+    "query-int": (_arg(Q, lambda t: t.int()), TypeError, "query"),
+    "query-fp8": (_arg(Q, lambda t: t.to(FP8)), TypeError, "query"),
+    "key_cache-rank3": (_arg(K, lambda t: t[0]), ValueError, "key_cache"),
+    "key_cache-dtype-mixed": (_arg(K, lambda t: t.float()), TypeError, "key_cache"),
+    "key_cache-both-mixed": (_both_caches(lambda t: t.bfloat16()), TypeError, "key_cache"),
+    "key_cache-head_dim": (_both_caches(lambda t: t[..., :32]), ValueError, "key_cache"),
+    "value_cache-rank5": (_arg(V, lambda t: t[None]), ValueError, "value_cache"),
+    "value_cache-shape": (_arg(V, lambda t: t[:, :4]), ValueError, "value_cache"),
+    "value_cache-dtype": (_arg(V, lambda t: t.bfloat16()), TypeError, "value_cache"),
+    "block_tables-rank1": (_arg(BT, lambda t: t[0]), ValueError, "block_tables"),
+    "block_tables-rows": (_arg(BT, lambda t: t[:2]), ValueError, "block_tables"),
+    "block_tables-float": (_arg(BT, lambda t: t.float()), TypeError, "block_tables"),
+    "block_tables-int16": (_arg(BT, lambda t: t.short()), TypeError, "block_tables"),
+    "block_tables-bool": (_arg(BT, lambda t: t > 0), TypeError, "block_tables"),
+    "context_lens-rank2": (_arg(CL, lambda t: t[None]), ValueError, "context_lens"),
+    "context_lens-entries": (_arg(CL, lambda t: t[:2]), ValueError, "context_lens"),
+    "context_lens-float": (_arg(CL, lambda t: t.float()), TypeError, "context_lens"),
+    "context_lens-uint8": (_arg(CL, lambda t: t.to(torch.uint8)), TypeError, "context_lens"),
+    "context_lens-negative": (_lens([5, -1, 17]), ValueError, r"context_lens.*row 1"),
+    "context_lens-over-capacity": (_lens([5, 0, 33]), ValueError, r"context_lens.*32.*row 2"),
+    "block_tables-id-too-big": (_table(2, 1, 99), ValueError, r"block_tables.*row 2.*col"),
+    "block_tables-id-minus1": (_table(0, 0, -1), ValueError, r"block_tables.*row 0"),
+    "device-key_cache": (_arg(K, lambda t: t.to(META)), ValueError, "key_cache"),
+    "device-value_cache": (_arg(V, lambda t: t.to(META)), ValueError, "value_cache"),
+    "device-block_tables": (_arg(BT, lambda t: t.to(META)), ValueError, "block_tables"),
+    "device-context_lens": (_arg(CL, lambda t: t.to(META)), ValueError, "context_lens"),
+    "device-out": (lambda a, k: k.update(out=torch.empty_like(a[Q], device=META)), ValueError,
+                   "out"),
+    "heads-not-divisible": (_arg(Q, lambda t: t[:, :3]), ValueError, "num_q_heads"),
+    "page_size-0": (_both_caches(lambda t: t[:, :0]), ValueError, "page_size"),
+    "num_kv_heads-0": (_both_caches(lambda t: t[:, :, :0]), ValueError, "num_kv_heads"),
+    "head_dim-8": (_head_dim(8), ValueError, "head_dim"),
+    "head_dim-512": (_head_dim(512), ValueError, "head_dim"),
+    "impl-unknown": (_kw(impl="fastest"), ValueError, "impl"),
+    "impl-None": (_kw(impl=None), ValueError, "impl"),
+    "kv_layout-unknown": (_kw(kv_layout="NCHW"), ValueError, "kv_layout"),
+    "kv_layout-lowercase": (_kw(kv_layout="nhd"), ValueError, "kv_layout"),
+    "num_splits-0": (_kw(num_splits=0), ValueError, "num_splits"),
+    "num_splits-negative": (_kw(num_splits=-1), ValueError, "num_splits"),
+    "num_splits-float": (_kw(num_splits=1.5), TypeError, "num_splits"),
+    "num_splits-bool": (_kw(num_splits=True), TypeError, "num_splits"),
+    "num_splits-str": (_kw(num_splits="2"), TypeError, "num_splits"),
+    "scale-nan": (_kw(scale=float("nan")), ValueError, "scale"),
+    "scale-inf": (_kw(scale=float("inf")), ValueError, "scale"),
+    "scale-str": (_kw(scale="0.125"), TypeError, "scale"),
+    "scale-bool": (_kw(scale=True), TypeError, "scale"),
+    "out-shape": (lambda a, k: k.update(out=torch.empty_like(a[Q][:, :2])), ValueError, "out"),
+    "out-dtype": (lambda a, k: k.update(out=a[Q].float()), TypeError, "out"),
+    "out-not-tensor": (_kw(out=[0.0]), TypeError, "out"),
+    "validate-str": (_kw(validate="yes"), TypeError, "validate"),
+    "validate-int": (_kw(validate=1), TypeError, "validate"),
+    "return_lse-str": (_kw(return_lse="yes"), TypeError, "return_lse"),
+}
+# the same for every impl but auto, which honours these (checked separately below)
+AUTO_ONLY_ERRORS = {
+    "k_scale-shape-3": (_kw(k_scale=torch.ones(3)), ValueError, "k_scale"),
+    "k_scale-shape-2x1": (_kw(k_scale=torch.ones(2, 1)), ValueError, "k_scale"),
+    "v_scale-shape-per-token": (_kw(v_scale=torch.ones(3, 2)), ValueError, "v_scale"),
+    "k_scale-str": (_kw(k_scale="0.5"), TypeError, "k_scale"),
+    "k_scale-nan": (_kw(k_scale=float("nan")), ValueError, "k_scale"),
+    "k_scale-bool": (_kw(k_scale=True), TypeError, "k_scale"),
+    "v_scale-int-tensor": (_kw(v_scale=torch.ones(2, dtype=torch.int32)), TypeError, "v_scale"),
+    "k_scale-device": (_kw(k_scale=torch.ones(2, device=META)), ValueError, "k_scale"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_argument_error(impl, case, no_launch):
+    mutate, exc, name = ERRORS[case]
+    args, kw = _base(), {"impl": impl}
+    mutate(args, kw)
+    with pytest.raises(exc, match=name):
+        pagedattn.paged_decode(*args, **kw)
+
+
+@pytest.mark.parametrize("case", list(AUTO_ONLY_ERRORS))
+def test_scale_argument_error(case, no_launch):
+    mutate, exc, name = AUTO_ONLY_ERRORS[case]
+    args, kw = _base(), {}
+    mutate(args, kw)
+    with pytest.raises(exc, match=name):
+        pagedattn.paged_decode(*args, **kw)
+
+
+# what a stage cannot honour -> the argument the error names
+STAGE_REFUSALS = {
+    "fp8-cache": (_both_caches(lambda t: t.to(FP8)), "key_cache"),
+    "HND": (lambda a, k: (k.update(kv_layout="HND"),
+                          _both_caches(lambda t: t.transpose(1, 2).contiguous())(a, k)),
+            "kv_layout"),
+    "return_lse": (_kw(return_lse=True), "return_lse"),
+    "k_scale": (_kw(k_scale=0.5), "k_scale"),
+    "v_scale": (_kw(v_scale=torch.tensor(0.5)), "v_scale"),
+}
+
+
+@pytest.mark.parametrize("case", list(STAGE_REFUSALS))
+@pytest.mark.parametrize("impl", STAGES)
+def test_stage_refuses_what_it_cannot_honour(impl, case, no_launch):
+    """ValueError naming the argument and the impl, never a silent fallback."""
+    mutate, name = STAGE_REFUSALS[case]
+    args, kw = _base(), {"impl": impl}
+    mutate(args, kw)
+    with pytest.raises(ValueError, match=f"{name}.*{impl}"):
+        pagedattn.paged_decode(*args, **kw)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_valid_inputs_reach_the_launcher(impl, no_launch):
+    """The patch is live: valid inputs get as far as the launcher (so the table above
+    proves its errors come before any launch)."""
+    with pytest.raises(Launched):
+        pagedattn.paged_decode(*_base(), impl=impl)
+
+
+@pytest.mark.parametrize("validate", [None, True])
+def test_value_checks_run_on_cpu(validate):
+    """On the CPU, ``validate=None`` runs the value checks too; the message names the row."""
+    args = _base()
+    args[CL] = torch.tensor([5, 40, 17], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"context_lens.*row 1.*40"):
+        pagedattn.paged_decode(*args, validate=validate)
+    args = _base()
+    args[BT][2, 2] = 1 << 20  # row 2 (ctx 17, page 8) uses columns 0..2
+    with pytest.raises(ValueError, match=r"block_tables.*row 2, column 2"):
+        pagedattn.paged_decode(*args, validate=validate)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_validate_false_skips_checks_and_kernels_clamp(impl, device):
+    """``validate=False`` skips the value checks (as ``None`` does on CUDA); the kernels then
+    clamp each length to ``[0, max_pages * page_size]`` and stay in bounds: a negative length
+    gives a zero row, an over-long one the result at the table's capacity."""
+    inputs = make_paged_inputs([3, 16, 5], num_q_heads=2, num_kv_heads=1, head_dim=32,
+                               page_size=8, dtype=FP16, seed=4, device=device)
+    capacity = inputs.block_tables.shape[1] * 8
+    wild = torch.tensor([-3, capacity + 100, 5], dtype=torch.int32, device=device)
+    out = run(impl, inputs._replace(context_lens=wild), validate=False)
+    clamped = torch.tensor([0, capacity, 5], dtype=torch.int32, device=device)
+    check(out, inputs._replace(context_lens=clamped))
+    assert (out[0] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_validate_none_on_cuda_does_not_sync(impl):
+    """``validate=None`` on CUDA runs no value check: the call does no device-to-host sync
+    (checked with ``torch.cuda.set_sync_debug_mode("error")``), while ``validate=True``
+    syncs and is caught by the same detector (so the detector works)."""
+    inputs = make_paged_inputs([5, 0, 40], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                               page_size=16, dtype=torch.bfloat16, device="cuda")
+    out = torch.full_like(inputs.query, NAN)
+    pagedattn.paged_decode(*inputs, impl=impl, out=out)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pagedattn.paged_decode(*inputs, impl=impl, out=out)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            pagedattn.paged_decode(*inputs, impl=impl, out=out, validate=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check(out, inputs)
+
+
+@pytest.mark.gpu
+def test_validate_true_on_cuda_checks_values():
+    inputs = make_paged_inputs([5, 0, 40], num_q_heads=8, num_kv_heads=2, page_size=16,
+                               device="cuda")
+    tables = inputs.block_tables.clone()
+    tables[2, 2] = 10_000
+    with pytest.raises(ValueError, match=r"block_tables.*row 2"):
+        pagedattn.paged_decode(*inputs[:3], tables, inputs.context_lens, validate=True)
+    over = torch.tensor([5, 0, 49], dtype=torch.int32, device="cuda")  # capacity 48
+    with pytest.raises(ValueError, match=r"context_lens.*row 2"):
+        pagedattn.paged_decode(*inputs[:4], over, validate=True)
+
+
+@pytest.mark.gpu
+def test_validate_true_under_graph_capture_raises():
+    """Capture forbids the sync ``validate=True`` needs: a clear ValueError naming validate,
+    raised before anything is enqueued; ``validate=None`` captures fine."""
+    inputs = make_paged_inputs([5, 40], num_q_heads=8, num_kv_heads=2, page_size=16,
+                               device="cuda")
+    out = torch.full_like(inputs.query, NAN)
+    pagedattn.paged_decode(*inputs, out=out)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with pytest.raises(ValueError, match="validate"):
+            pagedattn.paged_decode(*inputs, out=out, validate=True)
+        pagedattn.paged_decode(*inputs, out=out)
+    out.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, inputs)
