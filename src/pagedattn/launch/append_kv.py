@@ -75,6 +75,10 @@ def check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, *, kv
         _fail(ValueError, "slot_mapping", f"{num_tokens} entries (key's num_tokens)",
               slot_mapping.shape[0])
     fp8 = key_cache.dtype in V.FP8_DTYPES
+    if not fp8 and key.dtype != key_cache.dtype:
+        _fail(TypeError, "key", f"the cache dtype {key_cache.dtype} (or an fp8 cache)", key.dtype)
+    if value.dtype != key.dtype:
+        _fail(TypeError, "value", f"the key's dtype {key.dtype}", value.dtype)
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None and not fp8:
             _fail(ValueError, name, f"None for a {key_cache.dtype} cache (scales are for fp8)",
@@ -105,7 +109,7 @@ def _fp8_constants(dtype: torch.dtype) -> tuple[float, int, float, float]:
         float(fi.smallest_normal) * 2.0 ** (23 - mantissa_bits)
 
 
-def _scale_args(s, device):
+def _scale_args(s):
     """``(pointer tensor or None, stride, float value)`` for one scale."""
     if isinstance(s, torch.Tensor):
         t = s if s.dtype == torch.float32 else s.float()
@@ -129,7 +133,7 @@ def append_kv(
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_dim]`` float32/float16/bfloat16, any
-            strides. Cast to the cache dtype on store.
+            strides; the cache's dtype, or any of the three for an fp8 cache.
         key_cache, value_cache: ``[num_pages, page_size, num_kv_heads, head_dim]`` ("NHD") or
             ``[num_pages, num_kv_heads, page_size, head_dim]`` ("HND"); float32/float16/
             bfloat16 or float8_e4m3fn/float8_e5m2; any strides. Mutated.
@@ -143,7 +147,8 @@ def append_kv(
             sync), ``False`` never. Unchecked slots past the capacity are skipped by the kernel.
 
     Raises:
-        TypeError: a non-tensor or a wrong dtype. ValueError: a wrong rank/shape, mixed
+        TypeError: a non-tensor or a wrong dtype (key/value differing from a float cache's
+        dtype or from each other). ValueError: a wrong rank/shape, mixed
         devices, head counts or head_dim differing between key and caches, a scale with a
         non-fp8 cache or of a bad shape, or (when value checks run) a slot
         ``>= num_pages * page_size``. Messages name the argument.
@@ -165,8 +170,8 @@ def append_kv(
         key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
 
     fp8 = key_cache.dtype in V.FP8_DTYPES
-    kp, ks, kval = _scale_args(k_scale, key.device)
-    vp, vs, vval = _scale_args(v_scale, key.device)
+    kp, ks, kval = _scale_args(k_scale)
+    vp, vs, vval = _scale_args(v_scale)
     from_ptr = kp is not None or vp is not None
     if from_ptr:  # one tensor scale forces both through pointers (one compiled variant)
         if kp is None:

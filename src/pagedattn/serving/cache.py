@@ -1,0 +1,263 @@
+"""A per-model paged KV cache: page pool, per-sequence block tables, refcounted sharing.
+
+Storage is one tensor ``kv`` of shape ``[num_layers, 2, num_pages, page_size, num_kv_heads,
+head_dim]``; ``key_cache(layer)`` and ``value_cache(layer)`` are contiguous NHD views of it in
+the layout the decode kernel reads. All layers share one page table per sequence (as in vLLM):
+page ``p`` of a sequence holds its tokens ``[p * page_size, (p + 1) * page_size)`` in every
+layer.
+
+Bookkeeping lives on the host (Python lists: free pages, refcounts, block tables, lengths), so
+scheduling needs no device round trip. A step's device tensors (``slot_mapping``,
+``block_tables``, ``context_lens``, ``positions``) are built in one host buffer (pinned when the
+cache is on CUDA) and moved with one ``non_blocking`` copy.
+
+Sharing: :meth:`PagedKVCache.fork` gives the child the parent's pages, refcounted. Full pages
+are never written again, so they stay shared; the partial last page is copied on write: the
+first sequence that appends into a page whose refcount is above one gets a private copy (one
+device copy across all layers), and the other keeps the original.
+
+Errors leave the cache as it was: an append that would need more pages than are free raises
+:class:`CacheFullError` before touching anything, for every sequence of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from pagedattn._validation import FP8_DTYPES, check_scale_arg
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free pages for an append; nothing was changed.
+
+    Attributes: ``seq_id`` (the first sequence that does not fit), ``pages_needed`` (new pages
+    the whole request needs), ``pages_free``.
+    """
+
+    def __init__(self, seq_id: Hashable, num_tokens: int, pages_needed: int, pages_free: int):
+        self.seq_id, self.pages_needed, self.pages_free = seq_id, pages_needed, pages_free
+        super().__init__(
+            f"KV cache full: appending {num_tokens} token(s) to sequence {seq_id!r} needs "
+            f"{pages_needed} new page(s) for the request, only {pages_free} free; free or "
+            "preempt a sequence, or build the cache with more pages")
+
+
+class StepMetadata(NamedTuple):
+    """Device tensors for one step; all int32 (int64 when the cache has ≥ 2^31 slots)."""
+
+    slot_mapping: torch.Tensor  # [num_new_tokens] slot = page_id * page_size + offset
+    positions: torch.Tensor  # [num_new_tokens] token positions (RoPE), 0-based
+    context_lens: torch.Tensor  # [batch] lengths after this step's tokens
+    block_tables: torch.Tensor  # [batch, max_pages] page ids, padded with 0
+    query_start: list[int]  # host: [batch + 1] offsets of each sequence's new tokens
+
+
+def _as_scale_tensor(name: str, s, num_kv_heads: int, device: torch.device):
+    if s is None:
+        return None
+    if isinstance(s, torch.Tensor):
+        check_scale_arg(name, s.to(device), num_kv_heads, device)
+        return s.detach().to(device=device, dtype=torch.float32)
+    check_scale_arg(name, s, num_kv_heads, device)
+    return torch.tensor(float(s), dtype=torch.float32, device=device)
+
+
+class PagedKVCache:
+    """Paged KV cache for ``num_layers`` attention layers.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape.
+        num_pages: pages in the pool (shared by all sequences and layers).
+        page_size: tokens per page.
+        dtype: cache dtype: float32/float16/bfloat16, or float8_e4m3fn/float8_e5m2 with
+            ``k_scale``/``v_scale`` (float, 0-d or ``[num_kv_heads]``; stored = x / scale,
+            read back as stored * scale). Default scale 1.0 for fp8.
+        device: where the pages live.
+
+    Raises:
+        ValueError: non-positive sizes, scales with a non-fp8 dtype or of a bad shape.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_pages: int,
+                 page_size: int = 16, dtype: torch.dtype = torch.float16,
+                 device: str | torch.device = "cpu", k_scale=None, v_scale=None):
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("num_pages", num_pages),
+                        ("page_size", page_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_pages, self.page_size = num_pages, page_size
+        if dtype not in FP8_DTYPES and (k_scale is not None or v_scale is not None):
+            raise ValueError(f"k_scale: scales are for fp8 caches, got dtype {dtype}")
+        self.k_scale = _as_scale_tensor("k_scale", k_scale, num_kv_heads, self.device)
+        self.v_scale = _as_scale_tensor("v_scale", v_scale, num_kv_heads, self.device)
+        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=self.device)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() -> low id
+        self._refcount = [0] * num_pages
+        self._pages: dict[Hashable, list[int]] = {}
+        self._lens: dict[Hashable, int] = {}
+        self.index_dtype = torch.int64 if num_pages * page_size >= 2**31 else torch.int32
+
+    # -- views ---------------------------------------------------------------------------
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """``[num_pages, page_size, num_kv_heads, head_dim]`` view (NHD) of one layer."""
+        return self.kv[layer, 0]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1]
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        return list(self._lens)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self._lens[self._known(seq_id)]
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of the sequence's page ids."""
+        return list(self._pages[self._known(seq_id)])
+
+    def refcount(self, page_id: int) -> int:
+        return self._refcount[page_id]
+
+    def _known(self, seq_id: Hashable) -> Hashable:
+        if seq_id not in self._lens:
+            raise KeyError(f"seq_id: unknown sequence {seq_id!r}")
+        return seq_id
+
+    # -- sequence lifetime ---------------------------------------------------------------
+    def add_sequence(self, seq_id: Hashable) -> None:
+        """Register an empty sequence. Raises ValueError if the id is taken."""
+        if seq_id in self._lens:
+            raise ValueError(f"seq_id: sequence {seq_id!r} already exists")
+        self._pages[seq_id], self._lens[seq_id] = [], 0
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop a sequence; pages whose refcount falls to 0 return to the pool."""
+        for page in self._pages.pop(self._known(seq_id)):
+            self._decref(page)
+        del self._lens[seq_id]
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """New sequence ``child_id`` sharing all of ``parent_id``'s tokens (no copy now; the
+        partial last page is copied on the first write by either)."""
+        pages = self._pages[self._known(parent_id)]
+        self.add_sequence(child_id)
+        for page in pages:
+            self._refcount[page] += 1
+        self._pages[child_id] = list(pages)
+        self._lens[child_id] = self._lens[parent_id]
+
+    def _decref(self, page: int) -> None:
+        self._refcount[page] -= 1
+        if self._refcount[page] == 0:
+            self._free.append(page)
+
+    # -- appending -----------------------------------------------------------------------
+    def pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """New pages an append of ``num_tokens`` takes (a copy-on-write page counts)."""
+        n = self._lens[self._known(seq_id)]
+        if num_tokens <= 0:
+            return 0
+        cow = 1 if n % self.page_size and self._refcount[self._pages[seq_id][-1]] > 1 else 0
+        return cow + -(-(n + num_tokens) // self.page_size) - len(self._pages[seq_id])
+
+    def reserve(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> list[list[int]]:
+        """Append ``num_tokens[i]`` slots to each ``seq_ids[i]``, all or nothing.
+
+        Returns each sequence's new slots (host ints, ``page_id * page_size + offset``).
+        Raises CacheFullError (nothing changed) when the batch needs more pages than are free;
+        KeyError for an unknown sequence; ValueError for a repeated id or negative count.
+        """
+        if len(seq_ids) != len(num_tokens):
+            raise ValueError(f"num_tokens: expected {len(seq_ids)} counts, got {len(num_tokens)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids: a sequence appears twice in one step")
+        total = 0
+        for sid, n in zip(seq_ids, num_tokens, strict=True):
+            if n < 0:
+                raise ValueError(f"num_tokens: expected counts >= 0, got {n} for {sid!r}")
+            total += self.pages_needed(sid, n)
+            if total > len(self._free):
+                raise CacheFullError(sid, n, total, len(self._free))
+        copies: list[tuple[int, int]] = []
+        slots = [self._grow(sid, n, copies) for sid, n in zip(seq_ids, num_tokens, strict=True)]
+        if copies:  # copy-on-write: one device copy for every layer, K and V
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv[:, :, dst] = self.kv[:, :, src]
+        return slots
+
+    def append(self, seq_id: Hashable, num_tokens: int = 1) -> list[int]:
+        """Reserve ``num_tokens`` new slots for one sequence (see :meth:`reserve`)."""
+        return self.reserve([seq_id], [num_tokens])[0]
+
+    def _grow(self, seq_id: Hashable, num_tokens: int, copies: list) -> list[int]:
+        pages, n, ps = self._pages[seq_id], self._lens[seq_id], self.page_size
+        if num_tokens and n % ps and self._refcount[pages[-1]] > 1:
+            new = self._free.pop()
+            self._refcount[new] = 1
+            copies.append((pages[-1], new))
+            self._decref(pages[-1])
+            pages[-1] = new
+        while len(pages) * ps < n + num_tokens:
+            new = self._free.pop()
+            self._refcount[new] = 1
+            pages.append(new)
+        self._lens[seq_id] = n + num_tokens
+        return [pages[t // ps] * ps + t % ps for t in range(n, n + num_tokens)]
+
+    # -- step tensors --------------------------------------------------------------------
+    def build_metadata(self, seq_ids: Sequence[Hashable], new_slots: Sequence[Sequence[int]], *,
+                       max_pages: int | None = None) -> StepMetadata:
+        """Device tensors for a step whose new tokens were reserved as ``new_slots`` (the
+        last ``len(new_slots[i])`` tokens of each sequence). One host buffer, one copy.
+
+        ``max_pages`` fixes the block-table width (CUDA graphs); default: the widest sequence.
+        Raises ValueError when a sequence has more pages than ``max_pages``.
+        """
+        tables = [self._pages[self._known(s)] for s in seq_ids]
+        width = max([len(t) for t in tables] + [1]) if max_pages is None else max_pages
+        for sid, t in zip(seq_ids, tables, strict=True):
+            if len(t) > width:
+                raise ValueError(f"max_pages: sequence {sid!r} has {len(t)} pages > {width}")
+        lens = [self._lens[s] for s in seq_ids]
+        slots = [s for group in new_slots for s in group]
+        positions = [p for n, g in zip(lens, new_slots, strict=True) for p in range(n - len(g), n)]
+        flat = slots + positions + lens
+        for t in tables:
+            flat += t + [0] * (width - len(t))
+        pin = self.device.type == "cuda"
+        host = torch.tensor(flat, dtype=self.index_dtype)
+        if pin:
+            host = host.pin_memory()
+        buf = host.to(self.device, non_blocking=True)
+        nt, b = len(slots), len(seq_ids)
+        starts = [0]
+        for g in new_slots:
+            starts.append(starts[-1] + len(g))
+        return StepMetadata(buf[:nt], buf[nt:2 * nt], buf[2 * nt:2 * nt + b],
+                            buf[2 * nt + b:].view(b, width), starts)
+
+    def prepare_step(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], *,
+                     max_pages: int | None = None) -> StepMetadata:
+        """:meth:`reserve` then :meth:`build_metadata`: the usual call once per step."""
+        slots = self.reserve(seq_ids, num_tokens)
+        return self.build_metadata(seq_ids, slots, max_pages=max_pages)
+
+    def slot_mapping(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> torch.Tensor:
+        """Reserve and return ``[sum(num_tokens)]`` device slots for a step's new tokens."""
+        slots = self.reserve(seq_ids, num_tokens)
+        flat = [s for g in slots for s in g]
+        return torch.tensor(flat, dtype=self.index_dtype).to(self.device, non_blocking=True)

