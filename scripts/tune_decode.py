@@ -3,9 +3,10 @@
 Shapes are grouped by the table key (head_dim, group, cache dtype, page_size), since one key
 gets one config. For each key, stage 1 times every tile (block_n, num_warps, num_stages) on
 all the key's shapes and keeps the tile with the best geometric-mean slowdown against each
-shape's fastest (fp32 also tries the CUDA-core path); stage 2 does the same for the launch (persistent or one program per unit,
-ctas_per_sm cap, units_per_program, min_chunk) on that tile. Times are cold-L2 eager medians; each variant's output is compared
-with the untuned config's (relative L2) so a broken variant shows. This is a tuning aid: the
+shape's fastest (fp32 also tries the CUDA-core path); stage 2 does the same for the launch
+(persistent or one program per unit, ctas_per_sm cap, units_per_program, min_chunk) on that
+tile. Times are cold-L2 eager medians; each variant's output is compared with the untuned
+config's (relative L2) so a broken variant shows. This is a tuning aid: the
 benchmark harness makes the published numbers. Usage (repo root, GPU machine):
 
     PYTHONPATH=src python3 scripts/tune_decode.py --shapes peers --out tune.csv \\
@@ -113,7 +114,7 @@ def main() -> int:
         tile = _geomean_best([r for r in rows if r["stage"] == "tile"], names, tile_fields)
         if tile is None:
             continue
-        tiled = dataclasses.replace(base, **dict(zip(tile_fields, tile)))
+        tiled = dataclasses.replace(base, **dict(zip(tile_fields, tile, strict=True)))
         for pers, ctas, upp, mc in LAUNCHES:
             trial(dataclasses.replace(tiled, persistent=pers, ctas_per_sm=ctas,
                                       units_per_program=upp, min_chunk=mc * tiled.block_n),
@@ -121,7 +122,7 @@ def main() -> int:
         launch_fields = ("persistent", "ctas_per_sm", "units_per_program", "min_chunk")
         launch = _geomean_best([r for r in rows if r["stage"] == "launch"], names, launch_fields)
         if launch is not None:
-            chosen = dataclasses.replace(tiled, **dict(zip(launch_fields, launch)))
+            chosen = dataclasses.replace(tiled, **dict(zip(launch_fields, launch, strict=True)))
             table[key] = dataclasses.asdict(chosen)
             print("chosen", key, table[key], flush=True)
             _write_table(args.table, table, args.shapes)  # after each key: a timeout keeps it

@@ -16,7 +16,7 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (cached; metadata only, no sync)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -157,4 +157,4 @@ def paged_decode(
         else:
             launcher(query, key_cache, value_cache, block_tables, context_lens, out, lse,
                      scale=sm_scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
-    return DecodeOutput(out, lse) if return_lse else out
+    return DecodeOutput(out, lse) if lse is not None else out

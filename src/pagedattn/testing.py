@@ -73,7 +73,7 @@ def make_paged_inputs(
     tables = torch.full((batch, max_pages), -1, dtype=torch.int32)
     used_slot = torch.zeros(num_pages, page_size, dtype=torch.bool)
     nxt = 0
-    for b, (n, p) in enumerate(zip(context_lens, need)):
+    for b, (n, p) in enumerate(zip(context_lens, need, strict=True)):
         ids = perm[nxt:nxt + p]
         nxt += p
         tables[b, :p] = ids.to(torch.int32)

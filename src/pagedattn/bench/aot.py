@@ -92,8 +92,10 @@ def resource_usage(compiled) -> dict[str, object]:
                                str(src), "-o", str(Path(tmp) / "k.cubin")],
                               capture_output=True, text=True, check=False)
     text = proc.stderr
-    patterns = {"registers": r"Used (\d+) registers", "spill_stores": r"(\d+) bytes spill stores",
-                "spill_loads": r"(\d+) bytes spill loads", "stack_bytes": r"(\d+) bytes stack frame"}
+    patterns = {"registers": r"Used (\d+) registers",
+                "spill_stores": r"(\d+) bytes spill stores",
+                "spill_loads": r"(\d+) bytes spill loads",
+                "stack_bytes": r"(\d+) bytes stack frame"}
     for key, pat in patterns.items():
         m = re.search(pat, text)
         info[key] = int(m.group(1)) if m else None

@@ -11,7 +11,7 @@ DRAM idle). Each row keeps its own online-softmax state. Tokens are visited one 
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _kv_token_offsets, _rescale
+from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _kv_token_offsets, _rescale
 
 
 @triton.jit

@@ -47,7 +47,7 @@ ALiBi, multi-token queries) are branches of this kernel, not forks.
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _page_ids, _rescale
+from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _page_ids, _rescale
 
 
 @triton.jit

@@ -18,7 +18,7 @@ The two stages share this body and differ in the launch, as in the study:
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _kv_token_offsets, _rescale
+from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _kv_token_offsets, _rescale
 
 
 @triton.jit

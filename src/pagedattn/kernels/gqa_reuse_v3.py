@@ -16,7 +16,7 @@ as in the study); the online softmax keeps a state per query head.
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _page_ids, _rescale
+from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _page_ids, _rescale
 
 
 @triton.jit

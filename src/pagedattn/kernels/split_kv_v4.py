@@ -19,7 +19,7 @@ programs for small batches and long contexts, but no GQA reuse (each query head 
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _dim_mask, _clamped_context_len, _rescale
+from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _rescale
 from pagedattn.kernels.fused_v1 import _attend_tokens
 
 

@@ -22,17 +22,8 @@ _GPU_TILE_ELEMENTS = 2048
 _INTERPRET_BLOCK_T = 64
 
 
-def _fail(exc: type[Exception], name: str, expected: str, got) -> None:
-    raise exc(f"{name}: expected {expected}, got {got}")
-
-
-def _check_rank_dtype(name: str, t, rank: int, dtypes: tuple, words: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
-    if t.dim() != rank:
-        _fail(ValueError, name, f"a rank-{rank} tensor", f"shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        _fail(TypeError, name, words, t.dtype)
+_fail = V._fail  # one error format for every argument check
+_check_rank_dtype = V._check_tensor
 
 
 def check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, *, kv_layout,

@@ -26,7 +26,6 @@ from pagedattn._validation import FP8_DTYPES
 from pagedattn.kernels.decode import _paged_decode_kernel, _paged_decode_merge_kernel
 from pagedattn.launch._common import LOG2E, block_d, decode_strides, record
 
-
 # split rows merged per vector step: covers the usual split counts in one load round
 _MERGE_BLOCK_R = 32
 
@@ -63,18 +62,32 @@ def _tuned_table() -> dict[str, dict]:
 
 
 def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> DecodeConfig:
-    """The untuned rule (``docs/perf-notes.md``): tiles of about 16 KB of K per stage, three
-    stages, as many resident programs as fit; the tuned table overrides it per key."""
+    """The untuned rule, read off the H200 sweeps (``docs/results/tune-h200-step3.csv``,
+    ``docs/perf-notes.md``) for keys the tuned table lacks:
+
+    * 16-bit caches: 32-token tiles 4 stages deep at head_dim 128-256 (many small programs
+      hide latency best), 128-token tiles 2 deep at head_dim <= 64 (per-tile costs dominate
+      there: 1.8x faster than 32-token tiles);
+    * fp8 caches: 128-token tiles, 2 stages (half the bytes per token);
+    * fp32 caches: 64-token tiles, 2 stages (twice the bytes per token), persistent grid;
+    * one program per split unit, splits sized for two units per resident program.
+    """
     bd = block_d(head_dim)
-    block_n = 64 if bd <= 128 else 32
-    if cache_dtype == torch.float32:  # fp32 tiles are twice the bytes
-        block_n //= 2
-    # ctas_per_sm is a cap: the launcher fits the grid to the kernel's real occupancy
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, use_dot=True,
-                        ctas_per_sm=4, min_chunk=512, units_per_program=2)
+    if cache_dtype == torch.float32:
+        return DecodeConfig(block_n=64 if bd <= 128 else 32, num_warps=4, num_stages=2,
+                            use_dot=True, ctas_per_sm=2, min_chunk=128, units_per_program=1,
+                            persistent=True)
+    if cache_dtype in FP8_DTYPES:
+        block_n, stages = (128, 2) if bd <= 128 else (64, 2)
+    elif bd <= 64:
+        block_n, stages = 128, 2
+    else:
+        block_n, stages = 32, 4 if bd <= 128 else 3
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=stages, use_dot=True,
+                        ctas_per_sm=4, min_chunk=256, units_per_program=2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size: int,
                   interpret: bool) -> DecodeConfig:
     """Tuned entry when the table has this key, else the heuristic. Keyed on shapes and dtype
@@ -195,10 +208,8 @@ def paged_decode_auto(query, key_cache, value_cache, block_tables, context_lens,
 
     resident = resident_programs(query, cfg, compile_kernel)
     target_units = resident * cfg.units_per_program
-    if forced:
-        rows_max = batch * forced
-    else:  # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
-        rows_max = batch + triton.cdiv(target_units, num_kv_heads)
+    # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
+    rows_max = batch * forced if forced else batch + triton.cdiv(target_units, num_kv_heads)
     programs = resident if cfg.persistent else rows_max * num_kv_heads
     part_ml = torch.empty(rows_max, num_q_heads, 2, dtype=torch.float32, device=device)
     part_acc = torch.empty(rows_max, num_q_heads, bd, dtype=torch.float32, device=device)

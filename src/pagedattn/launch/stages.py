@@ -8,7 +8,8 @@ Each launcher keeps its stage's grid and warp count from the study (``shared/see
 | fused_v1       | (batch, num_q_heads)                 | 4     | kernels/fused_v1.py           |
 | vectorized_v2  | (batch, num_q_heads)                 | 1     | kernels/fused_v1.py (shared)  |
 | gqa_reuse_v3   | (batch, num_kv_heads)                | 4     | kernels/gqa_reuse_v3.py       |
-| split_kv_v4    | (batch, num_q_heads, num_splits) + merge (batch, num_q_heads) | 1 | kernels/split_kv_v4.py |
+| split_kv_v4    | (batch, num_q_heads, num_splits)     | 1     | kernels/split_kv_v4.py        |
+|  + its merge   | (batch, num_q_heads)                 | 1     | kernels/split_kv_v4.py        |
 
 Inputs are already validated by ``pagedattn.api``; caches arrive as NHD-shaped views.
 """
