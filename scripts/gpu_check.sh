@@ -50,6 +50,16 @@ assemble_gguf() {  # the 98 MB GGUF travels in two halves over two consecutive (
   fi
 }
 
+run_tune() {  # run_tune LIMIT_S REPS: sweep -> .tuned/tuned_h200.json (copy it to
+  # src/pagedattn/launch/ to publish), used by the rest of the phase
+  stamp "tile/launch sweep -> tuned table"
+  mkdir -p .tuned
+  timeout "$1" python3 scripts/tune_decode.py --shapes peers --reps "$2" \
+    --out "$RES/tune.csv" --table .tuned/tuned_h200.json > "$RES/tune.log" 2>&1
+  grep -E "chosen|oracle|Error" "$RES/tune.log" | head -40; cp .tuned/tuned_h200.json "$RES/"
+  export PAGEDATTN_TUNED_TABLE=$PWD/.tuned/tuned_h200.json
+}
+
 pack() {  # the device returns at most 8 files: ship the run as one archive plus its logs
   tar czf "$OUT/results-$phase.tgz" -C "$RES" . && ls -la "$OUT"
 }
@@ -75,12 +85,7 @@ case "$phase" in
     ;;
   tuneprof)  # second run: tuned table (oracle-checked), then the ladder under ncu
     env_info; ncu --version | tee -a "$OUT/env.txt"
-    stamp "tile/launch sweep -> tuned table (kept on the machine in .tuned/ for the next call)"
-    mkdir -p .tuned
-    timeout 230 python3 scripts/tune_decode.py --shapes peers --reps 12 \
-      --out "$RES/tune.csv" --table .tuned/tuned_h200.json > "$RES/tune.log" 2>&1
-    grep -E "chosen|oracle|Error" "$RES/tune.log" | head -40; cp .tuned/tuned_h200.json "$RES/"
-    export PAGEDATTN_TUNED_TABLE=$PWD/.tuned/tuned_h200.json
+    run_tune 230 12
     stamp "ladder: 5 stages + auto on the study's shape and a trace batch, under ncu"
     timeout 210 python3 -m pagedattn.cli ladder --out "$RES/docs/ladder-h200.md" \
       --out-dir "$RES/ladder" > "$RES/ladder.log" 2>&1; tail -40 "$RES/ladder.log"
@@ -101,12 +106,7 @@ case "$phase" in
   final_a)  # last tuning of the table, then the published benchmark and the main job
     env_info
     setup_flashinfer
-    stamp "tile/launch sweep -> tuned table"
-    mkdir -p .tuned
-    timeout 130 python3 scripts/tune_decode.py --shapes peers --reps 10 \
-      --out "$RES/tune.csv" --table .tuned/tuned_h200.json > "$RES/tune.log" 2>&1
-    grep -E "chosen|oracle|Error" "$RES/tune.log" | head -40; cp .tuned/tuned_h200.json "$RES/"
-    export PAGEDATTN_TUNED_TABLE=$PWD/.tuned/tuned_h200.json
+    run_tune 130 10
     stamp "benchmark harness, peers shapes (auto vs FlashInfer and naive; eager and graph)"
     timeout 220 python3 -m pagedattn.cli bench --shapes peers --impls auto \
       --peers naive,flashinfer-tc --graph --reps 50 --out-dir "$RES/bench" > "$RES/bench.log" 2>&1

@@ -47,6 +47,16 @@ def cache_dims(key_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, 
     return (num_pages, a, b, head_dim) if kv_layout == "NHD" else (num_pages, b, a, head_dim)
 
 
+def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """``value_cache`` has the shape and dtype of ``key_cache``."""
+    if value_cache.shape != key_cache.shape:
+        _fail(ValueError, "value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",
+              tuple(value_cache.shape))
+    if value_cache.dtype != key_cache.dtype:
+        _fail(TypeError, "value_cache", f"the dtype of key_cache ({key_cache.dtype})",
+              value_cache.dtype)
+
+
 def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) -> None:
     """fp8 scales: a Python float, a 0-d tensor, or a ``[num_kv_heads]`` tensor."""
     if s is None:
@@ -87,12 +97,7 @@ def check_metadata(
     _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
     _check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, "int32 or int64")
 
-    if value_cache.shape != key_cache.shape:
-        _fail(ValueError, "value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",
-              tuple(value_cache.shape))
-    if value_cache.dtype != key_cache.dtype:
-        _fail(TypeError, "value_cache", f"the dtype of key_cache ({key_cache.dtype})",
-              value_cache.dtype)
+    check_cache_pair(key_cache, value_cache)
     if key_cache.dtype in FLOAT_DTYPES and key_cache.dtype != query.dtype:
         _fail(TypeError, "key_cache", f"the query's dtype {query.dtype} (or an fp8 dtype)",
               key_cache.dtype)

@@ -44,12 +44,7 @@ def check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, *, kv
         _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
     if value.shape != key.shape:
         _fail(ValueError, "value", f"the shape of key {tuple(key.shape)}", tuple(value.shape))
-    if value_cache.shape != key_cache.shape:
-        _fail(ValueError, "value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",
-              tuple(value_cache.shape))
-    if value_cache.dtype != key_cache.dtype:
-        _fail(TypeError, "value_cache", f"the dtype of key_cache ({key_cache.dtype})",
-              value_cache.dtype)
+    V.check_cache_pair(key_cache, value_cache)
     for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("slot_mapping", slot_mapping)):
         if t.device != key.device:
