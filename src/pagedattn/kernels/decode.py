@@ -1,5 +1,5 @@
 """The production decode kernel behind ``impl="auto"``: GQA-packed, multi-page tiles,
-token-balanced split-KV on a persistent grid, and a log-sum-exp merge.
+token-balanced split-KV planned on the device, and a log-sum-exp merge.
 
 **Work units.** A unit is (split row ``r``, kv head): tokens ``[s·chunk_b, min((s+1)·chunk_b,
 len_b))`` of sequence ``b`` for the whole query group of one kv head. Rows are numbered
@@ -24,15 +24,17 @@ to the largest possible unit count, one unit per program (the hardware balances;
 the real count exit after the scan), or makes it persistent (SMs × resident programs).
 
 **One unit.** The query group, padded to ``BLOCK_H`` rows, is one tile; the program walks
-``BLOCK_N``-token tiles that may span several pages (one block-table load per tile), loads
-K and V once for the whole group, and runs the online softmax in the exp2 domain with
+``BLOCK_N``-token tiles that may span several pages (the next tile's block-table entries are
+loaded one iteration ahead, so K/V loads never wait on a load of their own iteration), loads K
+and V once for the whole group, and runs the online softmax in the exp2 domain with
 ``scale · log2(e)`` applied to the fp32 scores (fp32 accumulation; folding it into a 16-bit
 ``q`` would round the scores by the query's precision and cost the LSE its accuracy at large
-logits, case B16). ``USE_DOT`` uses tensor cores
-(``tl.dot``, group padded to ≥ 16 rows); fp32 caches use CUDA-core FMA reductions instead
-(ieee fp32, no tf32). fp8 caches are converted to fp16 in registers (the query too) and
-dequantized by applying ``k_scale`` to the scores and ``v_scale`` to the output. Token tiles are
-software-pipelined by Triton (``num_stages``).
+logits, case B16). ``USE_DOT`` uses ``tl.dot`` with the group padded to ≥ 16 rows: tensor
+cores for 16-bit and fp8 caches, exact ieee fp32 products for fp32 caches
+(``DOT_PRECISION="ieee"``, never tf32); ``USE_DOT=False`` is the CUDA-core broadcast-reduce
+path without padding. fp8 caches are converted to fp16 in registers (the query too) and
+dequantized by applying ``k_scale`` to the scores and ``v_scale`` to the output. Token tiles
+are software-pipelined by Triton (``num_stages``).
 
 A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
 writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and
