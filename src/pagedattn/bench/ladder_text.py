@@ -107,7 +107,8 @@ def counter_sentence(p: ImplProfile | None, *, study: bool) -> str:
     parts = []
     for key in STAGE_COUNTERS.get(p.impl, ("dram_pct",)):
         label, fmt = _LABELS[key]
-        v = smem_bytes(p.main_kernel) if key == "smem" else _first(p, key)
+        main = p.main_kernel
+        v = (smem_bytes(main) if main else None) if key == "smem" else _first(p, key)
         parts.append(f"{label} {fmt(v)}" + (f" (study {fmt(ref[key])})" if key in ref else ""))
     text = "  ncu: " + "; ".join(parts) + "."
     for other in (k for k in p.kernels if k is not p.main_kernel):
@@ -125,7 +126,7 @@ def counter_sentence(p: ImplProfile | None, *, study: bool) -> str:
 def _reading(p: ImplProfile, study: bool) -> str:
     """One templated reading of a stage's counters against the study's account of it."""
     dram, sm, l1 = _first(p, "dram_pct"), _first(p, "sm_pct"), _first(p, "l1_pct")
-    if p.impl == "baseline" and None not in (dram, sm, l1):
+    if p.impl == "baseline" and dram is not None and sm is not None and l1 is not None:
         busy = min(sm, l1) > 5 * dram
         return (" SM and L1 are far busier than DRAM: the redundant-work signature the study "
                 "describes." if busy else " Unlike the study, SM and L1 are not far busier "
@@ -151,12 +152,13 @@ def shape_commentary(profiles: list[ImplProfile], roofline_gbps: float | None) -
             prev = "gqa_reuse_v3"
         lines.append(step_sentence(by.get(prev), by.get(cur), study=study))
         lines.append(counter_sentence(by.get(cur), study=study))
-    timed = [p for p in profiles if p.total_us and p.impl in LADDER]
+    timed = [(p.total_us, p) for p in profiles if p.total_us and p.impl in LADDER]
     if timed:
-        best = min(timed, key=lambda p: p.total_us)
-        text = f"- Fastest stage: **{best.impl}**, {fmt_time(best.total_us)}, {best.gbps:,.0f} GB/s"
+        best_us, best = min(timed, key=lambda tp: tp[0])
+        best_gbps = best.gbps or 0.0  # timed, so set
+        text = f"- Fastest stage: **{best.impl}**, {fmt_time(best_us)}, {best_gbps:,.0f} GB/s"
         if roofline_gbps:
-            text += (f" = {100 * best.gbps / roofline_gbps:.1f} % of the read roofline measured "
+            text += (f" = {100 * best_gbps / roofline_gbps:.1f} % of the read roofline measured "
                      f"in this run ({roofline_gbps:,.0f} GB/s)")
         if study:
             also = " also" if best.impl == "gqa_reuse_v3" else ""
@@ -164,8 +166,8 @@ def shape_commentary(profiles: list[ImplProfile], roofline_gbps: float | None) -
                      "on its GPU)")
         lines.append(text + ".")
         auto = by.get("auto")
-        if auto and auto.total_us:
-            r = best.total_us / auto.total_us
+        if auto and auto.total_us and auto.gbps:
+            r = best_us / auto.total_us
             lines.append(f"- **auto** (the production kernel): {fmt_time(auto.total_us)}, "
                          f"{_speed(r)} than {best.impl}"
                          + (f", {100 * auto.gbps / roofline_gbps:.1f} % of the roofline."
@@ -188,7 +190,7 @@ def cross_shape_sentence(study_profiles: list[ImplProfile],
     r_study, r_trace = ratio(study_profiles), ratio(trace_profiles)
     if r_study is None or r_trace is None:
         return ""
-    study = _ratio(STUDY["gqa_reuse_v3"]["duration_us"], STUDY["split_kv_v4"]["duration_us"])
+    study = STUDY["gqa_reuse_v3"]["duration_us"] / STUDY["split_kv_v4"]["duration_us"]
     return (f"- Split-KV against GQA reuse: split_kv_v4 is {_speed(r_study)} than gqa_reuse_v3 "
             f"on the uniform study shape and {_speed(r_trace)} on the ragged trace batch "
             f"(study: {_speed(study)} on its uniform shape).")

@@ -169,7 +169,7 @@ def profile_with_ncu(ncu_path: str, impl: str, shape_name: str, out_dir: Path, *
     for k in kernels:  # Triton's spills/num_warps/num_stages, which ncu does not report
         for key in META_KEYS:
             k.values.setdefault(key, by_name.get(k.name, {}).get(key))
-    total = sum(k.values["duration_us"] for k in kernels)
+    total = sum(k.values["duration_us"] or 0.0 for k in kernels)  # each checked above
     files = [str(paths[ext]) for ext in (".ncu-rep", ".raw.csv", ".details.csv")]
     return ImplProfile(impl, shape.name, SOURCE_NCU, kernels, total, shape.minimal_bytes,
                        files=files)
