@@ -118,7 +118,6 @@ def _paged_decode_kernel(
     USE_DOT: tl.constexpr,  # tensor-core tl.dot (else fp32 FMA reductions)
     DOT_DTYPE: tl.constexpr,  # operand dtype of the dots
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no tf32), else the default
-    KV_FP8: tl.constexpr,  # fp8 cache: dequantize through scales
     SCALE_FROM_PTR: tl.constexpr,  # scales come as tensors (graph-safe), not floats
     HAS_LSE: tl.constexpr,
 ):
@@ -130,7 +129,7 @@ def _paged_decode_kernel(
     chunk = tl.cdiv(tl.cdiv(work, target_units), BLOCK_N) * BLOCK_N
     chunk = tl.maximum(chunk, min_chunk)
     # total rows: Σ ceil(len_b / chunk_b); the last sequence's rows end there
-    last_b, last_start = _locate_row(context_lens_ptr, 2147483647, batch, stride_ctx, capacity,
+    _, last_start = _locate_row(context_lens_ptr, 2147483647, batch, stride_ctx, capacity,
                                      chunk, forced_splits, BLOCK_B, BLOCK_N)
     num_units = last_start * num_kv_heads
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import triton
 
 from pagedattn.launch import LAST_COMPILED
@@ -31,7 +30,3 @@ def decode_strides(query, key_cache, value_cache, block_tables, context_lens) ->
         *block_tables.stride(),
         context_lens.stride(0),
     )
-
-
-def as_fp32_scale(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.float32 else x.float()

@@ -103,7 +103,7 @@ def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size
     return cfg
 
 
-def _dot_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype, interpret: bool):
+def _dot_dtype(cache_dtype: torch.dtype, interpret: bool):
     if cache_dtype in FP8_DTYPES:
         return tl.float16  # fp8 -> fp16 converts natively; fp16 dots are exact in the interpreter
     if cache_dtype == torch.bfloat16:
@@ -182,9 +182,9 @@ def paged_decode_auto(query, key_cache, value_cache, block_tables, context_lens,
         # the query group is the tile's rows: tl.dot needs >= 16 (padding rows are masked)
         BLOCK_H=max(16 if cfg.use_dot else 1, triton.next_power_of_2(group)),
         PAGE_SIZE=page_size,
-        USE_DOT=cfg.use_dot, DOT_DTYPE=_dot_dtype(query.dtype, key_cache.dtype, interpret),
+        USE_DOT=cfg.use_dot, DOT_DTYPE=_dot_dtype(key_cache.dtype, interpret),
         DOT_PRECISION=_dot_precision(key_cache.dtype),
-        KV_FP8=key_cache.dtype in FP8_DTYPES, SCALE_FROM_PTR=from_ptr,
+        SCALE_FROM_PTR=from_ptr,
         HAS_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
