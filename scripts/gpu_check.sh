@@ -3,7 +3,12 @@
 #   bash scripts/gpu_check.sh tune      # GPU tests of the kernels, main job, tile/launch sweep
 #   bash scripts/gpu_check.sh tuneprof  # kernel tests, tuned table, ncu profile, ladder
 #   bash scripts/gpu_check.sh bench     # harness: auto vs peers (FlashInfer sdist in .ext_fi)
-#   bash scripts/gpu_check.sh serve     # model, CUDA graphs, torch.compile, hardening, sanitizer
+#   bash scripts/gpu_check.sh final_a   # retune, published benchmark, main job, hardening (session 1)
+#   bash scripts/gpu_check.sh final_b   # model, serving tests, sanitizers (session 1)
+#   bash scripts/gpu_check.sh step6     # GPU tests, host overhead, retune, bench the gap shapes
+#   bash scripts/gpu_check.sh final2_a  # retune, then the published benchmark (session 2)
+#   bash scripts/gpu_check.sh final2_b  # GPU tests, main job, sanitizers, ncu (session 2)
+#   bash scripts/gpu_check.sh final4    # the published benchmark (carry .ext_fi)
 # Each phase packs its results into $OUT/results-<phase>.tgz (the device returns <= 8 files).
 # Full logs and tables go to $OUT (default ./out). Run from the repo root; no install needed.
 set -u -o pipefail
@@ -60,6 +65,13 @@ run_tune() {  # run_tune LIMIT_S REPS: sweep -> .tuned/tuned_h200.json (copy it 
   export PAGEDATTN_TUNED_TABLE=$PWD/.tuned/tuned_h200.json
 }
 
+bench_peers() {  # bench_peers LIMIT_S: the published benchmark (auto vs peers, eager + graph)
+  stamp "benchmark harness, peers shapes (auto vs FlashInfer and naive; eager and graph)"
+  timeout "$1" python3 -m pagedattn.cli bench --shapes peers --impls auto \
+    --peers naive,flashinfer-tc --graph --reps 50 --out-dir "$RES/bench" > "$RES/bench.log" 2>&1
+  grep -E "^[a-z0-9-]+ +(auto|flashinfer-tc) " "$RES/bench.log"; tail -2 "$RES/bench.log"
+}
+
 pack() {  # the device returns at most 8 files: ship the run as one archive plus its logs
   tar czf "$OUT/results-$phase.tgz" -C "$RES" . && ls -la "$OUT"
 }
@@ -107,10 +119,7 @@ case "$phase" in
     env_info
     setup_flashinfer
     run_tune 130 10
-    stamp "benchmark harness, peers shapes (auto vs FlashInfer and naive; eager and graph)"
-    timeout 220 python3 -m pagedattn.cli bench --shapes peers --impls auto \
-      --peers naive,flashinfer-tc --graph --reps 50 --out-dir "$RES/bench" > "$RES/bench.log" 2>&1
-    grep -E "^[a-z0-9-]+ +(auto|flashinfer-tc) " "$RES/bench.log"; tail -2 "$RES/bench.log"
+    bench_peers 220
     stamp "main job: llama-3-8b, azure trace, batches 8 and 64"
     for b in 8 64; do
       timeout 60 python3 -m pagedattn.cli run --model llama-3-8b --batch "$b" \
@@ -142,6 +151,57 @@ case "$phase" in
       tests/test_model.py 2>&1 | tee "$RES/pytest-serving.log" | tail -8
     stamp "compute-sanitizer memcheck and racecheck"
     OUT=$RES timeout 270 bash scripts/gpu_hardening.sh sanitize | tail -12
+    pack
+    ;;
+  step6)  # session 2: balanced splits + recorded launch plans: tests, host time, retune
+    env_info
+    stamp "GPU tests: decode (plans), CUDA graphs, determinism, cases"
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode.py \
+      tests/test_cuda_graph.py tests/test_determinism.py tests/test_cases_masking.py \
+      tests/test_cases_shapes.py 2>&1 | tee "$RES/pytest.log" | tail -4
+    stamp "host overhead"
+    timeout 60 python3 scripts/host_overhead.py --shapes llama8b-b64-c2k,llama8b-b1-c32k \
+      > "$RES/host.log" 2>&1; grep '^{' "$RES/host.log"
+    run_tune 230 10
+    gap=llama8b-b1-c32k,llama8b-b8-c8k,llama8b-b64-c2k,qwen7b-b64-c4k,hd64-smollm-b64-c2k
+    gap=$gap,fp8-llama8b-b1-c32k,azure-conv-b64-llama8b,mooncake-b16-llama8b,tp8-70b-b128-c8k
+    stamp "bench on the gap shapes with the new table"
+    timeout 100 python3 -m pagedattn.cli bench --shapes "$gap" --impls auto --peers none \
+      --graph --reps 40 --out-dir "$RES/bench" > "$RES/bench.log" 2>&1
+    grep -E "^[a-z0-9-]+ +auto " "$RES/bench.log"; grep -i "roofline" "$RES/bench.log" | tail -1
+    pack
+    ;;
+  final2_a)  # session 2: retune with the clock-ramp warm-up, then the published benchmark
+    env_info
+    setup_flashinfer
+    run_tune 170 10
+    bench_peers 330
+    pack
+    ;;
+  final2_b)  # GPU tests, main job, sanitizers on the new launch path, ncu on the gap shapes
+    env_info
+    stamp "GPU tests: kernels, cases, CUDA graphs, serving"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_decode.py \
+      tests/test_cuda_graph.py tests/test_determinism.py tests/test_cases_masking.py \
+      tests/test_cases_shapes.py tests/test_cases_runtime.py tests/test_ops.py \
+      tests/test_engine.py tests/test_append_kv.py 2>&1 | tee "$RES/pytest-gpu.log" | tail -6
+    stamp "main job: llama-3-8b, azure trace, batch 64"
+    timeout 60 python3 -m pagedattn.cli run --model llama-3-8b --batch 64 \
+      --csv "$RES/mainjob-llama8b-b64.csv" > "$RES/mainjob-b64.log" 2>&1
+    grep -E "auto|baseline|gqa|split|fused|vector" "$RES/mainjob-b64.log" | tail -6
+    stamp "compute-sanitizer memcheck and racecheck"
+    OUT=$RES timeout 170 bash scripts/gpu_hardening.sh sanitize | tail -12
+    for s in llama8b-b64-c2k hd64-smollm-b64-c2k; do
+      stamp "ncu: auto on $s"
+      timeout 45 python3 -m pagedattn.cli profile --impl auto --shape "$s" \
+        --out-dir "$RES/ncu-$s" > "$RES/ncu-$s.log" 2>&1; tail -22 "$RES/ncu-$s.log"
+    done
+    pack
+    ;;
+  final4)  # the published benchmark of the final tree (both merge grids; carry .ext_fi)
+    env_info
+    setup_flashinfer
+    bench_peers 170
     pack
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;

@@ -114,3 +114,67 @@ def test_auto_launch_modes(persistent, use_dot, dtype, device, monkeypatch):
                                page_size=16, dtype=dtype, seed=5, device=device)
     out = _run("auto", inputs)
     assert rel_l2_error(out, paged_decode_reference(*inputs).out) <= tolerance_for(dtype)
+
+
+def test_plan_constexprs_follow_the_kernel_signature():
+    """The recorded plan passes constexpr slots in the kernel's parameter order, and a dict
+    that does not end the signature is refused rather than launched misaligned."""
+    from pagedattn.kernels.decode import _merge_per_group_kernel
+    from pagedattn.launch.decode import _in_order
+
+    names = ["HEAD_DIM", "BLOCK_D", "BLOCK_H", "HAS_LSE"]
+    got = _in_order(_merge_per_group_kernel, {n: i for i, n in enumerate(reversed(names))})
+    assert got == (3, 2, 1, 0)
+    with pytest.raises(RuntimeError, match="do not end its signature"):
+        _in_order(_merge_per_group_kernel, {"HEAD_DIM": 1, "BLOCK_D": 2, "NOPE": 3,
+                                               "HAS_LSE": 4})
+
+
+@pytest.mark.gpu
+def test_repeat_calls_launch_the_recorded_plan(monkeypatch):
+    """Repeats of one signature skip Triton's binding (the first call records a plan) and
+    stay correct with new lengths, queries, float scales and a new ``out``; a pointer that
+    loses 16-byte alignment is a new signature, not a wrong specialization."""
+    from pagedattn.launch import decode as launch_decode
+
+    monkeypatch.setattr(launch_decode, "_PLANS", {})
+    first = launch_decode._launch_first
+    calls = []
+    monkeypatch.setattr(launch_decode, "_launch_first",
+                        lambda *a, **k: calls.append(1) or first(*a, **k))
+    for seed, lens, scale in ((1, [5, 40, 0, 77], None), (2, [77, 1, 30, 64], 0.3),
+                              (3, [0, 0, 9, 3], 1.7)):
+        inputs = make_paged_inputs(lens, num_q_heads=8, num_kv_heads=2, head_dim=128,
+                                   page_size=16, dtype=torch.bfloat16, seed=seed, device="cuda",
+                                   max_pages=5)
+        out = _run("auto", inputs, scale=scale)
+        ref = paged_decode_reference(*inputs, scale=scale).out
+        assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
+    assert len(calls) == 1 and len(launch_decode._PLANS) == 1
+    # the same shapes and strides with a query 2 bytes off 16-byte alignment
+    buf = torch.empty(inputs.query.numel() + 1, dtype=inputs.query.dtype, device="cuda")
+    shifted = buf[1:].view_as(inputs.query).copy_(inputs.query)
+    out = torch.full_like(inputs.query, float("nan"))
+    pagedattn.paged_decode(shifted, *inputs[1:], out=out, scale=1.7)
+    assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
+    assert len(calls) == 2 and len(launch_decode._PLANS) == 2
+
+
+@pytest.mark.parametrize("per_group", [True, False])
+def test_both_merge_grids(per_group, device, monkeypatch):
+    """Either merge grid (per kv head, per query head; chosen by batch x kv heads against the
+    SM count) merges forced splits, empty rows and the LSE exactly like the oracle."""
+    from pagedattn.launch import decode as launch_decode
+
+    monkeypatch.setattr(launch_decode, "merge_per_group", lambda *a: per_group)
+    monkeypatch.setattr(launch_decode, "_PLANS", {})
+    inputs = make_paged_inputs([0, 45, 3, 130], num_q_heads=6, num_kv_heads=2, head_dim=64,
+                               page_size=16, dtype=torch.float16, seed=11, device=device)
+    out = torch.full_like(inputs.query, float("nan"))
+    res = pagedattn.paged_decode(*inputs, out=out, num_splits=3, return_lse=True)
+    ref = paged_decode_reference(*inputs)
+    assert rel_l2_error(res.out, ref.out) <= tolerance_for(torch.float16)
+    finite = torch.isfinite(ref.lse)
+    assert torch.isneginf(res.lse.cpu()[~finite.cpu()]).all()
+    torch.testing.assert_close(res.lse.double()[finite], ref.lse[finite].to(res.lse.device),
+                               rtol=1e-3, atol=1e-3)

@@ -7,6 +7,7 @@ lazily, on the first call, so ``import pagedattn`` never imports Triton: the CLI
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import NamedTuple
 
@@ -24,6 +25,19 @@ IMPLS: dict[str, tuple[str, str]] = {
     "auto": ("pagedattn.launch.decode", "paged_decode_auto"),
 }
 STAGES = ("baseline", "fused_v1", "vectorized_v2", "gqa_reuse_v3", "split_kv_v4")
+
+
+@functools.cache
+def _launcher_module(module: str):
+    """A launcher module, imported on first use (Triton loads then); cached, since
+    ``import_module`` costs microseconds on every decode step."""
+    return importlib.import_module(module)
+
+
+def _launcher(impl: str):
+    """The launcher function of ``impl``, looked up on each call (tests patch it)."""
+    module, fn = IMPLS[impl]
+    return getattr(_launcher_module(module), fn)
 
 
 class DecodeOutput(NamedTuple):
@@ -148,8 +162,7 @@ def paged_decode(
            if return_lse else None)
     sm_scale = head_dim**-0.5 if scale is None else float(scale)
 
-    module, fn = IMPLS[impl]
-    launcher = getattr(importlib.import_module(module), fn)
+    launcher = _launcher(impl)
     if batch > 0 and num_q_heads > 0:
         if impl in STAGES:
             launcher(query, key_cache, value_cache, block_tables, context_lens, out,

@@ -28,13 +28,21 @@ def _stream_read_kernel(x_ptr, partial_ptr, n_elements, CHUNK: tl.constexpr,
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
 
 
+#: (chunk, block, num_warps) tried by the roofline; the fastest counts (a roofline must not
+#: under-read the card because one tile shape suits it poorly)
+READ_CONFIGS: tuple[tuple[int, int, int], ...] = (
+    (65536, 4096, 4), (131072, 8192, 8), (262144, 8192, 8), (32768, 2048, 4),
+)
+
+
 def stream_read(x: torch.Tensor, partial: torch.Tensor | None = None, *, chunk: int = 65536,
-                block: int = 4096) -> torch.Tensor:
+                block: int = 4096, num_warps: int = 4) -> torch.Tensor:
     """Launch the streaming read over contiguous ``x`` (any float dtype); returns the
     ``[ceil(numel / chunk)]`` float32 partial sums (their total is ``x.sum()``)."""
     n = x.numel()
     num_programs = triton.cdiv(n, chunk)
     if partial is None:
         partial = torch.empty(num_programs, dtype=torch.float32, device=x.device)
-    _stream_read_kernel[(num_programs,)](x, partial, n, CHUNK=chunk, BLOCK=block)
+    _stream_read_kernel[(num_programs,)](x, partial, n, CHUNK=chunk, BLOCK=block,
+                                         num_warps=num_warps)
     return partial

@@ -3,9 +3,13 @@
 Every repetition first overwrites a flush buffer of at least twice the L2 (the H200's L2 is
 60 MB; the size is read from the device when torch exposes it), so each timed call starts with
 a cold L2, then times the call alone with a pair of CUDA events. Results are in microseconds:
-the median and the 20th/80th percentiles over the repetitions, after a warm-up. The host
-never syncs between repetitions (one sync at the end), so Python launch overhead overlaps the
-flush, as in ``triton.testing.do_bench``.
+the median and the 20th/80th percentiles over the repetitions, after a warm-up that keeps the
+GPU busy for at least ``WARMUP_S`` of wall time (flush + call back to back): an idle H200 sits
+at ~400 MHz and needs tens of milliseconds of load to reach its boost clock, and a warm-up of
+ten calls of a 60 µs kernel left the first timed calls of small shapes at the idle clock
+(eager medians of small shapes 1.3-2.7x their graph medians in the same run; see
+``docs/perf-notes.md``, step 6). The host never syncs between repetitions (one sync at the
+end), so Python launch overhead overlaps the flush, as in ``triton.testing.do_bench``.
 
 CUDA only: timing never happens in pytest, and interpreter times are not performance.
 """
@@ -13,6 +17,7 @@ CUDA only: timing never happens in pytest, and interpreter times are not perform
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -20,6 +25,7 @@ import torch
 
 H200_L2_BYTES = 60 * 2**20
 MIN_FLUSH_BYTES = 256 * 2**20
+WARMUP_S = 0.2  # wall time of back-to-back flush + call before timing (GPU clock ramp)
 
 
 class Timing(NamedTuple):
@@ -49,6 +55,19 @@ def _summarize(times_ms: list[float]) -> Timing:
     return Timing(statistics.median(us), q[0], q[3], len(us))
 
 
+def _warm_up(launch: Callable[[], object], calls: int, device) -> None:
+    """At least ``calls`` calls and ``WARMUP_S`` seconds of flush + call, then a sync."""
+    flush = _flush_buffer(device)
+    t0, n = time.perf_counter(), 0
+    while n < calls or time.perf_counter() - t0 < WARMUP_S:
+        flush.zero_()
+        launch()
+        n += 1
+        if n % 16 == 0:  # keep the queue short: the loop's wall time is the GPU's busy time
+            torch.cuda.synchronize(device)
+    torch.cuda.synchronize(device)
+
+
 def _timed_reps(launch: Callable[[], object], reps: int, device) -> Timing:
     flush = _flush_buffer(device)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -66,9 +85,7 @@ def time_cold(fn: Callable[[], object], *, reps: int = 100, warmup: int = 10,
               device: torch.device | str | None = None) -> Timing:
     """Time ``fn()`` eagerly (launch overhead included) on cold L2; returns :class:`Timing`."""
     device = torch.device("cuda") if device is None else torch.device(device)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize(device)
+    _warm_up(fn, warmup, device)
     return _timed_reps(fn, reps, device)
 
 
@@ -94,9 +111,7 @@ def time_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 10,
     replays, outside the graph and outside the events around each replay."""
     device = torch.device("cuda") if device is None else torch.device(device)
     graph = capture_graph(fn)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize(device)
+    _warm_up(graph.replay, warmup, device)
     try:
         return _timed_reps(graph.replay, reps, device)
     finally:
@@ -106,17 +121,25 @@ def time_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 10,
 def measure_read_bandwidth(device: torch.device | str | None = None, *, nbytes: int = 2**31,
                            reps: int = 30, warmup: int = 5) -> float:
     """Read roofline in GB/s (1e9 bytes/s): a streaming-read Triton kernel summing ``nbytes``
-    (default 2 GiB) of bf16, timed like the decode calls (median, cold L2). Measure it in the
-    same run as the kernels it is compared with (``API.md``)."""
-    from pagedattn.bench.readbw_kernel import stream_read  # imports Triton: keep it lazy
+    (default 2 GiB) of bf16, timed like the decode calls (median, cold L2), the fastest of its
+    tile shapes (``readbw_kernel.READ_CONFIGS``). Measure it in the same run as the kernels it
+    is compared with (``API.md``)."""
+    from pagedattn.bench.readbw_kernel import READ_CONFIGS, stream_read  # lazy: Triton
 
     device = torch.device("cuda") if device is None else torch.device(device)
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    partial = stream_read(x)  # compile outside the timing
-    if partial.double().sum().item() != x.numel():  # the kernel must have read every element
-        raise RuntimeError("measure_read_bandwidth: the streaming read missed elements")
-    timing = time_cold(lambda: stream_read(x, partial), reps=reps, warmup=warmup, device=device)
-    return gb_per_s(nbytes, timing.median_us)
+    best = 0.0
+    for chunk, block, warps in READ_CONFIGS:
+        partial = stream_read(x, chunk=chunk, block=block, num_warps=warps)  # compile first
+        if partial.double().sum().item() != x.numel():  # every element must have been read
+            raise RuntimeError("measure_read_bandwidth: the streaming read missed elements")
+
+        def call(p=partial, c=chunk, bl=block, w=warps) -> torch.Tensor:
+            return stream_read(x, p, chunk=c, block=bl, num_warps=w)
+
+        timing = time_cold(call, reps=reps, warmup=warmup, device=device)
+        best = max(best, gb_per_s(nbytes, timing.median_us))
+    return best
 
 
 def gb_per_s(nbytes: int, time_us: float) -> float:

@@ -9,12 +9,13 @@ sequence-major: sequence ``b`` owns rows ``[start_b, start_b + n_b)`` with
 **Token-balanced splits, decided on the device.** Every program reads ``context_lens`` (no host
 sync; CUDA-graph replays with new lengths re-plan by themselves) and sizes one chunk for the
 whole batch so that the batch's token-work spreads over about ``target_units`` units:
-``chunk = max(min_chunk, roundup(ceil(total_tokens · num_kv_heads / target_units), BLOCK_N))``.
-Long sequences get many splits and short ones one, so the longest sequence no longer sets the
-time (FlashInfer's weakness on real traces). Because ``Σ ceil(len_b / chunk) ≤ total / chunk +
-batch``, the rows fit the workspace the host sized from shapes alone (``batch + target_units /
-num_kv_heads`` rows). A forced ``num_splits`` gives ``chunk_b = roundup(ceil(len_b /
-num_splits), BLOCK_N)`` instead.
+``chunk = roundup(max(min_chunk, ceil(total_tokens · num_kv_heads / target_units)), BLOCK_N)``;
+sequence ``b`` is cut into ``ceil(len_b / chunk)`` near-equal pieces of ``chunk_b =
+roundup(ceil(len_b / ceil(len_b / chunk)), BLOCK_N)`` tokens. Long sequences get many splits
+and short ones one, so the longest sequence no longer sets the time (FlashInfer's weakness on
+real traces). Because ``Σ ceil(len_b / chunk) ≤ total / chunk + batch``, the rows fit the
+workspace the host sized from shapes alone (``batch + target_units / num_kv_heads`` rows). A
+forced ``num_splits`` gives ``chunk_b = roundup(ceil(len_b / num_splits), BLOCK_N)`` instead.
 
 **Grid.** ``num_programs`` programs take units ``u = pid, pid + num_programs, …``;
 ``u → (r = u // num_kv_heads, kv head = u % num_kv_heads)``; ``r → b`` by counting the
@@ -37,8 +38,12 @@ dequantized by applying ``k_scale`` to the scores and ``v_scale`` to the output.
 are software-pipelined by Triton (``num_stages``).
 
 A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
-writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and
-``_paged_decode_merge_kernel`` combines the rows with log-sum-exp rescaling. Rows are exactly
+writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and a merge kernel
+combines the rows with log-sum-exp rescaling: ``_merge_per_group_kernel`` (one program per
+sequence and kv head) when those programs fill the SMs, else ``_merge_per_head_kernel`` (one
+per sequence and query head, split rows vectorized; the launcher decides from shapes). A
+merge fused into the main kernel's last unit (an arrival counter per sequence and kv head)
+was tried and measured slower (``docs/perf-notes.md``, step 5). Rows are exactly
 the non-empty splits, so no empty split is ever formed or read. Lengths are clamped to the
 table's capacity; block-table entries past ``ceil(len / page_size)`` are never read.
 
@@ -54,19 +59,25 @@ from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _page_ids,
 
 @triton.jit
 def _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B: tl.constexpr):
-    total = 0
+    """Σ clamped lengths, in 64 bits: with shared (prefix-cached) pages the batch's tokens
+    are not bounded by the cache size, and 1,024 sequences of 256 k tokens pass 2^31."""
+    total = tl.full([], 0, tl.int64)
     for b0 in range(0, batch, BLOCK_B):
         offs_b = b0 + tl.arange(0, BLOCK_B)
         n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
-        total += tl.sum(tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity))
+        total += tl.sum(tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity).to(tl.int64))
     return total
 
 
 @triton.jit
 def _chunk_of(n, chunk, forced_splits, BLOCK_N: tl.constexpr):
-    """Tokens per split for a sequence of length ``n`` (vector or scalar)."""
-    forced = tl.cdiv(tl.cdiv(n, tl.maximum(forced_splits, 1)), BLOCK_N) * BLOCK_N
-    return tl.where(forced_splits > 0, tl.maximum(forced, BLOCK_N), chunk)
+    """Tokens per split for a sequence of length ``n`` (vector or scalar): ``n`` cut into
+    ``ceil(n / chunk)`` (or ``forced_splits``) near-equal pieces, rounded up to whole tiles.
+    Equal pieces, not ``chunk``-sized ones and a remainder: a 2048-token sequence with a
+    1344-token chunk splits 1024 + 1024, not 1344 + 704 (the longest unit sets the tail)."""
+    splits = tl.where(forced_splits > 0, forced_splits, tl.cdiv(n, chunk))
+    piece = tl.cdiv(n, tl.maximum(splits, 1))
+    return tl.maximum(tl.cdiv(piece, BLOCK_N) * BLOCK_N, BLOCK_N)
 
 
 @triton.jit
@@ -125,9 +136,11 @@ def _paged_decode_kernel(
     num_q_heads = num_kv_heads * group
     capacity = max_pages * PAGE_SIZE
     total = _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B)
-    work = total * num_kv_heads
-    chunk = tl.cdiv(tl.cdiv(work, target_units), BLOCK_N) * BLOCK_N
-    chunk = tl.maximum(chunk, min_chunk)
+    work = total * num_kv_heads  # int64
+    # a multiple of BLOCK_N, so the near-equal pieces of _chunk_of are never more than
+    # ceil(len / chunk) per sequence (the workspace bound below)
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target_units), min_chunk), BLOCK_N) * BLOCK_N
+    chunk = tl.minimum(chunk, capacity + BLOCK_N).to(tl.int32)  # no sequence is longer
     # total rows: Σ ceil(len_b / chunk_b); the last sequence's rows end there
     _, last_start = _locate_row(context_lens_ptr, 2147483647, batch, stride_ctx, capacity,
                                      chunk, forced_splits, BLOCK_B, BLOCK_N)
@@ -230,14 +243,77 @@ def _paged_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["max_pages", "stride_o_b"])
-def _paged_decode_merge_kernel(
+def _merge_per_group_kernel(
     context_lens_ptr, part_ml_ptr, part_acc_ptr, seq_rows_ptr, out_ptr, lse_ptr,
-    num_q_heads, page_size, max_pages,
+    num_q_heads, group, page_size, max_pages,
+    stride_ctx, stride_o_b, stride_o_h, stride_o_d,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
+    """Grid ``(batch, num_kv_heads)``: merge the split rows of one sequence for the query
+    heads of one kv head (the group, ``BLOCK_H`` rows as in the main kernel).
+
+    Length 0: writes zeros (and LSE -inf). One row: the main kernel already wrote the result,
+    and the program exits after one load round (``context_lens`` and ``seq_rows`` are loaded
+    together). Several rows: ``out = Σ acc_r·2^(m_r−M) / Σ l_r·2^(m_r−M)`` with ``M = max m_r``,
+    one ``[group, head_dim]`` tile per row, rows in order (their loads do not depend on each
+    other, so they pipeline). The row range comes from ``seq_rows``, which the main kernel
+    fills for every non-empty sequence; every row in it held tokens, so every ``m_r`` is
+    finite. One program per (sequence, kv head) rather than per query head: a batch of 64
+    with 32 query heads launched 2,048 programs that mostly exit at once, and that launch cost
+    10.4 µs under ncu (7 % of the call) on llama8b-b64-c2k. Used when ``batch ·
+    num_kv_heads`` fills the SMs; else :func:`_merge_per_head_kernel`."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
+    start = tl.load(seq_rows_ptr + b * 2)
+    n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < group
+    mask_hd = mask_h[:, None] & _dim_mask(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    heads = kv_head * group + offs_h  # [BLOCK_H]
+    out_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
+                + offs_d[None, :] * stride_o_d)
+    lse_ptrs = lse_ptr + b.to(tl.int64) * num_q_heads + heads
+    if ctx == 0:  # seq_rows is stale for an empty sequence: never read past here
+        tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=mask_hd)
+        if HAS_LSE:
+            tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+    elif n_rows > 1:
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for r in range(start, start + n_rows):
+            row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H], 64-bit
+            m_r = tl.load(part_ml_ptr + row * 2, mask=mask_h, other=0.0)
+            l_r = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_h, other=0.0)
+            acc_r = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+                            mask=mask_h[:, None], other=0.0)  # [BLOCK_H, BLOCK_D]
+            m_new = tl.maximum(m, m_r)  # finite from the first row on
+            alpha = _rescale(m, m_new)
+            w = tl.exp2(m_r - m_new)
+            l = l * alpha + l_r * w
+            acc = acc * alpha[:, None] + acc_r * w[:, None]
+            m = m_new
+        l = tl.where(mask_h, l, 1.0)  # padding rows of the tile stay finite (never stored)
+        tl.store(out_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd)
+        if HAS_LSE:
+            tl.store(lse_ptrs, (m + tl.log2(l)) * 0.6931471805599453, mask=mask_h)
+
+
+@triton.jit(do_not_specialize=["max_pages", "stride_o_b"])
+def _merge_per_head_kernel(
+    context_lens_ptr, part_ml_ptr, part_acc_ptr, seq_rows_ptr, out_ptr, lse_ptr,
+    num_q_heads, group, page_size, max_pages,  # group: unused (the per-group kernel's args)
     stride_ctx, stride_o_b, stride_o_h, stride_o_d,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
-    """Grid ``(batch, num_q_heads)``: merge one head's split rows of one sequence.
+    """Grid ``(batch, num_q_heads)``: merge one head's split rows of one sequence. Used when
+    ``batch · num_kv_heads`` is below the SM count (few sequences, many splits each: batch 1
+    with 64 rows per kv head merged 12 µs slower through the per-group kernel's row loop).
 
     Length 0: writes zeros (and LSE -inf). One row: the main kernel already wrote the result.
     Several rows: ``out = Σ acc_r·2^(m_r−M) / Σ l_r·2^(m_r−M)`` with ``M = max m_r``, taking
