@@ -155,13 +155,16 @@ def _resident_ctas(compiled, num_warps: int, device: torch.device) -> int:
 _RESIDENT: dict[tuple, int] = {}
 
 
-def resident_programs(query: torch.Tensor, config: DecodeConfig, compile_kernel) -> int:
+def resident_programs(query: torch.Tensor, config: DecodeConfig, compile_kernel,
+                      variant: tuple = ()) -> int:
     """SMs x min(config cap, resident programs per SM). The occupancy comes from the compiled
     kernel (``compile_kernel()`` compiles without launching), cached per (device, config,
-    dtype)."""
+    query dtype, ``variant``): ``variant`` names what else selects the binary (cache dtype,
+    head_dim, group, page_size, flags), since one config can serve several binaries (an fp8
+    key and a 16-bit head_dim-64 key share tiles but not registers)."""
     if query.device.type != "cuda":
         return sm_count_for(query) * config.ctas_per_sm
-    key = (query.device.index, config, query.dtype)
+    key = (query.device.index, config, query.dtype, variant)
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident_ctas(compile_kernel(), config.num_warps, query.device)
     return sm_count_for(query) * min(config.ctas_per_sm, _RESIDENT[key])
@@ -368,7 +371,8 @@ def _launch_first(query, key_cache, value_cache, block_tables, context_lens, out
         return _paged_decode_kernel.warmup(*args(1, 1, dummy, dummy, rows), grid=(1,),
                                            **constexprs, **options)
 
-    resident = resident_programs(query, cfg, compile_kernel)
+    resident = resident_programs(query, cfg, compile_kernel,
+                                 (key_cache.dtype, tuple(sorted(constexprs.items()))))
     target_units = resident * cfg.units_per_program
     # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
     rows_max = batch * forced if forced else batch + triton.cdiv(target_units, num_kv_heads)
