@@ -12,6 +12,7 @@ import torch
 from _hardening import IMPLS, NAN, SPLIT_IMPLS, check, run, sizes
 
 import pagedattn
+from pagedattn.bench.timing import capture_graph
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
 BF16 = torch.bfloat16
@@ -128,19 +129,6 @@ def test_B15_decode_steps_with_automatic_splits(size, device):
 
 # -- B19 / B20: CUDA graphs and host hints ----------------------------------------------------
 
-def _capture(fn):
-    """Warm ``fn`` (Triton compiles on the first call) on a side stream, then capture it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 B19_PARAMS = [(impl, None) for impl in IMPLS] + [(impl, 4) for impl in SPLIT_IMPLS]
 
 
@@ -169,8 +157,9 @@ def test_B19_graph_captured_short_replayed_long(impl, num_splits):
     tables[3, 0] = new_tables[0, 1]  # its own first page holds one token, then NaN)
     ctx = torch.full_like(new_ctx, 16)
     out = torch.full_like(query, NAN)
-    graph = _capture(lambda: pagedattn.paged_decode(query, key_cache, value_cache, tables, ctx,
-                                                    impl=impl, num_splits=num_splits, out=out))
+    graph, _ = capture_graph(lambda: pagedattn.paged_decode(
+        query, key_cache, value_cache, tables, ctx, impl=impl, num_splits=num_splits, out=out),
+        warmup=1)
     graph.replay()
     check(out, (query, key_cache, value_cache, tables, ctx))
 
@@ -240,8 +229,8 @@ def test_B20_graph_replay_bitwise_equals_eager(impl):
                                head_dim=128, page_size=16, dtype=BF16, seed=20, device="cuda")
     for num_splits in ([None, 3] if impl in SPLIT_IMPLS else [None]):
         out = torch.full_like(inputs.query, NAN)
-        graph = _capture(lambda ns=num_splits, out=out: pagedattn.paged_decode(
-            *inputs, impl=impl, num_splits=ns, out=out))
+        graph, _ = capture_graph(lambda ns=num_splits, out=out: pagedattn.paged_decode(
+            *inputs, impl=impl, num_splits=ns, out=out), warmup=1)
         out.fill_(NAN)
         graph.replay()
         torch.cuda.synchronize()

@@ -5,24 +5,12 @@ import pytest
 import torch
 
 from pagedattn import paged_decode
+from pagedattn.bench.timing import capture_graph
 from pagedattn.reference import paged_decode_reference
 from pagedattn.serving import ops
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
 pytestmark = pytest.mark.gpu
-
-
-def _capture(fn):
-    """Warm up on a side stream (compiles the kernels), then capture ``fn`` in a graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, None),
@@ -48,7 +36,7 @@ def test_paged_decode_graph_replays_new_lengths(dtype, cache_dtype):
         return paged_decode(query, big.key_cache, big.value_cache, tables, context_lens,
                             k_scale=k_scale, v_scale=v_scale)
 
-    graph, out = _capture(step)
+    graph, out = capture_graph(step, warmup=1)
     graph.replay()
     torch.cuda.synchronize()
     eager_short = step()
@@ -91,8 +79,8 @@ def test_model_decode_step_graph_replays_a_growing_ragged_batch():
         m = type(meta)(*static, meta.query_start)
         return model.decode(tokens, m, caches[0])
 
-    graph, logits = _capture(step)  # the warm-up ran the step once: rewind that token
-    caches[0].kv.copy_(caches[1].kv)
+    graph, logits = capture_graph(step, warmup=1)
+    caches[0].kv.copy_(caches[1].kv)  # the warm-up ran the step once: rewind that token
     caches[1].prepare_step(seqs, [1] * batch, max_pages=max_pages)
     next_tokens = torch.tensor([5, 6, 7, 8], device="cuda")
     for i in range(6):
@@ -119,7 +107,7 @@ def test_append_kv_graph_skips_padding_slots():
     def step():
         ops.append_kv(key, -key, kc, vc, slots)
 
-    graph, _ = _capture(step)
+    graph, _ = capture_graph(step, warmup=1)
     slots.copy_(torch.tensor([31, 7, -1], device="cuda"))
     graph.replay()
     torch.cuda.synchronize()

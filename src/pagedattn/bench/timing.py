@@ -19,12 +19,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 H200_L2_BYTES = 60 * 2**20
 MIN_FLUSH_BYTES = 256 * 2**20
+T = TypeVar("T")
 WARMUP_S = 0.2  # wall time of back-to-back flush + call before timing (GPU clock ramp)
 
 
@@ -55,9 +56,8 @@ def _summarize(times_ms: list[float]) -> Timing:
     return Timing(statistics.median(us), q[0], q[3], len(us))
 
 
-def _warm_up(launch: Callable[[], object], calls: int, device) -> None:
+def _warm_up(launch: Callable[[], object], calls: int, flush: torch.Tensor, device) -> None:
     """At least ``calls`` calls and ``WARMUP_S`` seconds of flush + call, then a sync."""
-    flush = _flush_buffer(device)
     t0, n = time.perf_counter(), 0
     while n < calls or time.perf_counter() - t0 < WARMUP_S:
         flush.zero_()
@@ -68,8 +68,8 @@ def _warm_up(launch: Callable[[], object], calls: int, device) -> None:
     torch.cuda.synchronize(device)
 
 
-def _timed_reps(launch: Callable[[], object], reps: int, device) -> Timing:
-    flush = _flush_buffer(device)
+def _timed_reps(launch: Callable[[], object], reps: int, flush: torch.Tensor,
+                device) -> Timing:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends, strict=True):
@@ -85,13 +85,16 @@ def time_cold(fn: Callable[[], object], *, reps: int = 100, warmup: int = 10,
               device: torch.device | str | None = None) -> Timing:
     """Time ``fn()`` eagerly (launch overhead included) on cold L2; returns :class:`Timing`."""
     device = torch.device("cuda") if device is None else torch.device(device)
-    _warm_up(fn, warmup, device)
-    return _timed_reps(fn, reps, device)
+    flush = _flush_buffer(device)
+    _warm_up(fn, warmup, flush, device)
+    return _timed_reps(fn, reps, flush, device)
 
 
-def capture_graph(fn: Callable[[], object], *, warmup: int = 3) -> torch.cuda.CUDAGraph:
+def capture_graph(fn: Callable[[], T], *, warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture one call of ``fn`` into a CUDA graph (after ``warmup`` calls on a side stream,
-    as capture requires). ``fn`` must not sync with the host (``validate=None`` on CUDA)."""
+    as capture requires; they compile the kernels). Returns the graph and what the captured
+    call returned (its tensors are the graph's outputs, rewritten by every replay). ``fn``
+    must not sync with the host (``validate=None`` on CUDA)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -100,9 +103,9 @@ def capture_graph(fn: Callable[[], object], *, warmup: int = 3) -> torch.cuda.CU
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
     torch.cuda.synchronize()
-    return graph
+    return graph, out
 
 
 def time_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 10,
@@ -110,10 +113,11 @@ def time_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 10,
     """Capture ``fn`` once, then time ``graph.replay()`` on cold L2. The flush runs between
     replays, outside the graph and outside the events around each replay."""
     device = torch.device("cuda") if device is None else torch.device(device)
-    graph = capture_graph(fn)
-    _warm_up(graph.replay, warmup, device)
+    graph, _ = capture_graph(fn)
+    flush = _flush_buffer(device)
+    _warm_up(graph.replay, warmup, flush, device)
     try:
-        return _timed_reps(graph.replay, reps, device)
+        return _timed_reps(graph.replay, reps, flush, device)
     finally:
         del graph
 
