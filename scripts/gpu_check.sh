@@ -79,6 +79,19 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  lean1)  # session 3: GPU tests of the plan path, host time, sweep beside the plain floor
+    env_info
+    stamp "GPU tests: plan, decode"
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_plan.py \
+      tests/test_decode.py 2>&1 | tee "$RES/pytest.log" | tail -5
+    stamp "host time"
+    timeout 60 python3 scripts/host_time.py --json "$RES/host_time.json" 2>&1 | tee "$RES/host.log"
+    stamp "sweep beside the floor (carry .peers)"
+    timeout 400 python3 scripts/sweep_decode.py --shapes "${SHAPES:-peers}" --out "$RES" \
+      --peer-file .peers/plain_floor.py --budget-s 340 2>&1 | tee "$RES/sweep.log" \
+      | grep -v "^  DecodeConfig"
+    pack
+    ;;
   tune)  # first exploration run (kept for the record: docs/perf-notes.md, step 1)
     env_info
     stamp "GPU tests of the kernels"

@@ -90,14 +90,14 @@ def _auto_groups(lens, inputs_kw, device):
     """Pack lengths into batches small enough that ``auto`` keeps its minimum split chunk
     (``chunk = max(MIN_CHUNK, total·num_kv_heads / (programs·units))``), so its automatic
     split boundaries sit at multiples of MIN_CHUNK where ``boundary_lengths`` put them. The
-    persistent grid has at least one program per SM (``sm_count_for``: 4 on the CPU)."""
+    split target is SMs x ctas_per_sm units (``sm_count_for``: 4 on the CPU)."""
     from pagedattn._env import is_interpreter, sm_count_for
     from pagedattn.launch.decode import choose_config
 
     cfg = choose_config(inputs_kw["head_dim"], inputs_kw["num_q_heads"] // inputs_kw[
         "num_kv_heads"], inputs_kw["dtype"], inputs_kw["page_size"], is_interpreter())
     programs = sm_count_for(torch.empty(0, device=device))
-    budget = programs * cfg.units_per_program * cfg.min_chunk // inputs_kw["num_kv_heads"]
+    budget = programs * cfg.ctas_per_sm * cfg.min_chunk // inputs_kw["num_kv_heads"]
     groups, cur = [], []
     for n in sorted(lens):
         if cur and sum(cur) + n > budget:

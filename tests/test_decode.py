@@ -97,67 +97,64 @@ def test_empty_batch(device):
     assert out.shape == (0, 4, 64)
 
 
-@pytest.mark.parametrize("persistent,use_dot", [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize("use_dot", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_auto_launch_modes(persistent, use_dot, dtype, device, monkeypatch):
-    """Both grids of the production kernel (one program per unit, persistent) and both
-    arithmetic paths (tensor-core dots, CUDA-core reductions) match the oracle, splits
-    included (lengths long enough for several units per sequence)."""
+def test_auto_arithmetic_paths(use_dot, dtype, device, monkeypatch):
+    """Both arithmetic paths of the production kernel (tensor-core dots, CUDA-core
+    reductions) match the oracle, splits included (lengths long enough for several units per
+    sequence)."""
     from dataclasses import replace
 
     from pagedattn.launch import decode as launch_decode
 
     base = launch_decode.choose_config
-    monkeypatch.setattr(launch_decode, "choose_config", lambda *a: replace(
-        base(*a), persistent=persistent, use_dot=use_dot, block_n=16, min_chunk=16))
+    monkeypatch.setattr(launch_decode, "choose_config", lambda *a, **k: replace(
+        base(*a, **k), use_dot=use_dot, block_n=16, min_chunk=16))
     inputs = make_paged_inputs([0, 3, 70, 129, 17], num_q_heads=6, num_kv_heads=2, head_dim=64,
                                page_size=16, dtype=dtype, seed=5, device=device)
     out = _run("auto", inputs)
     assert rel_l2_error(out, paged_decode_reference(*inputs).out) <= tolerance_for(dtype)
 
 
-def test_plan_constexprs_follow_the_kernel_signature():
-    """The recorded plan passes constexpr slots in the kernel's parameter order, and a dict
-    that does not end the signature is refused rather than launched misaligned."""
-    from pagedattn.kernels.decode import _merge_per_group_kernel
-    from pagedattn.launch.decode import _in_order
-
-    names = ["HEAD_DIM", "BLOCK_D", "BLOCK_H", "HAS_LSE"]
-    got = _in_order(_merge_per_group_kernel, {n: i for i, n in enumerate(reversed(names))})
-    assert got == (3, 2, 1, 0)
-    with pytest.raises(RuntimeError, match="do not end its signature"):
-        _in_order(_merge_per_group_kernel, {"HEAD_DIM": 1, "BLOCK_D": 2, "NOPE": 3,
-                                               "HAS_LSE": 4})
-
-
 @pytest.mark.gpu
-def test_repeat_calls_launch_the_recorded_plan(monkeypatch):
-    """Repeats of one signature skip Triton's binding (the first call records a plan) and
-    stay correct with new lengths, queries, float scales and a new ``out``; a pointer that
-    loses 16-byte alignment is a new signature, not a wrong specialization."""
+def test_repeat_runs_launch_the_bound_kernels(monkeypatch):
+    """Repeats of one binding launch the compiled kernels directly and stay correct with new
+    lengths, queries, float scales and a new ``out``; a pointer that loses 16-byte alignment
+    is a new binding (Triton's own launch path), never a wrong specialization; the direct path
+    gives the same bits as Triton's launch path."""
     from pagedattn.launch import decode as launch_decode
 
-    monkeypatch.setattr(launch_decode, "_PLANS", {})
-    first = launch_decode._launch_first
-    calls = []
-    monkeypatch.setattr(launch_decode, "_launch_first",
-                        lambda *a, **k: calls.append(1) or first(*a, **k))
-    for seed, lens, scale in ((1, [5, 40, 0, 77], None), (2, [77, 1, 30, 64], 0.3),
-                              (3, [0, 0, 9, 3], 1.7)):
-        inputs = make_paged_inputs(lens, num_q_heads=8, num_kv_heads=2, head_dim=128,
-                                   page_size=16, dtype=torch.bfloat16, seed=seed, device="cuda",
-                                   max_pages=5)
-        out = _run("auto", inputs, scale=scale)
-        ref = paged_decode_reference(*inputs, scale=scale).out
+    inputs = make_paged_inputs([5, 40, 0, 77], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                               page_size=16, dtype=torch.bfloat16, seed=1, device="cuda",
+                               max_pages=5)
+    plan = pagedattn.plan_decode(inputs.block_tables, inputs.context_lens, num_q_heads=8,
+                                 num_kv_heads=2, head_dim=128, page_size=16,
+                                 q_dtype=torch.bfloat16)
+    first = plan.run(*inputs[:3], scale=0.3).clone()
+    engine = plan._engine()
+    assert len(engine._bound) == 1
+    for seed, lens, scale in ((2, [77, 1, 30, 64], 0.3), (3, [0, 0, 9, 3], 1.7)):
+        new = make_paged_inputs(lens, num_q_heads=8, num_kv_heads=2, head_dim=128,
+                                page_size=16, dtype=torch.bfloat16, seed=seed, device="cuda",
+                                max_pages=5)
+        plan.block_tables.copy_(new.block_tables)
+        plan.context_lens.copy_(new.context_lens)
+        out = torch.full_like(new.query, float("nan"))
+        plan.run(new.query, *new[1:3], scale=scale, out=out)
+        ref = paged_decode_reference(*new, scale=scale).out
         assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
-    assert len(calls) == 1 and len(launch_decode._PLANS) == 1
-    # the same shapes and strides with a query 2 bytes off 16-byte alignment
-    buf = torch.empty(inputs.query.numel() + 1, dtype=inputs.query.dtype, device="cuda")
-    shifted = buf[1:].view_as(inputs.query).copy_(inputs.query)
-    out = torch.full_like(inputs.query, float("nan"))
-    pagedattn.paged_decode(shifted, *inputs[1:], out=out, scale=1.7)
+    assert len(engine._bound) == 1
+    buf = torch.empty(new.query.numel() + 1, dtype=new.query.dtype, device="cuda")
+    shifted = buf[1:].view_as(new.query).copy_(new.query)
+    out = torch.full_like(new.query, float("nan"))
+    plan.run(shifted, *new[1:3], out=out, scale=1.7)
     assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
-    assert len(calls) == 2 and len(launch_decode._PLANS) == 2
+    assert len(engine._bound) == 2
+    # Triton's own launch path (no direct launches) gives the same bits
+    direct = plan.run(new.query, *new[1:3], scale=1.7)
+    monkeypatch.setattr(engine, "_direct", False)
+    assert torch.equal(plan.run(new.query, *new[1:3], scale=1.7), direct)
+    del first
 
 
 @pytest.mark.parametrize("per_group", [True, False])
@@ -167,7 +164,6 @@ def test_both_merge_grids(per_group, device, monkeypatch):
     from pagedattn.launch import decode as launch_decode
 
     monkeypatch.setattr(launch_decode, "merge_per_group", lambda *a: per_group)
-    monkeypatch.setattr(launch_decode, "_PLANS", {})
     inputs = make_paged_inputs([0, 45, 3, 130], num_q_heads=6, num_kv_heads=2, head_dim=64,
                                page_size=16, dtype=torch.float16, seed=11, device=device)
     out = torch.full_like(inputs.query, float("nan"))

@@ -15,7 +15,7 @@ from pagedattn.launch import stages as launch_stages
 from pagedattn.testing import make_paged_inputs
 
 FP16, FP8 = torch.float16, torch.float8_e4m3fn
-LAUNCHERS = [(launch_stages, name) for name in STAGES] + [(launch_decode, "paged_decode_auto")]
+LAUNCHERS = [(launch_stages, name) for name in STAGES] + [(launch_decode.AutoLauncher, "launch")]
 
 
 class Launched(Exception):

@@ -27,3 +27,13 @@ def sm_count_for(tensor: torch.Tensor) -> int:
     if tensor.device.type == "cuda":
         return num_sms(tensor.device.index if tensor.device.index is not None else 0)
     return 4
+
+
+@functools.cache
+def device_name(device_index: int) -> str:
+    """The CUDA device's model name (``torch.cuda.get_device_name``; cached, metadata only)."""
+    return torch.cuda.get_device_name(device_index)
+
+
+def device_name_for(device: torch.device) -> str:
+    return device_name(device.index if device.index is not None else torch.cuda.current_device())

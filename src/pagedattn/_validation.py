@@ -176,3 +176,79 @@ def check_values(
         _fail(ValueError, "block_tables",
               f"used page ids in [0, num_pages={num_pages}) (row {row}, column {col})",
               int(ids[row, col]))
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(TypeError, name, "an int", type(value).__name__)
+    if value < low:
+        _fail(ValueError, name, f"an int >= {low}", value)
+
+
+def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim, page_size,
+               q_dtype, kv_dtype, kv_layout, num_splits) -> None:
+    """:func:`pagedattn.plan_decode`'s checks: metadata only (no host sync)."""
+    _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
+    _check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, "int32 or int64")
+    if context_lens.shape[0] != block_tables.shape[0]:
+        _fail(ValueError, "context_lens", f"{block_tables.shape[0]} entries (block_tables rows)",
+              context_lens.shape[0])
+    if context_lens.device != block_tables.device:
+        _fail(ValueError, "context_lens", f"a tensor on block_tables' device "
+              f"{block_tables.device}", context_lens.device)
+    _check_int("num_kv_heads", num_kv_heads, 1)
+    _check_int("num_q_heads", num_q_heads, 1)
+    if num_q_heads % num_kv_heads:
+        _fail(ValueError, "num_q_heads", f"a multiple of num_kv_heads={num_kv_heads}",
+              num_q_heads)
+    _check_int("head_dim", head_dim, 1)
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        _fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
+    _check_int("page_size", page_size, 1)
+    if q_dtype not in FLOAT_DTYPES:
+        _fail(TypeError, "q_dtype", "torch.float32, torch.float16 or torch.bfloat16", q_dtype)
+    if kv_dtype is not None and kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:
+        _fail(TypeError, "kv_dtype", f"None, q_dtype ({q_dtype}) or an fp8 dtype", kv_dtype)
+    if kv_layout not in KV_LAYOUTS:
+        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    if num_splits is not None:
+        _check_int("num_splits", num_splits, 1)
+
+
+def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, out,
+              return_lse, validate) -> None:
+    """:meth:`DecodePlan.run`'s checks: the tensors match the plan (metadata only)."""
+    _check_tensor("query", query, 3, (plan.q_dtype,), f"{plan.q_dtype} (the plan's q_dtype)")
+    if tuple(query.shape) != (plan.batch, plan.num_q_heads, plan.head_dim):
+        _fail(ValueError, "query", f"shape {(plan.batch, plan.num_q_heads, plan.head_dim)} "
+              "(the plan's batch, num_q_heads, head_dim)", tuple(query.shape))
+    words = f"{plan.kv_dtype} (the plan's kv_dtype)"
+    _check_tensor("key_cache", key_cache, 4, (plan.kv_dtype,), words)
+    _check_tensor("value_cache", value_cache, 4, (plan.kv_dtype,), words)
+    check_cache_pair(key_cache, value_cache)
+    _, page_size, num_kv_heads, head_dim = cache_dims(key_cache, plan.kv_layout)
+    if (page_size, num_kv_heads, head_dim) != (plan.page_size, plan.num_kv_heads,
+                                               plan.head_dim):
+        _fail(ValueError, "key_cache", f"page_size, num_kv_heads, head_dim = "
+              f"{(plan.page_size, plan.num_kv_heads, plan.head_dim)} in layout "
+              f"{plan.kv_layout}", tuple(key_cache.shape))
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.device != plan.device:
+            _fail(ValueError, name, f"a tensor on the plan's device {plan.device}", t.device)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            _fail(TypeError, "scale", "a Python float or None", type(scale).__name__)
+        if not math.isfinite(float(scale)):
+            _fail(ValueError, "scale", "a finite float", scale)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
+        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+            _fail(ValueError, "out", f"a {query.dtype} tensor of shape {tuple(query.shape)} on "
+                  f"{query.device}", f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    check_scale_arg("k_scale", k_scale, num_kv_heads, query.device)
+    check_scale_arg("v_scale", v_scale, num_kv_heads, query.device)
+    if not isinstance(return_lse, bool):
+        _fail(TypeError, "return_lse", "a bool", type(return_lse).__name__)
+    if validate is not None and not isinstance(validate, bool):
+        _fail(TypeError, "validate", "None, True or False", type(validate).__name__)

@@ -1,43 +1,67 @@
-"""The public surface: :func:`paged_decode`, its validation and its dispatch over ``impl=``.
+"""The public surface: :func:`paged_decode`, :func:`plan_decode` and the impl table.
 
 Imports go one way: ``api -> launch -> kernels``. The launchers (and so Triton) are imported
-lazily, on the first call, so ``import pagedattn`` never imports Triton: the CLI may still set
-``TRITON_INTERPRET`` for itself on a machine without a GPU.
+lazily, inside functions, on the first call, so ``import pagedattn`` never imports Triton: the
+CLI may still set ``TRITON_INTERPRET`` for itself on a machine without a GPU.
+
+Dispatch is a table: :data:`IMPLS` maps each ``impl=`` name to an :class:`ImplSpec` (its
+launcher, its capabilities, its study stage). ``paged_decode`` checks the capabilities from
+the table, then either builds a :class:`DecodePlan` (the production kernel) or calls the
+stage's launcher; every stage launcher has one signature.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from pagedattn import _validation as V
 
-#: impl name -> (launcher module, function). The five study stages, then the production kernel.
-IMPLS: dict[str, tuple[str, str]] = {
-    "baseline": ("pagedattn.launch.stages", "baseline"),
-    "fused_v1": ("pagedattn.launch.stages", "fused_v1"),
-    "vectorized_v2": ("pagedattn.launch.stages", "vectorized_v2"),
-    "gqa_reuse_v3": ("pagedattn.launch.stages", "gqa_reuse_v3"),
-    "split_kv_v4": ("pagedattn.launch.stages", "split_kv_v4"),
-    "auto": ("pagedattn.launch.decode", "paged_decode_auto"),
+
+def _stages():
+    from pagedattn.launch import stages
+
+    return stages
+
+
+def _auto_launcher_class():
+    from pagedattn.launch.decode import AutoLauncher
+
+    return AutoLauncher
+
+
+@dataclass(frozen=True)
+class ImplSpec:
+    """One ``impl=`` choice: how to launch it and what it supports.
+
+    ``launcher`` returns the launch function (importing Triton on first use) for the study's
+    stages, whose signature is ``(query, key_cache, value_cache, block_tables, context_lens,
+    out, *, scale, num_splits=None)``; ``planned`` impls run through :class:`DecodePlan`."""
+
+    name: str
+    stage: int | None  # position in the study's ladder (0 = baseline), None for production
+    launcher: Callable[[], Callable] | None = None
+    planned: bool = False  # launched through a DecodePlan (the production kernel)
+    fp8: bool = False  # fp8 caches with k_scale / v_scale
+    hnd: bool = False  # the HND cache layout
+    lse: bool = False  # return_lse=True
+    splits: bool = False  # honours num_splits (the others have no context split)
+
+
+#: impl name -> spec: the five study stages in ladder order, then the production kernel
+IMPLS: dict[str, ImplSpec] = {
+    "baseline": ImplSpec("baseline", 0, lambda: _stages().baseline),
+    "fused_v1": ImplSpec("fused_v1", 1, lambda: _stages().fused_v1),
+    "vectorized_v2": ImplSpec("vectorized_v2", 2, lambda: _stages().vectorized_v2),
+    "gqa_reuse_v3": ImplSpec("gqa_reuse_v3", 3, lambda: _stages().gqa_reuse_v3),
+    "split_kv_v4": ImplSpec("split_kv_v4", 4, lambda: _stages().split_kv_v4, splits=True),
+    "auto": ImplSpec("auto", None, planned=True, fp8=True, hnd=True, lse=True, splits=True),
 }
-STAGES = ("baseline", "fused_v1", "vectorized_v2", "gqa_reuse_v3", "split_kv_v4")
-
-
-@functools.cache
-def _launcher_module(module: str):
-    """A launcher module, imported on first use (Triton loads then); cached, since
-    ``import_module`` costs microseconds on every decode step."""
-    return importlib.import_module(module)
-
-
-def _launcher(impl: str):
-    """The launcher function of ``impl``, looked up on each call (tests patch it)."""
-    module, fn = IMPLS[impl]
-    return getattr(_launcher_module(module), fn)
+STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
 
 
 class DecodeOutput(NamedTuple):
@@ -47,18 +71,20 @@ class DecodeOutput(NamedTuple):
     lse: torch.Tensor  # [batch, num_q_heads] float32, natural log; -inf where context_len == 0
 
 
-def _check_stage_support(impl: str, key_cache, kv_layout, k_scale, v_scale, return_lse) -> None:
-    """The study's stages serve fp32/fp16/bf16 NHD caches without LSE or fp8 scales."""
-    if key_cache.dtype in V.FP8_DTYPES:
+def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
+                        return_lse) -> None:
+    """What the spec cannot honour is a ValueError naming the argument and the impl."""
+    impl = spec.name
+    if key_cache.dtype in V.FP8_DTYPES and not spec.fp8:
         raise ValueError(f"key_cache: impl={impl!r} supports float32/float16/bfloat16 caches, "
                          f"got {key_cache.dtype}; use impl='auto' for fp8")
-    if kv_layout != "NHD":
+    if kv_layout != "NHD" and not spec.hnd:
         raise ValueError(f"kv_layout: impl={impl!r} supports 'NHD' only, got {kv_layout!r}; "
                          "use impl='auto' for HND")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is not None:
+        if s is not None and not spec.fp8:
             raise ValueError(f"{name}: impl={impl!r} takes no cache scales; use impl='auto'")
-    if return_lse:
+    if return_lse and not spec.lse:
         raise ValueError(f"return_lse: impl={impl!r} does not return the LSE; use impl='auto'")
 
 
@@ -70,6 +96,131 @@ def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, v
         raise ValueError("validate: True needs a device-to-host sync, which CUDA-graph capture "
                          "forbids; validate eagerly before capturing, or pass validate=None")
     V.check_values(block_tables, context_lens, num_pages, page_size)
+
+
+def _on_device(device: torch.device):
+    """Launch under the tensors' GPU (Triton launches on the current device): a no-op when it
+    is already current or the tensors are on the CPU."""
+    if device.type != "cuda" or device.index is None or \
+            device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _nhd(key_cache, value_cache, kv_layout):
+    """The kernels see NHD-shaped views; strides carry the HND layout."""
+    if kv_layout == "HND":
+        return key_cache.transpose(1, 2), value_cache.transpose(1, 2)
+    return key_cache, value_cache
+
+
+class DecodePlan:
+    """A decode step's launch plan for the production kernel: built once per step by
+    :func:`plan_decode`, run once per layer with :meth:`run`.
+
+    The plan owns its workspace and launch configuration, all decided from shapes. It keeps
+    references to ``block_tables`` and ``context_lens`` and reads them on the device at every
+    run, so a CUDA graph captured around :meth:`run` replays correctly after the caller updates
+    them in place (same shapes, lengths within ``max_pages * page_size``). One plan serves one
+    stream at a time (its workspace is reused by each run).
+    """
+
+    def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,
+                 page_size, q_dtype, kv_dtype, kv_layout, num_splits):
+        self.block_tables, self.context_lens = block_tables, context_lens
+        self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
+        self.head_dim, self.page_size = head_dim, page_size
+        self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
+        self.num_splits = num_splits
+        self.batch = block_tables.shape[0]
+        self.device = block_tables.device
+        self._launcher = None  # built on first use: importing Triton waits for a real launch
+        self.last_compiled: dict[str, object] = {}
+
+    def _engine(self):
+        if self._launcher is None:
+            with _on_device(self.device):
+                self._launcher = _auto_launcher_class()(
+                    batch=self.batch, max_pages=self.block_tables.shape[1],
+                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
+                    kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits)
+        return self._launcher
+
+    def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
+            out=None, return_lse=False, validate=None):
+        """One layer's decode: ``softmax(q·Kᵀ·scale)·V`` over each sequence's tokens.
+
+        Args:
+            query: ``[batch, num_q_heads, head_dim]`` of the plan's ``q_dtype``; any strides.
+            key_cache, value_cache: the plan's layout and ``kv_dtype``, ``num_kv_heads``,
+                ``page_size`` and ``head_dim`` (see :func:`paged_decode`).
+            scale, k_scale, v_scale, out, return_lse, validate: as in :func:`paged_decode`.
+
+        Returns:
+            ``out`` or ``DecodeOutput(out, lse)`` as :func:`paged_decode`.
+
+        Raises:
+            TypeError, ValueError: an input that does not match the plan (the message names
+                the argument), or what :func:`paged_decode` refuses.
+        """
+        V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
+                    v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
+        if query.device.type == "cpu" or validate:
+            _run_value_checks(query, self.block_tables, self.context_lens,
+                              key_cache.shape[0], self.page_size, validate)
+        return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
+                            return_lse)
+
+    def _launch(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
+                return_lse):
+        """The run after validation (``paged_decode`` validates once and comes here)."""
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        lse = (torch.empty(self.batch, self.num_q_heads, dtype=torch.float32,
+                           device=query.device) if return_lse else None)
+        if self.batch > 0 and self.num_q_heads > 0:
+            key_cache, value_cache = _nhd(key_cache, value_cache, self.kv_layout)
+            sm_scale = self.head_dim**-0.5 if scale is None else float(scale)
+            engine = self._engine()
+            with _on_device(self.device):
+                self.last_compiled = engine.launch(
+                    query, key_cache, value_cache, self.block_tables, self.context_lens, out,
+                    lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+        return DecodeOutput(out, lse) if lse is not None else out
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q_heads: int,
+                num_kv_heads: int, head_dim: int, page_size: int, q_dtype: torch.dtype,
+                kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD",
+                num_splits: int | None = None) -> DecodePlan:
+    """Plan one decode step of the production kernel (``impl="auto"``) for every layer.
+
+    Args:
+        block_tables: ``[batch, max_pages]`` int32/int64 physical page ids, read at each run.
+        context_lens: ``[batch]`` int32/int64 tokens per sequence, read at each run.
+        num_q_heads, num_kv_heads, head_dim, page_size: the attention shapes (``num_q_heads``
+            a multiple of ``num_kv_heads``; ``head_dim`` in [16, 256]; ``page_size`` ≥ 1).
+        q_dtype: float32, float16 or bfloat16.
+        kv_dtype: the caches' dtype: ``q_dtype`` (default) or float8_e4m3fn/float8_e5m2.
+        kv_layout: ``"NHD"`` or ``"HND"``.
+        num_splits: ``None`` (token-balanced splits planned on the device) or an int ≥ 1.
+
+    Returns:
+        A :class:`DecodePlan`. Nothing is read from the device (no host sync).
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type, dtype, rank, value or device;
+            the message names it.
+    """
+    V.check_plan(block_tables, context_lens, num_q_heads=num_q_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                 q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=kv_layout,
+                 num_splits=num_splits)
+    return DecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                      q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,
+                      kv_layout=kv_layout, num_splits=num_splits)
 
 
 def paged_decode(
@@ -95,7 +246,8 @@ def paged_decode(
     num_kv_heads)``. Only the first ``context_lens[b]`` tokens of sequence ``b`` count; they
     live in pages ``block_tables[b, :ceil(context_lens[b] / page_size)]``. Entries past that
     are never read (they may hold -1 or garbage), and cache slots past the length are masked
-    before the softmax *and* before ``P·V`` (NaN there cannot leak).
+    before the softmax *and* before ``P·V`` (NaN there cannot leak). ``impl="auto"`` is the
+    one-shot form of :func:`plan_decode` + :meth:`DecodePlan.run`.
 
     Args:
         query: ``[batch, num_q_heads, head_dim]``, float32/float16/bfloat16. Any strides.
@@ -138,36 +290,55 @@ def paged_decode(
             a length outside ``[0, max_pages * page_size]`` or a used page id outside
             ``[0, num_pages)``. The message names the argument.
 
-    Sources: the study in ``shared/seed`` (stages ``baseline`` .. ``split_kv_v4``); split-KV
-    with a log-sum-exp merge as in Flash-Decoding (Dao et al., 2023); paging as in vLLM
-    (Kwon et al., SOSP 2023).
+    Sources: split-KV with a log-sum-exp merge as in Flash-Decoding (Dao et al., 2023); paging
+    as in vLLM (Kwon et al., SOSP 2023); the plan/run split as in FlashInfer (Ye et al., 2025).
     """
+    result, _ = _decode(query, key_cache, value_cache, block_tables, context_lens, scale=scale,
+                        impl=impl, num_splits=num_splits, out=out, kv_layout=kv_layout,
+                        k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                        validate=validate)
+    return result
+
+
+def compiled_kernels(query, key_cache, value_cache, block_tables, context_lens, *,
+                     impl: str = "auto", **kwargs) -> dict[str, object]:
+    """Run :func:`paged_decode` once and return the compiled kernels it launched, by name
+    (Triton's ``CompiledKernel``: ``n_regs``, ``n_spills``, ``metadata``); for the profiling
+    tools. Takes the same arguments as :func:`paged_decode`."""
+    _, compiled = _decode(query, key_cache, value_cache, block_tables, context_lens, impl=impl,
+                          **kwargs)
+    return compiled
+
+
+def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
+            impl="auto", num_splits=None, out=None, kv_layout="NHD", k_scale=None, v_scale=None,
+            return_lse=False, validate=None):
     V.check_metadata(
         query, key_cache, value_cache, block_tables, context_lens, scale=scale, impl=impl,
         impls=tuple(IMPLS), num_splits=num_splits, out=out, kv_layout=kv_layout,
         k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, validate=validate,
     )
-    if impl in STAGES:
-        _check_stage_support(impl, key_cache, kv_layout, k_scale, v_scale, return_lse)
+    spec = IMPLS[impl]
+    _check_capabilities(spec, key_cache, kv_layout, k_scale, v_scale, return_lse)
     num_pages, page_size, num_kv_heads, head_dim = V.cache_dims(key_cache, kv_layout)
     _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate)
-
-    if kv_layout == "HND":  # the kernels see NHD-shaped views; strides carry the layout
-        key_cache = key_cache.transpose(1, 2)
-        value_cache = value_cache.transpose(1, 2)
+    batch, num_q_heads, _ = query.shape
+    if spec.planned:
+        plan = DecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                          q_dtype=query.dtype, kv_dtype=key_cache.dtype, kv_layout=kv_layout,
+                          num_splits=num_splits)
+        result = plan._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
+                              return_lse)
+        return result, plan.last_compiled
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    batch, num_q_heads, _ = query.shape
-    lse = (torch.empty(batch, num_q_heads, dtype=torch.float32, device=query.device)
-           if return_lse else None)
-    sm_scale = head_dim**-0.5 if scale is None else float(scale)
-
-    launcher = _launcher(impl)
+    compiled: dict[str, object] = {}
     if batch > 0 and num_q_heads > 0:
-        if impl in STAGES:
-            launcher(query, key_cache, value_cache, block_tables, context_lens, out,
-                     scale=sm_scale, num_splits=num_splits)
-        else:
-            launcher(query, key_cache, value_cache, block_tables, context_lens, out, lse,
-                     scale=sm_scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
-    return DecodeOutput(out, lse) if lse is not None else out
+        key_cache, value_cache = _nhd(key_cache, value_cache, kv_layout)
+        sm_scale = head_dim**-0.5 if scale is None else float(scale)
+        with _on_device(query.device):
+            compiled = spec.launcher()(query, key_cache, value_cache, block_tables,
+                                       context_lens, out, scale=sm_scale,
+                                       num_splits=num_splits) or {}
+    return out, compiled

@@ -52,3 +52,25 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
         return tl.full([BLOCK_D], 1, tl.int1)
     else:
         return offs_d < HEAD_DIM
+
+
+#: ln 2: LSEs live in the exp2 domain inside the kernels and leave them in natural log
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _natural_lse(m, l):
+    """Natural-log LSE of an exp2-domain running state ``(m, l)``: ``(m + log2 l) · ln 2``."""
+    return (m + tl.log2(l)) * LN2
+
+
+@triton.jit
+def _online_softmax_step(m, l, acc, s):
+    """One online-softmax update over exp2-domain scores ``s [rows, tokens]`` (masked entries
+    -inf, at least one finite per row): returns ``(m_new, l_new, acc · alpha, p)``; the caller
+    adds ``p · V`` to the rescaled ``acc``. NaN-safe on the first tile (``m`` = -inf)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = _rescale(m, m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_new = l * alpha + tl.sum(p, axis=1)
+    return m_new, l_new, acc * alpha[:, None], p

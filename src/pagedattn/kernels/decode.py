@@ -54,7 +54,14 @@ ALiBi, multi-token queries) are branches of this kernel, not forks.
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _page_ids, _rescale
+from pagedattn.kernels.common import (
+    _clamped_context_len,
+    _dim_mask,
+    _natural_lse,
+    _online_softmax_step,
+    _page_ids,
+    _rescale,
+)
 
 
 @triton.jit
@@ -101,10 +108,9 @@ def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_
 
 
 # runtime values that change from call to call: never specialized (no recompiles for a new
-# batch size, table width, split policy or grid)
-_RUNTIME_ARGS = ["batch", "max_pages", "forced_splits", "num_programs", "min_chunk",
-                 "target_units", "stride_q_b", "stride_bt_b", "stride_o_b"]
-
+# batch size, table width or split policy)
+_RUNTIME_ARGS = ["batch", "max_pages", "forced_splits", "min_chunk", "target_units",
+                 "stride_q_b", "stride_bt_b", "stride_o_b"]
 
 @triton.jit(do_not_specialize=_RUNTIME_ARGS)
 def _paged_decode_kernel(
@@ -116,7 +122,7 @@ def _paged_decode_kernel(
     k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # [num_kv_heads] or 0-d
     k_scale_val, v_scale_val,  # Python-float scales (used when not SCALE_FROM_PTR)
     scale_log2,
-    batch, num_kv_heads, group, max_pages, forced_splits, num_programs,
+    batch, num_kv_heads, group, max_pages, forced_splits,
     min_chunk, target_units,  # split sizing (runtime: tuning them never recompiles)
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
@@ -128,23 +134,33 @@ def _paged_decode_kernel(
     PAGE_SIZE: tl.constexpr,  # a model constant: token -> (page, slot) by shifts/multiplies
     USE_DOT: tl.constexpr,  # tensor-core tl.dot (else fp32 FMA reductions)
     DOT_DTYPE: tl.constexpr,  # operand dtype of the dots
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no tf32), else the default
+    DOT_PRECISION: tl.constexpr,  # "tf32x3" for fp32 operands (fp32 accuracy), else default
+    Q_POW2_SCALE: tl.constexpr,  # rescale each query row by a power of two into DOT_DTYPE's range
     SCALE_FROM_PTR: tl.constexpr,  # scales come as tensors (graph-safe), not floats
     HAS_LSE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    tl.static_assert(BLOCK_H >= 16 or not USE_DOT, "tl.dot needs at least 16 rows")
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
+    u = tl.program_id(0)  # one split unit per program: (row r, kv head)
+    r = u // num_kv_heads
+    kv_head = u % num_kv_heads
     num_q_heads = num_kv_heads * group
     capacity = max_pages * PAGE_SIZE
     total = _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B)
     work = total * num_kv_heads  # int64
     # a multiple of BLOCK_N, so the near-equal pieces of _chunk_of are never more than
-    # ceil(len / chunk) per sequence (the workspace bound below)
+    # ceil(len / chunk) per sequence (the workspace bound of the launcher)
     chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target_units), min_chunk), BLOCK_N) * BLOCK_N
     chunk = tl.minimum(chunk, capacity + BLOCK_N).to(tl.int32)  # no sequence is longer
-    # total rows: Σ ceil(len_b / chunk_b); the last sequence's rows end there
-    _, last_start = _locate_row(context_lens_ptr, 2147483647, batch, stride_ctx, capacity,
-                                     chunk, forced_splits, BLOCK_B, BLOCK_N)
-    num_units = last_start * num_kv_heads
+    b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
+                             forced_splits, BLOCK_B, BLOCK_N)
+    if b >= batch:  # past the last real row: the grid is sized from shapes, not lengths
+        return
+    ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
+    chunk_b = _chunk_of(ctx, chunk, forced_splits, BLOCK_N)
+    n_rows = tl.cdiv(ctx, chunk_b)
+    tok_start = (r - start_b) * chunk_b
+    tok_end = tl.minimum(tok_start + chunk_b, ctx)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -153,93 +169,86 @@ def _paged_decode_kernel(
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_hd = mask_h[:, None] & mask_d[None, :]
 
-    for u in range(pid, num_units, num_programs):
-        r = u // num_kv_heads
-        kv_head = u % num_kv_heads
-        b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
-                                 forced_splits, BLOCK_B, BLOCK_N)
-        ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
-        chunk_b = _chunk_of(ctx, chunk, forced_splits, BLOCK_N)
-        n_rows = tl.cdiv(ctx, chunk_b)
-        tok_start = (r - start_b) * chunk_b
-        tok_end = tl.minimum(tok_start + chunk_b, ctx)
+    if SCALE_FROM_PTR:
+        k_scale = tl.load(k_scale_ptr + kv_head * stride_k_scale).to(tl.float32)
+        v_scale = tl.load(v_scale_ptr + kv_head * stride_v_scale).to(tl.float32)
+    else:
+        k_scale = k_scale_val
+        v_scale = v_scale_val
+    heads = kv_head * group + offs_h  # [BLOCK_H]
+    q = tl.load(query_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
+                + offs_d[None, :] * stride_q_d, mask=mask_hd, other=0.0).to(tl.float32)
+    qk_scale = tl.zeros([BLOCK_H], tl.float32) + scale_log2 * k_scale  # per query row
+    if USE_DOT:
+        if Q_POW2_SCALE:
+            # fp8 caches dot in fp16: a bf16/fp32 query may exceed fp16's range (65,504), so
+            # each row is scaled by 2^e into [2^13, 2^14) first; a power of two is exact, and
+            # the scores divide it back out (no cast narrows the caller's range)
+            amax = tl.max(tl.abs(q), axis=1)
+            e = tl.where(amax > 0, 14.0 - tl.ceil(tl.log2(amax)), 0.0)
+            q = q * tl.exp2(e)[:, None]
+            qk_scale = qk_scale * tl.exp2(-e)
+        q_dot = q.to(DOT_DTYPE)  # unscaled: exact for fp16/bf16 queries
+    else:
+        q = q * qk_scale[:, None]  # [BLOCK_H, BLOCK_D], fp32: no rounding to speak of
+    # 64-bit: a head-major cache view can put heads more than 2^31 elements apart
+    k_head = kv_head.to(tl.int64) * stride_k_head
+    v_head = kv_head.to(tl.int64) * stride_v_head
 
-        if SCALE_FROM_PTR:
-            k_scale = tl.load(k_scale_ptr + kv_head * stride_k_scale).to(tl.float32)
-            v_scale = tl.load(v_scale_ptr + kv_head * stride_v_scale).to(tl.float32)
-        else:
-            k_scale = k_scale_val
-            v_scale = v_scale_val
-        heads = kv_head * group + offs_h  # [BLOCK_H]
-        q = tl.load(query_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
-                    + offs_d[None, :] * stride_q_d, mask=mask_hd, other=0.0).to(tl.float32)
-        qk_scale = scale_log2 * k_scale
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    # page ids of the first tile; inside the loop the next tile's ids are fetched one
+    # iteration ahead, so the K/V loads never wait on a block-table load of their own
+    # iteration and the pipeliner can keep several tiles in flight
+    tok = tok_start + offs_n
+    page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // PAGE_SIZE,
+                        tok < tok_end)
+    for n0 in range(tok_start, tok_end, BLOCK_N):
+        tok = n0 + offs_n
+        mask_n = tok < tok_end
+        slot = (tok % PAGE_SIZE).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(key_cache_ptr + (page_id * stride_k_page + slot * stride_k_tok
+                                     + k_head)[:, None] + offs_d[None, :] * stride_k_d,
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(value_cache_ptr + (page_id * stride_v_page + slot * stride_v_tok
+                                       + v_head)[:, None] + offs_d[None, :] * stride_v_d,
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
+        page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p,
+                            tok_next // PAGE_SIZE, tok_next < tok_end)
         if USE_DOT:
-            q_dot = q.to(DOT_DTYPE)  # unscaled: exact for fp16/bf16 queries
+            s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)),
+                       input_precision=DOT_PRECISION) * qk_scale[:, None]  # [BLOCK_H, BLOCK_N]
         else:
-            q = q * qk_scale  # [BLOCK_H, BLOCK_D], fp32: no rounding to speak of
-        # 64-bit: a head-major cache view can put heads more than 2^31 elements apart
-        k_head = kv_head.to(tl.int64) * stride_k_head
-        v_head = kv_head.to(tl.int64) * stride_v_head
-
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        # page ids of the first tile; inside the loop the next tile's ids are fetched one
-        # iteration ahead, so the K/V loads never wait on a block-table load of their own
-        # iteration and the pipeliner can keep several tiles in flight
-        tok = tok_start + offs_n
-        page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // PAGE_SIZE,
-                            tok < tok_end)
-        for n0 in range(tok_start, tok_end, BLOCK_N):
-            tok = n0 + offs_n
-            mask_n = tok < tok_end
-            slot = (tok % PAGE_SIZE).to(tl.int64)
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(key_cache_ptr + (page_id * stride_k_page + slot * stride_k_tok
-                                         + k_head)[:, None] + offs_d[None, :] * stride_k_d,
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(value_cache_ptr + (page_id * stride_v_page + slot * stride_v_tok
-                                           + v_head)[:, None] + offs_d[None, :] * stride_v_d,
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
-            page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p,
-                                tok_next // PAGE_SIZE, tok_next < tok_end)
-            if USE_DOT:
-                s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)),
-                           input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-            else:
-                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: a tile holds >= 1 token
-            alpha = _rescale(m, m_new)
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
-            l = l * alpha + tl.sum(p, axis=1)
-            if USE_DOT:
-                pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                            input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_D] fp32
-            else:
-                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
-
-        if n_rows == 1:
-            out = acc * (v_scale / l)[:, None]
-            tl.store(out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
-                     + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
-                     mask=mask_hd)
-            if HAS_LSE:
-                lse = (m + tl.log2(l)) * 0.6931471805599453  # natural log
-                tl.store(lse_ptr + b.to(tl.int64) * num_q_heads + heads, lse, mask=mask_h)
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m, l, acc, p = _online_softmax_step(m, l, acc, s)
+        if USE_DOT:
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                        input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_D] fp32
         else:
-            row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H]
-            tl.store(part_ml_ptr + row * 2, m, mask=mask_h)
-            tl.store(part_ml_ptr + row * 2 + 1, l, mask=mask_h)
-            tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc * v_scale,
-                     mask=mask_h[:, None])
-        if (r == start_b) & (kv_head == 0):  # the merge reads this for every non-empty b
-            tl.store(seq_rows_ptr + b * 2, start_b)
-            tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc += pv
+
+    if n_rows == 1:
+        out = acc * (v_scale / l)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
+                 + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
+                 mask=mask_hd)
+        if HAS_LSE:
+            tl.store(lse_ptr + b.to(tl.int64) * num_q_heads + heads, _natural_lse(m, l),
+                     mask=mask_h)
+    else:
+        row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H]
+        tl.store(part_ml_ptr + row * 2, m, mask=mask_h)
+        tl.store(part_ml_ptr + row * 2 + 1, l, mask=mask_h)
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc * v_scale,
+                 mask=mask_h[:, None])
+    if (r == start_b) & (kv_head == 0):  # the merge reads this for every non-empty b
+        tl.store(seq_rows_ptr + b * 2, start_b)
+        tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
 
 
 @triton.jit(do_not_specialize=["max_pages", "stride_o_b"])
@@ -300,7 +309,7 @@ def _merge_per_group_kernel(
         l = tl.where(mask_h, l, 1.0)  # padding rows of the tile stay finite (never stored)
         tl.store(out_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd)
         if HAS_LSE:
-            tl.store(lse_ptrs, (m + tl.log2(l)) * 0.6931471805599453, mask=mask_h)
+            tl.store(lse_ptrs, _natural_lse(m, l), mask=mask_h)
 
 
 @triton.jit(do_not_specialize=["max_pages", "stride_o_b"])
@@ -355,4 +364,4 @@ def _merge_per_head_kernel(
                 m = m_new
             tl.store(out_ptrs, (acc / l).to(out_ptr.dtype.element_ty), mask=mask_d)
             if HAS_LSE:
-                tl.store(lse_out, (m + tl.log2(l)) * 0.6931471805599453)
+                tl.store(lse_out, _natural_lse(m, l))

@@ -1,0 +1,68 @@
+"""Host time of one decode call: 2,000 back-to-back calls of a tiny batch, one synchronize.
+
+With a tiny batch the GPU finishes each call long before the host issues the next, so the
+wall time per call is the host path: validation, allocation and the launches. Measures
+``plan.run`` (the plan built once) and ``paged_decode`` (one-shot: validation + plan + run)
+on the three batches of the peers' host-time table. Usage (repo root, GPU machine)::
+
+    PYTHONPATH=src python3 scripts/host_time.py [--calls 2000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+import pagedattn
+from pagedattn.testing import make_paged_inputs
+
+#: (name, lens, num_q_heads, num_kv_heads, head_dim, dtype)
+BATCHES = [
+    ("b1-32/8-hd128-ctx16", [16], 32, 8, 128, torch.bfloat16),
+    ("b64-9/3-hd64-ctx32", [32] * 64, 9, 3, 64, torch.bfloat16),
+    ("b8-32/8-hd128-ctx300-fp16", [300] * 8, 32, 8, 128, torch.float16),
+]
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(50):  # compile, bind, warm the allocator
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    results = []
+    for name, lens, hq, hkv, hd, dtype in BATCHES:
+        x = make_paged_inputs(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=hd,
+                              page_size=16, dtype=dtype, device="cuda", poison=False)
+        plan = pagedattn.plan_decode(x.block_tables, x.context_lens, num_q_heads=hq,
+                                     num_kv_heads=hkv, head_dim=hd, page_size=16, q_dtype=dtype)
+        out = torch.empty_like(x.query)
+        r = dict(batch=name,
+                 plan_run_us=per_call_us(lambda: plan.run(*x[:3]), args.calls),
+                 plan_run_out_us=per_call_us(lambda: plan.run(*x[:3], out=out), args.calls),
+                 paged_decode_us=per_call_us(lambda: pagedattn.paged_decode(*x), args.calls))
+        results.append(r)
+        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in r.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
