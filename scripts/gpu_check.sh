@@ -79,6 +79,20 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  lean2)  # session 3: host-path profile, GPU tests, the fp32/fp8 focus sweep
+    env_info
+    stamp "GPU tests: plan, decode"
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_plan.py \
+      tests/test_decode.py 2>&1 | tee "$RES/pytest.log" | tail -5
+    stamp "host time, profiled"
+    timeout 90 python3 scripts/host_time.py --profile --json "$RES/host_time.json" 2>&1 \
+      | tee "$RES/host.log"
+    stamp "focus sweep: fp32 and fp8"
+    timeout 300 python3 scripts/sweep_decode.py --grid focus --budget-s 260 --out "$RES" \
+      --shapes seed-fp32-b64-c2048,fp8-llama8b-b64-c8k,fp8-llama8b-b1-c32k 2>&1 \
+      | tee "$RES/sweep.log"
+    pack
+    ;;
   lean1)  # session 3: GPU tests of the plan path, host time, sweep beside the plain floor
     env_info
     stamp "GPU tests: plan, decode"

@@ -43,6 +43,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where plan.run and paged_decode spend host time (cProfile)")
     args = ap.parse_args()
     results = []
     for name, lens, hq, hkv, hd, dtype in BATCHES:
@@ -56,6 +58,19 @@ def main() -> int:
                  plan_run_out_us=per_call_us(lambda: plan.run(*x[:3], out=out), args.calls),
                  paged_decode_us=per_call_us(lambda: pagedattn.paged_decode(*x), args.calls))
         results.append(r)
+        if args.profile and name == BATCHES[0][0]:
+            import cProfile
+            import pstats
+            for label, fn in (("plan.run", lambda: plan.run(*x[:3])),
+                              ("paged_decode", lambda: pagedattn.paged_decode(*x))):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(500):
+                    fn()
+                prof.disable()
+                torch.cuda.synchronize()
+                print(f"--- {label}: 500 calls")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in r.items()), flush=True)
     if args.json:

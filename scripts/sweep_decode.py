@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib.util
 import itertools
 import sys
@@ -35,11 +36,25 @@ STAGES = (2, 3)
 CTAS = (2, 4, 8)
 
 
-def _grid(cache_dtype: torch.dtype):
+def _grid(cache_dtype: torch.dtype, grid: str):
+    """``full``: tiles x stages x split targets; ``focus``: what the first sweep left open
+    (fp32: CUDA-core FMA path and 8 warps; fp8: 8 warps; 16-bit: none)."""
     key = "fp32" if cache_dtype == torch.float32 else "other"
-    for bn, st, ctas in itertools.product(BLOCK_N[key], STAGES, CTAS):
-        yield DecodeConfig(block_n=bn, num_warps=4, num_stages=st, ctas_per_sm=ctas,
-                           min_chunk=256)
+    if grid == "full":
+        for bn, st, ctas in itertools.product(BLOCK_N[key], STAGES, CTAS):
+            yield DecodeConfig(block_n=bn, num_warps=4, num_stages=st, ctas_per_sm=ctas,
+                               min_chunk=256)
+    elif key == "fp32":
+        for bn, w, st in itertools.product((8, 16, 32), (4, 8), (2, 3)):
+            yield DecodeConfig(block_n=bn, num_warps=w, num_stages=st, ctas_per_sm=4,
+                               min_chunk=256, use_dot=False)
+        for bn, st in itertools.product((32, 64), (2, 3)):
+            yield DecodeConfig(block_n=bn, num_warps=8, num_stages=st, ctas_per_sm=4,
+                               min_chunk=256)
+    elif cache_dtype != torch.bfloat16 and cache_dtype != torch.float16:
+        for bn, st, ctas in itertools.product((64, 128), (2, 3, 4), (2, 4)):
+            yield DecodeConfig(block_n=bn, num_warps=8, num_stages=st, ctas_per_sm=ctas,
+                               min_chunk=256)
 
 
 def _load_peer(path: str):
@@ -57,6 +72,7 @@ def main() -> int:
     ap.add_argument("--peer-file", default=None)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop sweeping after this")
+    ap.add_argument("--grid", choices=("full", "focus"), default="full")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +89,7 @@ def main() -> int:
                                      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                      page_size=shape.page_size, q_dtype=shape.dtype,
                                      kv_dtype=shape.cache_dtype)
-        run = lambda: plan.run(*b.tensors[:3], **b.scales)  # noqa: E731
+        run = functools.partial(plan.run, *b.tensors[:3], **b.scales)
         err = rel_l2_error(run(), ref)
         eager = time_cold(run, reps=args.reps).median_us
         graph = time_graph(run, reps=args.reps).median_us
@@ -96,7 +112,7 @@ def main() -> int:
                 line += f" | floor error {type(e).__name__}: {e}"
         print(line, flush=True)
         best = (float("inf"), None)
-        for cfg in _grid(shape.cache_dtype):
+        for cfg in _grid(shape.cache_dtype, args.grid):
             if time.time() - t0 > args.budget_s:
                 print("  budget reached: sweep cut short", flush=True)
                 break
@@ -105,12 +121,11 @@ def main() -> int:
                                head_dim=m.head_dim, page_size=shape.page_size,
                                q_dtype=shape.dtype, kv_dtype=shape.cache_dtype,
                                device=b.query.device, num_splits=None, config=cfg)
-            o = torch.empty_like(b.query)
-            sc = m.head_dim ** -0.5
-            fn = lambda: lau.launch(*b.tensors, o, None, scale=sc, **b.scales)  # noqa: E731
+            fn = functools.partial(lau.launch, *b.tensors, torch.empty_like(b.query), None,
+                                   scale=m.head_dim ** -0.5, **b.scales)
             try:
                 fn()
-                e = rel_l2_error(o, ref)
+                e = rel_l2_error(fn.args[5], ref)
                 t = time_cold(fn, reps=args.reps, warmup=3).median_us
             except Exception as ex:
                 print(f"  {cfg}: {type(ex).__name__}: {str(ex)[:120]}", flush=True)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedattn._env import device_name_for, is_interpreter, sm_count_for
+from pagedattn._env import device_name_for, is_interpreter, num_sms
 from pagedattn._validation import FP8_DTYPES
 from pagedattn.kernels.decode import (
     _merge_per_group_kernel,
@@ -137,24 +137,46 @@ def _dot_precision(cache_dtype: torch.dtype) -> str:
 
 
 def _direct_launch_supported() -> bool:
-    """``CompiledKernel.run``'s positional signature is Triton 3.6's (checked by the GPU
-    tests against ``kernel[grid]``); elsewhere every launch binds through Triton."""
+    """``CompiledKernel[grid](*args)`` takes every argument of the kernel in order (constexpr
+    slots included) on Triton 3.6 (checked by the GPU tests against ``kernel[grid]``);
+    elsewhere every launch binds through ``kernel[grid](**kwargs)``."""
     return triton.__version__.split(".")[:2] == ["3", "6"] and not is_interpreter()
 
 
-def _no_launch_hooks() -> bool:
-    """Direct launches skip Triton's launch hooks: only when none is installed (profilers such
-    as proton install them)."""
-    from triton import knobs
+class BinaryCache:
+    """Compiled kernels by what selects them: the kernel, its constexprs and launch options,
+    the device, and each tensor argument's strides and 16-byte alignment (what Triton
+    specializes on beyond dtypes, which the constexprs and plan fix). A hit skips Triton's
+    per-call argument binding (tens of µs for a 47-argument kernel); a miss goes through
+    ``kernel[grid](...)``, which compiles or finds the binary, and records it. Bounded; one
+    instance, :data:`BINARIES`, serves every launcher (like Triton's own kernel cache, which
+    it fronts)."""
 
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return not any(getattr(h, "calls", h) for h in hooks)
+    def __init__(self, max_entries: int = 512):
+        self.max_entries = max_entries
+        self._entries: dict[tuple, object] = {}
+
+    def get(self, key: tuple):
+        return self._entries.get(key)
+
+    def put(self, key: tuple, compiled) -> None:
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()
+        self._entries[key] = compiled
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
-def _binding(*tensors) -> tuple:
-    """What a compiled binary depends on beyond the launcher's fixed shapes and dtypes: each
-    tensor's strides and whether its address is 16-byte aligned (Triton specializes on
-    both); ``None`` for an absent optional tensor."""
+#: the compiled-kernel cache of the production kernel's launches (see :class:`BinaryCache`)
+BINARIES = BinaryCache()
+
+
+def _binding(tensors) -> tuple:
+    """Strides and 16-byte alignment of each tensor argument (``None`` when absent)."""
     return tuple(None if t is None else (t.stride(), t.data_ptr() % 16 == 0) for t in tensors)
 
 
@@ -192,7 +214,8 @@ class AutoLauncher:
         self.forced_splits = int(num_splits or 0)
         bd = block_d(head_dim)
         self.block_d = bd
-        sms = sm_count_for(torch.empty(0, device=device)) if on_gpu else 4
+        sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+            if on_gpu else 4
         self.target_units = sms * cfg.ctas_per_sm
         # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
         self.rows_max = (batch * self.forced_splits if self.forced_splits
@@ -226,7 +249,13 @@ class AutoLauncher:
         self.part_acc = work[n_ml:n_ml + n_acc]
         self.seq_rows = work[n_ml + n_acc:].view(torch.int32)
         self._direct = on_gpu and _direct_launch_supported()
-        self._bound: dict[tuple, tuple] = {}  # binding -> (main, merge) compiled kernels
+        # what selects the binaries besides the tensors' binding (fixed for this launcher)
+        # (Triton also specializes the integer arguments below on ==1 and %16, and types the
+        # unspecialized ones i32 or i64 by size)
+        self._select = (device.index, cfg.num_warps, cfg.num_stages, num_kv_heads, group,
+                        num_q_heads, page_size, batch < 2**31, max_pages < 2**31,
+                        str(sorted(self.main_constexprs.items())),
+                        self.merge_kernel.__name__, str(sorted(self.merge_constexprs.items())))
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
                scale: float, k_scale=None, v_scale=None) -> dict[str, object]:
@@ -275,21 +304,20 @@ class AutoLauncher:
             stride_o_h=out.stride(1), stride_o_d=out.stride(2),
             HAS_LSE=lse is not None, **self.merge_constexprs,
         )
-        key = _binding(query, key_cache, value_cache, block_tables, context_lens, out, lse,
-                       k_t, v_t) if self._direct else None
-        bound = self._bound.get(key) if key is not None else None
-        if bound is not None and _no_launch_hooks():
-            main, merge = bound
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            main.run(*self.grid, stream, main.function, main.packed_metadata, None, None, None,
-                     *(main_args[n] for n in _paged_decode_kernel.arg_names))
-            merge.run(*self.merge_grid, stream, merge.function, merge.packed_metadata, None,
-                      None, None, *(merge_args[n] for n in self.merge_kernel.arg_names))
-            return {"paged_decode": main, "paged_decode_merge": merge}
+        key = None
+        if self._direct:
+            key = (self._select, from_ptr, _binding((query, key_cache, value_cache, block_tables,
+                                                     context_lens, out, lse, k_t, v_t)))
+            bound = BINARIES.get(key)
+            if bound is not None:
+                main, merge = bound
+                main[self.grid](*(main_args[n] for n in _paged_decode_kernel.arg_names))
+                merge[self.merge_grid](*(merge_args[n] for n in self.merge_kernel.arg_names))
+                return {"paged_decode": main, "paged_decode_merge": merge}
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
                                                num_stages=cfg.num_stages)
         merge = self.merge_kernel[self.merge_grid](**merge_args, num_warps=4)
         if key is not None:
-            self._bound[key] = (main, merge)
+            BINARIES.put(key, (main, merge))
         return {"paged_decode": main, "paged_decode_merge": merge}
