@@ -13,6 +13,7 @@ stage's launcher; every stage launcher has one signature.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -134,6 +135,9 @@ class DecodePlan:
         self.num_splits = num_splits
         self.batch = block_tables.shape[0]
         self.device = block_tables.device
+        self._q_shape = torch.Size((self.batch, num_q_heads, head_dim))
+        self._cache_tail = torch.Size((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
+                                      else (num_kv_heads, page_size, head_dim))
         self._launcher = None  # built on first use: importing Triton waits for a real launch
         self.last_compiled: dict[str, object] = {}
 
@@ -164,13 +168,36 @@ class DecodePlan:
             TypeError, ValueError: an input that does not match the plan (the message names
                 the argument), or what :func:`paged_decode` refuses.
         """
-        V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
-                    v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
+        if not self._common_call(query, key_cache, value_cache, scale, k_scale, v_scale, out,
+                                 return_lse, validate):
+            V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
+                        v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
         if query.device.type == "cpu" or validate:
             _run_value_checks(query, self.block_tables, self.context_lens,
                               key_cache.shape[0], self.page_size, validate)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                             return_lse)
+
+    def _common_call(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
+                     return_lse, validate) -> bool:
+        """The serving call, checked in one expression (the host path is the eager time of a
+        small batch): plain tensors of the plan's shapes, dtypes and device, float or absent
+        scales, ``validate=None``. Anything else goes through the full check, which raises
+        the error naming the argument."""
+        device, q_shape = self.device, self._q_shape
+        return (type(query) is torch.Tensor and query.shape == q_shape
+                and query.dtype == self.q_dtype and query.device == device
+                and type(key_cache) is torch.Tensor and key_cache.dtype == self.kv_dtype
+                and key_cache.dim() == 4 and key_cache.shape[1:] == self._cache_tail
+                and key_cache.device == device
+                and type(value_cache) is torch.Tensor and value_cache.shape == key_cache.shape
+                and value_cache.dtype == self.kv_dtype and value_cache.device == device
+                and (out is None or (type(out) is torch.Tensor and out.shape == q_shape
+                                     and out.dtype == self.q_dtype and out.device == device))
+                and (scale is None or (type(scale) is float and math.isfinite(scale)))
+                and (k_scale is None or (type(k_scale) is float and math.isfinite(k_scale)))
+                and (v_scale is None or (type(v_scale) is float and math.isfinite(v_scale)))
+                and (return_lse is False or return_lse is True) and validate is None)
 
     def _launch(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
                 return_lse):

@@ -132,14 +132,13 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     PAGE_SIZE: tl.constexpr,  # a model constant: token -> (page, slot) by shifts/multiplies
-    USE_DOT: tl.constexpr,  # tensor-core tl.dot (else fp32 FMA reductions)
     DOT_DTYPE: tl.constexpr,  # operand dtype of the dots
     DOT_PRECISION: tl.constexpr,  # "tf32x3" for fp32 operands (fp32 accuracy), else default
     Q_POW2_SCALE: tl.constexpr,  # rescale each query row by a power of two into DOT_DTYPE's range
     SCALE_FROM_PTR: tl.constexpr,  # scales come as tensors (graph-safe), not floats
     HAS_LSE: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_H >= 16 or not USE_DOT, "tl.dot needs at least 16 rows")
+    tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
     u = tl.program_id(0)  # one split unit per program: (row r, kv head)
     r = u // num_kv_heads
@@ -179,18 +178,15 @@ def _paged_decode_kernel(
     q = tl.load(query_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
                 + offs_d[None, :] * stride_q_d, mask=mask_hd, other=0.0).to(tl.float32)
     qk_scale = tl.zeros([BLOCK_H], tl.float32) + scale_log2 * k_scale  # per query row
-    if USE_DOT:
-        if Q_POW2_SCALE:
-            # fp8 caches dot in fp16: a bf16/fp32 query may exceed fp16's range (65,504), so
-            # each row is scaled by 2^e into [2^13, 2^14) first; a power of two is exact, and
-            # the scores divide it back out (no cast narrows the caller's range)
-            amax = tl.max(tl.abs(q), axis=1)
-            e = tl.where(amax > 0, 14.0 - tl.ceil(tl.log2(amax)), 0.0)
-            q = q * tl.exp2(e)[:, None]
-            qk_scale = qk_scale * tl.exp2(-e)
-        q_dot = q.to(DOT_DTYPE)  # unscaled: exact for fp16/bf16 queries
-    else:
-        q = q * qk_scale[:, None]  # [BLOCK_H, BLOCK_D], fp32: no rounding to speak of
+    if Q_POW2_SCALE:
+        # fp8 caches dot in fp16: a bf16/fp32 query may exceed fp16's range (65,504), so each
+        # row is scaled by 2^e into [2^13, 2^14) first; a power of two is exact, and the
+        # scores divide it back out (no cast narrows the caller's range)
+        amax = tl.max(tl.abs(q), axis=1)
+        e = tl.where(amax > 0, 14.0 - tl.ceil(tl.log2(amax)), 0.0)
+        q = q * tl.exp2(e)[:, None]
+        qk_scale = qk_scale * tl.exp2(-e)
+    q_dot = q.to(DOT_DTYPE)  # unscaled: exact for fp16/bf16 queries
     # 64-bit: a head-major cache view can put heads more than 2^31 elements apart
     k_head = kv_head.to(tl.int64) * stride_k_head
     v_head = kv_head.to(tl.int64) * stride_v_head
@@ -218,19 +214,12 @@ def _paged_decode_kernel(
         tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
         page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p,
                             tok_next // PAGE_SIZE, tok_next < tok_end)
-        if USE_DOT:
-            s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)),
-                       input_precision=DOT_PRECISION) * qk_scale[:, None]  # [BLOCK_H, BLOCK_N]
-        else:
-            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)),
+                   input_precision=DOT_PRECISION) * qk_scale[:, None]  # [BLOCK_H, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m, l, acc, p = _online_softmax_step(m, l, acc, s)
-        if USE_DOT:
-            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                        input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_D] fp32
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc += pv
+        acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                      input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_D] fp32
 
     if n_rows == 1:
         out = acc * (v_scale / l)[:, None]

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
 
 from pagedattn._env import device_name_for, is_interpreter, num_sms
 from pagedattn._validation import FP8_DTYPES
@@ -60,7 +62,6 @@ class DecodeConfig:
     num_stages: int
     ctas_per_sm: int  # split target: SMs x this many units (about one wave when resident)
     min_chunk: int  # fewest tokens per split
-    use_dot: bool = True  # tl.dot (tensor cores) or broadcast-reduce on CUDA cores
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -144,25 +145,27 @@ def _direct_launch_supported() -> bool:
 
 
 class BinaryCache:
-    """Compiled kernels by what selects them: the kernel, its constexprs and launch options,
-    the device, and each tensor argument's strides and 16-byte alignment (what Triton
-    specializes on beyond dtypes, which the constexprs and plan fix). A hit skips Triton's
-    per-call argument binding (tens of µs for a 47-argument kernel); a miss goes through
-    ``kernel[grid](...)``, which compiles or finds the binary, and records it. Bounded; one
-    instance, :data:`BINARIES`, serves every launcher (like Triton's own kernel cache, which
-    it fronts)."""
+    """Ready launches of the production kernel, keyed by everything they depend on except
+    the per-call pointers and scales: the constexprs and launch options, the device, every
+    integer argument, and each tensor's strides and 16-byte alignment (what Triton
+    specializes on beyond dtypes). An entry holds the compiled main and merge kernels and
+    their argument lists in parameter order, with the pointer and scale slots to fill. A hit
+    skips Triton's per-call argument binding (tens of µs for a 47-argument kernel); a miss
+    launches through ``kernel[grid](...)``, which compiles or finds the binary, and records
+    it. Bounded; one instance, :data:`BINARIES`, serves every launcher (it fronts Triton's
+    own kernel cache, which is global too)."""
 
     def __init__(self, max_entries: int = 512):
         self.max_entries = max_entries
-        self._entries: dict[tuple, object] = {}
+        self._entries: dict[tuple, tuple] = {}
 
     def get(self, key: tuple):
         return self._entries.get(key)
 
-    def put(self, key: tuple, compiled) -> None:
+    def put(self, key: tuple, entry: tuple) -> None:
         if len(self._entries) >= self.max_entries:
             self._entries.clear()
-        self._entries[key] = compiled
+        self._entries[key] = entry
 
     def clear(self) -> None:
         self._entries.clear()
@@ -171,13 +174,33 @@ class BinaryCache:
         return len(self._entries)
 
 
-#: the compiled-kernel cache of the production kernel's launches (see :class:`BinaryCache`)
+#: the ready launches of the production kernel (see :class:`BinaryCache`)
 BINARIES = BinaryCache()
 
+#: per-call arguments of each kernel: filled into the recorded argument lists at each launch
+_MAIN_SLOTS = ("query_ptr", "key_cache_ptr", "value_cache_ptr", "block_tables_ptr",
+               "context_lens_ptr", "out_ptr", "lse_ptr", "part_ml_ptr", "part_acc_ptr",
+               "seq_rows_ptr", "k_scale_ptr", "v_scale_ptr", "scale_log2", "k_scale_val",
+               "v_scale_val")
+_MERGE_SLOTS = ("context_lens_ptr", "part_ml_ptr", "part_acc_ptr", "seq_rows_ptr", "out_ptr",
+                "lse_ptr")
 
-def _binding(tensors) -> tuple:
-    """Strides and 16-byte alignment of each tensor argument (``None`` when absent)."""
-    return tuple(None if t is None else (t.stride(), t.data_ptr() % 16 == 0) for t in tensors)
+
+def _launch_compiled(compiled, grid: tuple[int, int, int], stream: int, args: list) -> None:
+    """What ``kernel[grid](...)`` ends with on Triton 3.6 (``CompiledKernel.__getitem__``'s
+    runner, without building a closure per call): launch hooks are honoured."""
+    enter = knobs.runtime.launch_enter_hook
+    metadata = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
+    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata, enter,
+                 knobs.runtime.launch_exit_hook, *args)
+
+
+def _recorded(kernel, args: dict, slots: tuple[str, ...]) -> tuple[tuple, tuple[int, ...]]:
+    """``kernel``'s arguments in parameter order with the per-call ``slots`` emptied (the
+    cache must not keep the caller's tensors alive), and the slots' positions."""
+    names = kernel.arg_names
+    return (tuple(None if n in slots else args[n] for n in names),
+            tuple(names.index(n) for n in slots))
 
 
 def merge_per_group(batch: int, num_kv_heads: int, sms: int) -> bool:
@@ -224,8 +247,8 @@ class AutoLauncher:
         self.main_constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n, BLOCK_B=_BLOCK_B,
             # the query group is the tile's rows: tl.dot needs >= 16 (padding rows masked)
-            BLOCK_H=max(16 if cfg.use_dot else 1, triton.next_power_of_2(group)),
-            PAGE_SIZE=page_size, USE_DOT=cfg.use_dot, DOT_DTYPE=_dot_dtype(kv_dtype, interpret),
+            BLOCK_H=max(16, triton.next_power_of_2(group)),
+            PAGE_SIZE=page_size, DOT_DTYPE=_dot_dtype(kv_dtype, interpret),
             DOT_PRECISION=_dot_precision(kv_dtype),
             Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
         )
@@ -248,12 +271,15 @@ class AutoLauncher:
         self.part_ml = work[:n_ml]
         self.part_acc = work[n_ml:n_ml + n_acc]
         self.seq_rows = work[n_ml + n_acc:].view(torch.int32)
+        self._ml_ptr, self._acc_ptr, self._rows_ptr = (
+            t.data_ptr() for t in (self.part_ml, self.part_acc, self.seq_rows))
         self._direct = on_gpu and _direct_launch_supported()
         # what selects the binaries besides the tensors' binding (fixed for this launcher)
         # (Triton also specializes the integer arguments below on ==1 and %16, and types the
         # unspecialized ones i32 or i64 by size)
         self._select = (device.index, cfg.num_warps, cfg.num_stages, num_kv_heads, group,
-                        num_q_heads, page_size, batch < 2**31, max_pages < 2**31,
+                        num_q_heads, page_size, batch, max_pages, self.forced_splits,
+                        cfg.min_chunk, self.target_units,
                         str(sorted(self.main_constexprs.items())),
                         self.merge_kernel.__name__, str(sorted(self.merge_constexprs.items())))
 
@@ -262,28 +288,54 @@ class AutoLauncher:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
         Returns the compiled kernels launched, by name (compile metadata for the tools)."""
-        k_t = k_scale if isinstance(k_scale, torch.Tensor) else None
-        v_t = v_scale if isinstance(v_scale, torch.Tensor) else None
-        from_ptr = k_t is not None or v_t is not None
-        if from_ptr:  # both as tensors: one specialization for the pair
-            k_t = k_t if k_t is not None else torch.full((), 1.0 if k_scale is None
-                                                         else float(k_scale), device=self.device)
-            v_t = v_t if v_t is not None else torch.full((), 1.0 if v_scale is None
-                                                         else float(v_scale), device=self.device)
+        tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
+        key = None
+        if self._direct and not tensor_scales:
+            tensors = (query, key_cache, value_cache, block_tables, context_lens, out)
+            key = (self._select, lse is None,
+                   tuple(t.stride() for t in tensors),
+                   tuple(t.data_ptr() % 16 == 0 for t in tensors))
+            entry = BINARIES.get(key)
+            if entry is not None:
+                main, merge, main_args, merge_args, main_slots, merge_slots = entry
+                lse_ptr = lse.data_ptr() if lse is not None else self._ml_ptr
+                args = list(main_args)
+                for i, v in zip(main_slots, (
+                        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
+                        lse_ptr, self._ml_ptr, self._acc_ptr, self._rows_ptr,
+                        self._ml_ptr, self._ml_ptr, scale * LOG2E,
+                        1.0 if k_scale is None else float(k_scale),
+                        1.0 if v_scale is None else float(v_scale)), strict=True):
+                    args[i] = v
+                stream = driver.active.get_current_stream(driver.active.get_current_device())
+                _launch_compiled(main, self.grid, stream, args)
+                args = list(merge_args)
+                for i, v in zip(merge_slots, (context_lens.data_ptr(), self._ml_ptr,
+                                              self._acc_ptr, self._rows_ptr, out.data_ptr(),
+                                              lse_ptr), strict=True):
+                    args[i] = v
+                _launch_compiled(merge, self.merge_grid, stream, args)
+                return {"paged_decode": main, "paged_decode_merge": merge}
+        k_t = v_t = None
+        if tensor_scales:  # both as tensors: one specialization for the pair
+            k_t, v_t = (s if isinstance(s, torch.Tensor) else torch.full(
+                (), 1.0 if s is None else float(s), device=self.device)
+                for s in (k_scale, v_scale))
         main_args = dict(
             query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
             block_tables_ptr=block_tables, context_lens_ptr=context_lens, out_ptr=out,
             lse_ptr=lse if lse is not None else self.part_ml,
             part_ml_ptr=self.part_ml, part_acc_ptr=self.part_acc, seq_rows_ptr=self.seq_rows,
-            k_scale_ptr=k_t if from_ptr else self.part_ml,
-            v_scale_ptr=v_t if from_ptr else self.part_ml,
-            stride_k_scale=k_t.stride(0) if from_ptr and k_t.dim() == 1 else 0,
-            stride_v_scale=v_t.stride(0) if from_ptr and v_t.dim() == 1 else 0,
-            k_scale_val=1.0 if from_ptr or k_scale is None else float(k_scale),
-            v_scale_val=1.0 if from_ptr or v_scale is None else float(v_scale),
+            k_scale_ptr=k_t if tensor_scales else self.part_ml,
+            v_scale_ptr=v_t if tensor_scales else self.part_ml,
+            stride_k_scale=k_t.stride(0) if tensor_scales and k_t.dim() == 1 else 0,
+            stride_v_scale=v_t.stride(0) if tensor_scales and v_t.dim() == 1 else 0,
+            k_scale_val=1.0 if tensor_scales or k_scale is None else float(k_scale),
+            v_scale_val=1.0 if tensor_scales or v_scale is None else float(v_scale),
             scale_log2=scale * LOG2E,
             batch=self.batch, num_kv_heads=self.num_kv_heads, group=self.group,
-            max_pages=block_tables.shape[1], forced_splits=self.forced_splits,
+            max_pages=self.max_pages, forced_splits=self.forced_splits,
             min_chunk=self.config.min_chunk, target_units=self.target_units,
             stride_q_b=query.stride(0), stride_q_h=query.stride(1), stride_q_d=query.stride(2),
             stride_k_page=key_cache.stride(0), stride_k_tok=key_cache.stride(1),
@@ -293,31 +345,23 @@ class AutoLauncher:
             stride_bt_b=block_tables.stride(0), stride_bt_p=block_tables.stride(1),
             stride_ctx=context_lens.stride(0),
             stride_o_b=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-            SCALE_FROM_PTR=from_ptr, HAS_LSE=lse is not None, **self.main_constexprs,
+            SCALE_FROM_PTR=tensor_scales, HAS_LSE=lse is not None, **self.main_constexprs,
         )
         merge_args = dict(
             context_lens_ptr=context_lens, part_ml_ptr=self.part_ml,
             part_acc_ptr=self.part_acc, seq_rows_ptr=self.seq_rows, out_ptr=out,
             lse_ptr=main_args["lse_ptr"], num_q_heads=self.num_q_heads, group=self.group,
-            page_size=self.page_size, max_pages=block_tables.shape[1],
+            page_size=self.page_size, max_pages=self.max_pages,
             stride_ctx=context_lens.stride(0), stride_o_b=out.stride(0),
             stride_o_h=out.stride(1), stride_o_d=out.stride(2),
             HAS_LSE=lse is not None, **self.merge_constexprs,
         )
-        key = None
-        if self._direct:
-            key = (self._select, from_ptr, _binding((query, key_cache, value_cache, block_tables,
-                                                     context_lens, out, lse, k_t, v_t)))
-            bound = BINARIES.get(key)
-            if bound is not None:
-                main, merge = bound
-                main[self.grid](*(main_args[n] for n in _paged_decode_kernel.arg_names))
-                merge[self.merge_grid](*(merge_args[n] for n in self.merge_kernel.arg_names))
-                return {"paged_decode": main, "paged_decode_merge": merge}
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
                                                num_stages=cfg.num_stages)
         merge = self.merge_kernel[self.merge_grid](**merge_args, num_warps=4)
         if key is not None:
-            BINARIES.put(key, (main, merge))
+            main_rec, main_slots = _recorded(_paged_decode_kernel, main_args, _MAIN_SLOTS)
+            merge_rec, merge_slots = _recorded(self.merge_kernel, merge_args, _MERGE_SLOTS)
+            BINARIES.put(key, (main, merge, main_rec, merge_rec, main_slots, merge_slots))
         return {"paged_decode": main, "paged_decode_merge": merge}
