@@ -50,8 +50,9 @@ def named_strides(short: str, t: torch.Tensor, dims: str) -> dict[str, int]:
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """The tensor's CUDA device made current for the launches inside (Triton launches on the
-    current device and its current stream); a no-op context for CPU tensors."""
-    if t.device.type == "cuda":
+    current device and its current stream); a no-op context for CPU tensors and for a
+    non-tensor (which the launcher's validation then names)."""
+    if isinstance(t, torch.Tensor) and t.device.type == "cuda":
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
 
