@@ -58,10 +58,12 @@ def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def on_tensor_device(launcher: F) -> F:
-    """Decorator: run ``launcher(first_tensor, ...)`` under :func:`device_guard` of its first
-    argument, so tensors on ``cuda:1`` launch on ``cuda:1`` whatever the current device."""
+    """Decorator: run ``launcher`` under :func:`device_guard` of its first argument (passed by
+    position or by keyword), so tensors on ``cuda:1`` launch on ``cuda:1`` whatever the current
+    device. The launcher's validation checks that every tensor shares that device."""
     @functools.wraps(launcher)
-    def guarded(first, *args, **kwargs):
+    def guarded(*args, **kwargs):
+        first = args[0] if args else next(iter(kwargs.values()), None)
         with device_guard(first):
-            return launcher(first, *args, **kwargs)
+            return launcher(*args, **kwargs)
     return guarded  # type: ignore[return-value]
