@@ -19,14 +19,17 @@ from pagedattn.bench.timing import capture_graph
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
 WORLD = 2
-LENS = [[16, 3, 40], [64, 1, 7]]  # captured lengths per rank
+LENS = [[16, 1, 40], [3, 64, 7]]  # captured lengths per rank (<= the replay lengths)
 REPLAY_LENS = [[100, 1, 128], [5, 128, 33]]  # written before the replay
 
 
 def _inputs(rank: int, device):
-    inputs = make_paged_inputs(LENS[rank], num_q_heads=8, num_kv_heads=2, head_dim=128,
-                               page_size=16, max_pages=8, dtype=torch.bfloat16,
-                               seed=100 + rank, device=device)
+    """Rank ``rank``'s batch: a block table for the replay lengths, the captured (shorter)
+    lengths in ``context_lens``."""
+    inputs = make_paged_inputs(REPLAY_LENS[rank], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                               page_size=16, dtype=torch.bfloat16, seed=100 + rank,
+                               device=device)
+    inputs.context_lens.copy_(torch.tensor(LENS[rank], dtype=torch.int32))
     return inputs
 
 

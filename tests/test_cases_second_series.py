@@ -375,9 +375,11 @@ def test_N19_graph_capture_on_cuda1(impl, current_device_0):
     eager warm-up (through the guard), capture, replay at new lengths; replay matches the
     reference and the current device stays 0."""
     dev = torch.device("cuda:1")
-    inputs = _on_cuda1(make_paged_inputs([16, 3, 40], num_q_heads=8, num_kv_heads=2,
-                                         head_dim=128, page_size=16, max_pages=8, dtype=BF16,
-                                         seed=193))
+    # the table holds the replay's lengths; capture runs at shorter ones
+    inputs = _on_cuda1(make_paged_inputs([100, 1, 128], num_q_heads=8, num_kv_heads=2,
+                                         head_dim=128, page_size=16, dtype=BF16, seed=193))
+    long_lens = inputs.context_lens.clone()
+    inputs.context_lens.copy_(torch.tensor([16, 3, 40], dtype=torch.int32))
     out = torch.full_like(inputs.query, NAN)
     num_splits = 2 if impl in SPLIT_IMPLS else None
 
@@ -391,7 +393,7 @@ def test_N19_graph_capture_on_cuda1(impl, current_device_0):
     with torch.cuda.graph(graph, stream=stream):
         step()
     assert torch.cuda.current_device() == 0
-    inputs.context_lens.copy_(torch.tensor([100, 1, 128], dtype=torch.int32))
+    inputs.context_lens.copy_(long_lens)
     out.fill_(NAN)
     graph.replay()
     torch.cuda.synchronize(dev)
