@@ -79,6 +79,19 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  lean3)  # session 3: GPU tests incl. the second-series cases, host time, defaults vs floor
+    env_info
+    stamp "GPU tests: plan, decode, second-series cases, launchers"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_plan.py \
+      tests/test_decode.py tests/test_cases_second_series.py tests/test_launchers.py 2>&1 \
+      | tee "$RES/pytest.log" | tail -12
+    stamp "host time"
+    timeout 60 python3 scripts/host_time.py --json "$RES/host_time.json" 2>&1 | tee "$RES/host.log"
+    stamp "defaults beside the floor, every peer row (carry .peers)"
+    timeout 240 python3 scripts/sweep_decode.py --grid none --out "$RES" \
+      --peer-file .peers/plain_floor.py 2>&1 | tee "$RES/sweep.log" | grep -v "^  best"
+    pack
+    ;;
   lean2)  # session 3: host-path profile, GPU tests, the fp32/fp8 focus sweep
     env_info
     stamp "GPU tests: plan, decode"

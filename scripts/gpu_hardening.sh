@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# Issue 6 (hardening) on the H200, from the repo root, in one device call (about 5-6 min):
-#   1. the gpu-marked tests of the hardening files (natural sizes of B01..B22, CUDA graphs,
-#      no-sync and capture checks of validate=, determinism at natural sizes);
-#   2. the longer hypothesis fuzz against the float64 oracle (random seed, printed);
-#   3. compute-sanitizer memcheck and racecheck over scripts/sanitize_driver.py (every impl
-#      on boundary shapes), after one plain run that warms Triton's cache (the JIT would
-#      otherwise compile under the sanitizer).
-#   bash scripts/gpu_hardening.sh [all|tests|fuzz|sanitize]
-# Logs go to $OUT (default ./out), at most 8 files (the device returns no more):
+# Hardening on the H200, from the repo root. Phases:
+#   tests     the gpu-marked tests of the hardening and second-series files (natural sizes of
+#             B01..B22 and N06..N16, N11 at batch 70,000, CUDA graphs, validate= checks,
+#             determinism); gpu2 tests run too when two GPUs are visible (N19);
+#   fuzz      the longer hypothesis fuzz against the float64 oracle (random seed, printed);
+#   sanitize  compute-sanitizer memcheck, racecheck and initcheck over
+#             scripts/sanitize_driver.py: every kernel (every impl through the public API,
+#             split_kv_v4's and auto's merges incl. the per-group merge, LSE, fp8, HND,
+#             append_kv, CUDA-graph replay), after one plain run that warms Triton's cache
+#             (the JIT would otherwise compile under the sanitizer). Under 8 minutes.
+#   bash scripts/gpu_hardening.sh [sanitize|tests|fuzz|all]      (default: sanitize)
+# One device call runs at most 10 minutes: run `tests` (+ `fuzz`) and `sanitize` as separate
+# calls; `all` runs every phase back to back (about 12 minutes).
+# Logs go to $OUT (default ./out), at most 8 files:
 #   hardening-tests.log, hardening-fuzz.log, sanitize-warm.log, sanitize-memcheck.log,
-#   sanitize-racecheck.log, sanitizer-summary.md (errors per tool, timings, pass/fail).
+#   sanitize-racecheck.log, sanitize-initcheck.log, sanitizer-summary.md (a page to paste
+#   into docs/results/sanitizer-h200.md: commit, GPU, errors per tool, timings, kernels).
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
-what=${1:-all}
+what=${1:-sanitize}
 t0=$(date +%s)
 stamp() { echo "[gpu_hardening +$(( $(date +%s) - t0 ))s] $*"; }
 SUMMARY=$OUT/sanitizer-summary.md
 FILES="tests/test_cases_masking.py tests/test_cases_shapes.py tests/test_cases_runtime.py
-       tests/test_validation.py tests/test_determinism.py tests/test_fuzz.py"
+       tests/test_cases_second_series.py tests/test_validation.py tests/test_determinism.py
+       tests/test_fuzz.py tests/test_cuda_graph.py"
 declare -A SECS STATUS
 
 phase() {  # phase NAME TIMEOUT LOG CMD...: run, time, keep the exit status
@@ -39,7 +46,7 @@ if [[ $what == all || $what == tests ]]; then
   # process (B01 holds 2 x 4.9 GB caches in one process only)
   XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
   # shellcheck disable=SC2086
-  phase tests 200 "$OUT/hardening-tests.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+  phase tests 420 "$OUT/hardening-tests.log" python3 -m pytest -q -m "gpu or gpu2" -p no:cacheprovider \
     $XDIST -rfE --durations=15 -k "not fuzz_against_oracle_gpu" $FILES
 fi
 
@@ -53,7 +60,7 @@ if [[ $what == all || $what == fuzz ]]; then
   echo "seed $SEED" >> "$OUT/hardening-fuzz.log"
 fi
 
-count_errors() {  # memcheck: "ERROR SUMMARY: N errors"; racecheck: "(N errors, M warnings)"
+count_errors() {  # memcheck/initcheck: "ERROR SUMMARY: N errors"; racecheck: "(N errors, M warnings)"
   local log=$1 n
   n=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | grep -oE "[0-9]+" | tail -1)
   [ -z "$n" ] && n=$(grep -oE "\([0-9]+ errors?" "$log" | grep -oE "[0-9]+" | tail -1)
@@ -61,24 +68,33 @@ count_errors() {  # memcheck: "ERROR SUMMARY: N errors"; racecheck: "(N errors, 
 }
 
 if [[ $what == all || $what == sanitize ]]; then
+  # budget: 60 + 3 x 130 s = 450 s at most, plus start-up
   phase warm 60 "$OUT/sanitize-warm.log" python3 scripts/sanitize_driver.py
-  export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # one allocation per tensor: OOB is visible
-  phase memcheck 110 "$OUT/sanitize-memcheck.log" compute-sanitizer --tool memcheck \
+  # one allocation per tensor: an out-of-bounds read is visible (memcheck) and memory reused
+  # from PyTorch's pool does not count as initialized (initcheck)
+  export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+  phase memcheck 130 "$OUT/sanitize-memcheck.log" compute-sanitizer --tool memcheck \
     --leak-check no --print-limit 50 python3 scripts/sanitize_driver.py
-  phase racecheck 110 "$OUT/sanitize-racecheck.log" compute-sanitizer --tool racecheck \
+  phase racecheck 130 "$OUT/sanitize-racecheck.log" compute-sanitizer --tool racecheck \
     --racecheck-report hazard --print-limit 50 python3 scripts/sanitize_driver.py
+  phase initcheck 130 "$OUT/sanitize-initcheck.log" compute-sanitizer --tool initcheck \
+    --track-unused-memory no --print-limit 50 python3 scripts/sanitize_driver.py
   unset PYTORCH_NO_CUDA_MEMORY_CACHING
 fi
 
 {
-  echo "# Hardening on the GPU ($(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null))"
+  echo "# Hardening on the GPU ($(date -u +%Y-%m-%dT%H:%MZ))"
+  echo
+  sha=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+  dirty=$(git status --porcelain -- src 2>/dev/null | head -1)
+  echo "Commit measured: \`$sha\`${dirty:+ (src/ modified: dirty)}"
   echo
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /'
   python3 -c "import torch, triton; print('torch', torch.__version__, '/ triton', triton.__version__)"
   echo
   echo "| phase | exit | seconds | errors | log |"
   echo "|---|---|---|---|---|"
-  for p in tests fuzz warm memcheck racecheck; do
+  for p in tests fuzz warm memcheck racecheck initcheck; do
     [ -n "${STATUS[$p]+x}" ] || continue
     case $p in
       tests|fuzz) log=hardening-$p.log
@@ -90,6 +106,11 @@ fi
   done
   echo
   echo "Exit 124 = the phase hit its time limit. Total: $(( $(date +%s) - t0 )) s."
+  if [ -f "$OUT/sanitize-warm.log" ]; then
+    echo
+    echo "Driver (\`scripts/sanitize_driver.py\`): $(grep -E "^kernels launched" "$OUT/sanitize-warm.log")."
+    echo "Calls checked against the float64 oracle: $(grep -cE " (ok|FAIL)$" "$OUT/sanitize-warm.log")."
+  fi
 } > "$SUMMARY"
 cat "$SUMMARY"
 stamp "done"

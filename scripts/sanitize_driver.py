@@ -1,8 +1,18 @@
-"""Small driver for compute-sanitizer (memcheck, racecheck): every impl on boundary shapes.
+"""Small driver for compute-sanitizer (memcheck, racecheck, initcheck): every kernel of the
+library on boundary shapes.
 
     PYTHONPATH=src python3 scripts/sanitize_driver.py            # warm Triton's cache first
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=src \
         compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/sanitize_driver.py --cpu-smoke
+
+What runs: every impl through the public API on each shape; ``split_kv_v4`` and ``auto`` with
+forced splits (so the merge kernels run: ``auto``'s per-head merge on small batches, its
+per-group merge on the ``b17-hkv8`` shape, whose batch x kv heads fills the H200's 132 SMs);
+``auto`` with the LSE, fp8 with per-kv-head scales and an HND view of a combined KV buffer;
+``append_kv`` (bf16 and fp8 caches, NHD and HND, padding slots); and CUDA-graph replay of
+``auto`` (forced splits, LSE) and ``split_kv_v4`` at new lengths. The last line lists the
+kernels launched (from the launchers' compile records).
 
 Shapes (tiny, so the sanitizer finishes in a minute or two): page_size 1, 5 and 16; context
 lengths 0, 1 and a last page holding one token; every page of the cache used, so the
@@ -26,18 +36,105 @@ import pagedattn
 from pagedattn.reference import paged_decode_reference
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
+DEVICE = "cuda"
+
 # (name, context_lens, num_q_heads, num_kv_heads, head_dim, page_size, dtype)
 SHAPES = [
     ("page1-group7-hd80", [1, 2, 7], 7, 1, 80, 1, torch.float16),
     ("page16-onetoken-tail-group7", [0, 1, 17, 33], 14, 2, 80, 16, torch.bfloat16),
     ("page5-hd128-fp32", [0, 4, 11, 6], 4, 2, 128, 5, torch.float32),
+    # batch 17 x 8 kv heads = 136 >= 132 SMs: auto merges per (sequence, kv head)
+    ("b17-hkv8-per-group-merge", [(7 * i) % 40 for i in range(17)], 16, 8, 64, 16,
+     torch.bfloat16),
 ]
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _report(name, what, kw, ok, err) -> int:
+    print(f"{name:32s} {what:14s} {kw!s:24s} rel_l2={err:.2e} {'ok' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+def _append_kv_runs() -> int:
+    """append_kv into bf16 and fp8 (per-head scales) caches, NHD and HND, with padding slots
+    (-1): each written row equals torch's own cast; unwritten slots keep their NaN."""
+    from pagedattn.launch.append_kv import append_kv
+
+    failures = 0
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(9, 2, 80, generator=g).to(torch.bfloat16).to(DEVICE)
+    value = torch.randn(9, 2, 80, generator=g).to(torch.bfloat16).to(DEVICE)
+    slots = torch.tensor([0, 5, -1, 15, 16, 31, -1, 47, 8], device=DEVICE)
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for layout in ("NHD", "HND"):
+            shape = (3, 16, 2, 80) if layout == "NHD" else (3, 2, 16, 80)
+            kc = torch.full(shape, float("nan"), device=DEVICE).to(cache_dtype)
+            vc = kc.clone()
+            fp8 = cache_dtype != torch.bfloat16
+            ks = torch.tensor([0.5, 2.0], device=DEVICE) if fp8 else None
+            vs = torch.tensor([0.25, 1.0], device=DEVICE) if fp8 else None
+            append_kv(key, value, kc, vc, slots, kv_layout=layout, k_scale=ks, v_scale=vs)
+            _sync()
+            nk, nv = (kc, vc) if layout == "NHD" else (kc.transpose(1, 2), vc.transpose(1, 2))
+            ok = True
+            for t, slot in enumerate(slots.tolist()):
+                if slot < 0:
+                    continue
+                for cache, src, sc in ((nk, key, ks), (nv, value, vs)):
+                    want = src[t].float() / (sc[:, None] if fp8 else 1.0)
+                    got = cache[slot // 16, slot % 16].float()
+                    ok &= bool(torch.equal(got, want.to(cache_dtype).float()))
+            written = torch.zeros(3 * 16, dtype=torch.bool)
+            written[[s for s in slots.tolist() if s >= 0]] = True
+            ok &= bool(nk.float().isnan().reshape(48, -1)[~written.to(DEVICE)].all())
+            failures += _report("append_kv", str(cache_dtype).removeprefix("torch."),
+                                {"kv_layout": layout}, ok, 0.0)
+    return failures
+
+
+def _graph_runs() -> int:
+    """CUDA-graph capture at short lengths, replay at long ones, for auto (forced splits,
+    LSE) and split_kv_v4."""
+    from pagedattn.bench.timing import capture_graph
+
+    failures = 0
+    long_lens = torch.tensor([100, 1, 128], dtype=torch.int32)
+    short_lens = torch.tensor([16, 3, 40], dtype=torch.int32)
+    # the table holds the replay's lengths; capture runs at shorter ones
+    inputs = make_paged_inputs(long_lens.tolist(), num_q_heads=8, num_kv_heads=2,
+                               head_dim=128, page_size=16, dtype=torch.bfloat16, seed=5,
+                               device=DEVICE)
+    inputs.context_lens.copy_(short_lens)
+    for impl, kw in (("auto", {"num_splits": 3, "return_lse": True}),
+                     ("split_kv_v4", {"num_splits": 4})):
+        out = torch.full_like(inputs.query, float("nan"))
+        graph, result = capture_graph(
+            lambda impl=impl, kw=kw, out=out: pagedattn.paged_decode(*inputs, impl=impl,
+                                                                     out=out, **kw))
+        inputs.context_lens.copy_(long_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        _sync()
+        ref = paged_decode_reference(*inputs)
+        err = rel_l2_error(out, ref.out)
+        ok = err <= tolerance_for(torch.bfloat16)
+        if kw.get("return_lse"):
+            ok &= bool(torch.allclose(result.lse.double().cpu(), ref.lse.cpu(), rtol=1e-3,
+                                      atol=1e-3))
+        failures += _report("graph replay", impl, kw, ok, err)
+        inputs.context_lens.copy_(short_lens)
+        del graph
+    return failures
 
 
 def _run(impl, inputs, ref_kw=None, **kw):
     out = torch.full_like(inputs[0], float("nan"))
     result = pagedattn.paged_decode(*inputs, impl=impl, out=out, **kw)
-    torch.cuda.synchronize()
+    _sync()
     ref = paged_decode_reference(*inputs, **(ref_kw or {}))
     err = rel_l2_error(out, ref.out)
     tol = tolerance_for(inputs[1].dtype)
@@ -50,17 +147,21 @@ def _run(impl, inputs, ref_kw=None, **kw):
     return ok, err
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+def main(argv: list[str]) -> int:
+    global DEVICE
+    cpu_smoke = "--cpu-smoke" in argv
+    if cpu_smoke:  # the interpreter: a check of the driver itself, one shape, no graphs
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --cpu-smoke with TRITON_INTERPRET=1)")
         return 1
     failures = 0
     t0 = time.time()
-    for name, lens, hq, hkv, dim, page_size, dtype in SHAPES:
+    for name, lens, hq, hkv, dim, page_size, dtype in SHAPES[:1] if cpu_smoke else SHAPES:
         inputs = make_paged_inputs(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
                                    page_size=page_size, dtype=dtype, extra_pages=0,
                                    max_pages=max(-(-n // page_size) for n in lens) + 2,
-                                   seed=len(lens), device="cuda")
+                                   seed=len(lens), device=DEVICE)
         num_pages = inputs.key_cache.shape[0]
         assert int(inputs.block_tables.max()) >= num_pages  # out-of-range padding present
         used = inputs.block_tables[inputs.block_tables < num_pages]
@@ -71,30 +172,31 @@ def main() -> int:
                  ("auto", {})]  # a repeat: launched from the recorded plan, not by Triton
         for impl, kw in runs:
             ok, err = _run(impl, inputs, **kw)
-            failures += not ok
-            print(f"{name:32s} {impl:14s} {kw!s:24s} rel_l2={err:.2e} {'ok' if ok else 'FAIL'}")
+            failures += _report(name, impl, kw, ok, err)
 
         # auto only: fp8 cache with per-kv-head scales, HND layout, combined KV buffer
-        k_scale = torch.linspace(0.2, 0.6, hkv, device="cuda")
-        v_scale = torch.linspace(0.5, 1.5, hkv, device="cuda")
+        k_scale = torch.linspace(0.2, 0.6, hkv, device=DEVICE)
+        v_scale = torch.linspace(0.5, 1.5, hkv, device=DEVICE)
         q, k, v = inputs[:3]
         k8 = (k.float() / k_scale[None, None, :, None]).to(torch.float8_e4m3fn)
         v8 = (v.float() / v_scale[None, None, :, None]).to(torch.float8_e4m3fn)
         fp8 = (q, k8, v8, *inputs[3:])
         ok, err = _run("auto", fp8, ref_kw=dict(k_scale=k_scale, v_scale=v_scale),
                        k_scale=k_scale, v_scale=v_scale, return_lse=True)
-        failures += not ok
-        print(f"{name:32s} {'auto fp8':14s} {'per-head scales':24s} rel_l2={err:.2e} "
-              f"{'ok' if ok else 'FAIL'}")
+        failures += _report(name, "auto fp8", "per-head scales", ok, err)
         kv = torch.stack([k, v], dim=1).transpose(2, 3).contiguous()  # [P, 2, H, page, D]
         hnd = (q, kv[:, 0], kv[:, 1], *inputs[3:])
         ok, err = _run("auto", hnd, ref_kw=dict(kv_layout="HND"), kv_layout="HND")
-        failures += not ok
-        print(f"{name:32s} {'auto HND':14s} {'combined KV':24s} rel_l2={err:.2e} "
-              f"{'ok' if ok else 'FAIL'}")
+        failures += _report(name, "auto HND", "combined KV", ok, err)
+    failures += _append_kv_runs()
+    if not cpu_smoke:
+        failures += _graph_runs()
+    from pagedattn.launch import LAST_COMPILED
+
+    print(f"kernels launched: {', '.join(sorted(LAST_COMPILED))}")
     print(f"{failures} failure(s), {time.time() - t0:.1f} s")
     return failures
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

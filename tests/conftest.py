@@ -1,4 +1,4 @@
-"""Test setup: Triton's interpreter on machines without a GPU, and the ``gpu`` marker.
+"""Test setup: Triton's interpreter on machines without a GPU, and the ``gpu``/``gpu2`` markers.
 
 ``TRITON_INTERPRET`` must be set before anything imports ``triton``; conftest is imported
 before the test modules, so it is set here (the library itself never sets it).
@@ -15,12 +15,14 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu2 = pytest.mark.skip(reason="needs two CUDA GPUs")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu2" in item.keywords and gpus < 2:
+            item.add_marker(skip_gpu2)
+        elif "gpu" in item.keywords and gpus < 1:
+            item.add_marker(skip_gpu)
 
 
 @pytest.fixture

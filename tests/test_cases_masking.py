@@ -1,6 +1,6 @@
-"""Cases B02-B05, B11-B14 and B22 of ``shared/cases``: garbage past the length, partial last
-pages and tile boundaries, empty contexts, block-table padding, and split-KV merges with
-empty or short splits.
+"""Cases B02-B05, B11-B14 and B22 of the first series of cases (public bug reports): garbage past
+the length, partial last pages and tile boundaries, empty contexts, block-table padding, and
+split-KV merges with empty or short splits.
 
 Each case is a test named after its id, for every impl it applies to. Cases with sizes run
 twice: ``cpu`` (tiny, keeping the trigger: the page boundary, context 0, poisoned pages, the

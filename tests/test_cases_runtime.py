@@ -1,5 +1,6 @@
-"""Cases B01, B15, B19 and B20 of ``shared/cases``: a cache past 2^31 elements, many decode
-steps with growing lengths, CUDA-graph capture and replay, and host-side hints.
+"""Cases B01, B15, B19 and B20 of the first series of cases (public bug reports): a cache past
+2^31 elements, many decode steps with growing lengths, CUDA-graph capture and replay, and
+host-side hints.
 
 B01 and the graph tests need a GPU (``gpu``-marked); B15 and B20 also run a small CPU
 variant. Outputs are NaN-poisoned before every call.

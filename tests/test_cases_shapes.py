@@ -1,6 +1,6 @@
-"""Cases B06-B10, B16-B18 and B21 of ``shared/cases``: GQA groups that are not powers of two,
-head dims and page sizes of every kind, the online-softmax sentinel, fp8 scales, strides and
-long contexts.
+"""Cases B06-B10, B16-B18 and B21 of the first series of cases (public bug reports): GQA groups
+that are not powers of two, head dims and page sizes of every kind, the online-softmax
+sentinel, fp8 scales, strides and long contexts.
 
 Each case is a test named after its id, for every impl it applies to, at two sizes: ``cpu``
 (tiny, keeping the trigger) and ``natural`` (the case's own sizes, ``gpu``-marked). Outputs

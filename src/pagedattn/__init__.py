@@ -1,6 +1,7 @@
 """pagedattn: paged-attention decode kernels for LLM serving, written in Triton.
 
-``paged_decode`` is the entry point (``plan_decode`` its plan/run form for serving); ``paged_decode_reference`` is the float64 oracle.
+``paged_decode`` is the entry point, ``plan_decode`` its plan/run form for serving;
+``paged_decode_reference`` is the float64 oracle.
 Importing this package does not import Triton (the launchers load on first use).
 """
 

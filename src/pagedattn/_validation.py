@@ -1,4 +1,4 @@
-"""Input validation for :func:`pagedattn.paged_decode`.
+"""Input validation for :func:`pagedattn.paged_decode` and the KV append.
 
 Two kinds of checks:
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 from typing import Any
 
 import torch
@@ -39,6 +41,48 @@ def _check_tensor(name: str, t: Any, rank: int, dtypes: tuple, dtype_words: str)
         _fail(ValueError, name, f"a rank-{rank} tensor", f"shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         _fail(TypeError, name, dtype_words, t.dtype)
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernels_built_for_gpu() -> bool:
+    """True when a ``pagedattn.kernels`` module was imported without the interpreter (its
+    ``@triton.jit`` functions are GPU ``JITFunction`` objects, not ``InterpretedFunction``)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("pagedattn.kernels.") and module is not None:
+            for attr, obj in vars(module).items():
+                if attr.endswith("_kernel") and type(obj).__name__ == "JITFunction":
+                    return True
+    return False
+
+
+def check_device_runnable(name: str, t: torch.Tensor) -> None:
+    """CPU tensors run only through Triton's interpreter, which Triton reads when its kernels
+    are defined: ``TRITON_INTERPRET=1`` must be in the environment before ``triton`` is
+    imported (this library never sets it). Raise a ``ValueError`` naming ``name`` when a CPU
+    tensor comes without it, before any launch (Triton itself would fail with "0 active
+    drivers"). Reads no data and imports nothing; for a CUDA tensor it is one attribute test."""
+    if t.device.type != "cpu":
+        return
+    if not _interpreter_on():
+        _fail(ValueError, name,
+              "a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set in the environment "
+              "before triton is imported (Triton runs CPU tensors through its interpreter "
+              "only; pagedattn does not set the variable)", "a CPU tensor without it")
+    if _kernels_built_for_gpu():
+        _fail(ValueError, name,
+              "a CUDA tensor: pagedattn's kernels were imported before TRITON_INTERPRET=1 "
+              "was set, so they run on a GPU only; set it before triton is imported",
+              "a CPU tensor")
+
+
+def check_same_device(reference: str, device: torch.device, named: tuple) -> None:
+    """Every ``(name, tensor)`` in ``named`` lives on ``device`` (that of ``reference``)."""
+    for name, t in named:
+        if t.device != device:
+            _fail(ValueError, name, f"a tensor on the {reference}'s device {device}", t.device)
 
 
 def cache_dims(key_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
@@ -77,7 +121,7 @@ def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) 
             f"shape {tuple(s.shape)}",
         )
     if s.device != device:
-        _fail(ValueError, name, f"a tensor on {device}", s.device)
+        _fail(ValueError, name, f"a tensor on the inputs' device {device}", s.device)
 
 
 def check_metadata(
@@ -101,10 +145,9 @@ def check_metadata(
     if key_cache.dtype in FLOAT_DTYPES and key_cache.dtype != query.dtype:
         _fail(TypeError, "key_cache", f"the query's dtype {query.dtype} (or an fp8 dtype)",
               key_cache.dtype)
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
-                    ("block_tables", block_tables), ("context_lens", context_lens)):
-        if t.device != query.device:
-            _fail(ValueError, name, f"a tensor on the query's device {query.device}", t.device)
+    check_same_device("query", query.device, (
+        ("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables),
+        ("context_lens", context_lens)))
 
     batch, num_q_heads, head_dim = query.shape
     num_pages, page_size, num_kv_heads, cache_head_dim = cache_dims(key_cache, kv_layout)
@@ -140,14 +183,14 @@ def check_metadata(
             _fail(ValueError, "out", f"shape {tuple(query.shape)}", tuple(out.shape))
         if out.dtype != query.dtype:
             _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
-        if out.device != query.device:
-            _fail(ValueError, "out", f"a tensor on {query.device}", out.device)
+        check_same_device("query", query.device, (("out", out),))
     check_scale_arg("k_scale", k_scale, num_kv_heads, query.device)
     check_scale_arg("v_scale", v_scale, num_kv_heads, query.device)
     if not isinstance(return_lse, bool):
         _fail(TypeError, "return_lse", "a bool", type(return_lse).__name__)
     if validate is not None and not isinstance(validate, bool):
         _fail(TypeError, "validate", "None, True or False", type(validate).__name__)
+    check_device_runnable("query", query)
 
 
 def check_values(
@@ -189,6 +232,7 @@ def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_di
                q_dtype, kv_dtype, kv_layout, num_splits) -> None:
     """:func:`pagedattn.plan_decode`'s checks: metadata only (no host sync)."""
     _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
+    check_device_runnable("block_tables", block_tables)
     _check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, "int32 or int64")
     if context_lens.shape[0] != block_tables.shape[0]:
         _fail(ValueError, "context_lens", f"{block_tables.shape[0]} entries (block_tables rows)",
@@ -252,3 +296,62 @@ def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, o
         _fail(TypeError, "return_lse", "a bool", type(return_lse).__name__)
     if validate is not None and not isinstance(validate, bool):
         _fail(TypeError, "validate", "None, True or False", type(validate).__name__)
+
+
+def check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, *, kv_layout,
+                         k_scale, v_scale) -> None:
+    """Metadata checks of :func:`pagedattn.launch.append_kv.append_kv` (no data read).
+    Raises TypeError/ValueError naming the argument."""
+    floats = "float32, float16 or bfloat16"
+    caches = floats + ", float8_e4m3fn or float8_e5m2"
+    table = (
+        ("key", key, 3, FLOAT_DTYPES, floats),
+        ("value", value, 3, FLOAT_DTYPES, floats),
+        ("key_cache", key_cache, 4, FLOAT_DTYPES + FP8_DTYPES, caches),
+        ("value_cache", value_cache, 4, FLOAT_DTYPES + FP8_DTYPES, caches),
+        ("slot_mapping", slot_mapping, 1, INDEX_DTYPES, "int32 or int64"),
+    )
+    for name, t, rank, dtypes, words in table:
+        _check_tensor(name, t, rank, dtypes, words)
+    if kv_layout not in KV_LAYOUTS:
+        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    if value.shape != key.shape:
+        _fail(ValueError, "value", f"the shape of key {tuple(key.shape)}", tuple(value.shape))
+    check_cache_pair(key_cache, value_cache)
+    check_same_device("key", key.device, (
+        ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
+        ("slot_mapping", slot_mapping)))
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _, page_size, cache_heads, cache_dim = cache_dims(key_cache, kv_layout)
+    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
+        _fail(ValueError, "key_cache",
+              f"{kv_layout} dims (num_kv_heads={num_kv_heads}, head_dim={head_dim}) as in key",
+              f"(num_kv_heads={cache_heads}, head_dim={cache_dim})")
+    if page_size < 1:
+        _fail(ValueError, "page_size", "at least 1 (key_cache dim)", page_size)
+    if slot_mapping.shape[0] != num_tokens:
+        _fail(ValueError, "slot_mapping", f"{num_tokens} entries (key's num_tokens)",
+              slot_mapping.shape[0])
+    fp8 = key_cache.dtype in FP8_DTYPES
+    if not fp8 and key.dtype != key_cache.dtype:
+        _fail(TypeError, "key", f"the cache dtype {key_cache.dtype} (or an fp8 cache)", key.dtype)
+    if value.dtype != key.dtype:
+        _fail(TypeError, "value", f"the key's dtype {key.dtype}", value.dtype)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None and not fp8:
+            _fail(ValueError, name, f"None for a {key_cache.dtype} cache (scales are for fp8)",
+                  "a scale")
+        check_scale_arg(name, s, num_kv_heads, key.device)
+    check_device_runnable("key", key)
+
+
+def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Slots must be < ``num_pages * page_size`` (negative = skip). Reads the data."""
+    if slot_mapping.numel() == 0:
+        return
+    bad = slot_mapping.long() >= num_slots
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        _fail(ValueError, "slot_mapping",
+              f"slots < num_pages * page_size = {num_slots} or negative (entry {i})",
+              int(slot_mapping[i]))

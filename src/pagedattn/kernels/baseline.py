@@ -6,12 +6,23 @@ product for every token. Here the program holds a ``[BLOCK_D, BLOCK_D]`` tile: r
 "thread d", which loads all of ``k`` and reduces ``q·k`` itself, so the dot product is done
 ``head_dim`` times per token, exactly the redundancy the study measured (SM and L1 busy,
 DRAM idle). Each row keeps its own online-softmax state. Tokens are visited one at a time.
+
+The query is scaled by ``scale · log2(e)`` once, before the loop, as in the other stages:
+scaling each score after its reduction (``s = (q·k) · c``) let the GPU compiler fuse that
+product into ``s - m_new`` and turn all-equal logits of ~2e11 into ``exp2(±1e4)`` (case N15);
+``_probs`` now guards against the pattern as well.
 """
 
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _kv_token_offsets, _rescale
+from pagedattn.kernels.common import (
+    _clamped_context_len,
+    _dim_mask,
+    _kv_token_offsets,
+    _normalize,
+    _softmax_token_step,
+)
 
 
 @triton.jit
@@ -37,7 +48,7 @@ def _baseline_kernel(
     q_row = query_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h
     # every "thread" d holds the whole query vector: [BLOCK_D, BLOCK_D], rows identical
     q = tl.load(q_row + offs_d[None, :] * stride_q_d + offs_d[:, None] * 0, mask=mask_dd,
-                other=0.0).to(tl.float32)
+                other=0.0).to(tl.float32) * scale_log2
 
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_D], tl.float32)
@@ -50,16 +61,11 @@ def _baseline_kernel(
         # each "thread" loads all of k and reduces its own copy of q·k: [BLOCK_D, BLOCK_D]
         k = tl.load(key_cache_ptr + k_off + offs_d[None, :] * stride_k_d + offs_d[:, None] * 0,
                     mask=mask_dd, other=0.0).to(tl.float32)
-        s = tl.sum(q * k, axis=1) * scale_log2  # [BLOCK_D], the same score in every row
+        s = tl.sum(q * k, axis=1)  # [BLOCK_D], the same score in every row
         v = tl.load(value_cache_ptr + v_off + offs_d * stride_v_d, mask=mask_d,
                     other=0.0).to(tl.float32)  # [BLOCK_D], "thread" d reads v[d]
-        m_new = tl.maximum(m, s)
-        alpha = _rescale(m, m_new)
-        p = tl.exp2(s - m_new)
-        l = l * alpha + p
-        acc = acc * alpha + p * v
-        m = m_new
+        m, l, acc = _softmax_token_step(m, l, acc, s, v)
 
-    out = tl.where(l > 0, acc / l, 0.0)
     o_row = out_ptr + b.to(tl.int64) * stride_o_b + h * stride_o_h
-    tl.store(o_row + offs_d * stride_o_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(o_row + offs_d * stride_o_d, _normalize(acc, l).to(out_ptr.dtype.element_ty),
+             mask=mask_d)

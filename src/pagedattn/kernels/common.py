@@ -1,17 +1,39 @@
-"""``@triton.jit`` helpers shared by every decode kernel.
+"""``@triton.jit`` helpers and constants shared by the decode kernels.
+
+Every kernel works in the exp2 domain: scores are ``q·k · scale · log2(e)``, so the softmax
+uses ``exp2`` (one ``ex2`` instruction on a GPU) and a natural-log LSE is ``(m + log2 l) · LN2``.
+
+Addressing (in the style of attention-gym's pointer helpers):
 
 * ``_clamped_context_len``: a sequence's length, clamped to ``[0, max_pages * page_size]`` so a
   kernel never dereferences block-table entries past the table (lengths are not validated on
   the device in the hot path; see ``pagedattn._validation``).
-* ``_kv_token_offsets``: element offsets of tokens ``offs_n`` of one kv head, through the
-  block table, in 64-bit (``page_id * stride_page`` can pass 2^31 on large caches).
-* ``_rescale``: the online-softmax rescale factor ``exp2(m_old - m_new)`` (Milakov &
-  Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN-safe when a row has seen no score yet.
-  Every kernel works in the exp2 domain: scores are ``q·k · scale · log2(e)``.
+* ``_page_ids`` / ``_kv_token_offsets``: physical pages and element offsets of tokens through
+  the block table, in 64-bit (``page_id * stride_page`` passes 2^31 on large caches).
+* ``_dim_mask``: the mask of the real head dims, a constant splat when ``head_dim`` is a power
+  of two.
+
+Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN-safe:
+
+* ``_rescale``: the factor ``exp2(m_old - m_new)`` applied to old state; 0 when ``m_old`` is
+  -inf (a row that has seen no score yet), so ``-inf - (-inf)`` is never formed.
+* ``_probs``: ``exp2(s - m_new)`` for scores ``s`` against their running max, clamped to
+  ``[0, 1]`` and exactly 1 where ``s`` *is* the max. On a GPU the compiler may fuse a product
+  that feeds ``s`` into the subtraction (an FMA computes ``x·c - round(x·c)``, the rounding
+  error of the score, not 0); at |s| ~ 3e11 that error is ~1e4 and ``exp2`` of it is inf. The
+  interpreter never fuses, so only a GPU showed it (case N15).
+* ``_softmax_token_step``: one token (or one element-wise row of tokens) folded into the state.
+* ``_softmax_block_step``: a ``[rows, BLOCK_N]`` tile of scores; returns the new max, the
+  rescale factor and the tile's probabilities (the caller forms ``P·V`` its own way).
+* ``_merge_partials``: fold one partial state ``(m_s, l_s, acc_s)`` (a split of the context)
+  into a running one; the log-sum-exp merge of Flash-Decoding (Dao et al., 2023).
 """
 
 import triton
 import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634  # log2(e): natural-log scores -> exp2 domain
+LN2: tl.constexpr = 0.6931471805599453  # ln(2): exp2-domain LSE -> natural log
 
 
 @triton.jit
@@ -38,39 +60,101 @@ def _kv_token_offsets(block_tables_ptr, b, stride_bt_b, stride_bt_p, offs_n, mas
 
 
 @triton.jit
-def _rescale(m_old, m_new):
-    """``exp2(m_old - m_new)``, 0 when ``m_old`` is -inf (never forms -inf - -inf)."""
-    return tl.where(m_old == float("-inf"), 0.0, tl.exp2(m_old - m_new))
-
-
-@triton.jit
 def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Mask of the real head dims. When ``head_dim`` is a power of two the mask is a constant
     splat, so Triton knows it is uniform along the contiguous dim and emits 16-byte vector
     loads (an ``offs_d < HEAD_DIM`` mask would force one load per element)."""
+    tl.static_assert(HEAD_DIM <= BLOCK_D, "BLOCK_D must cover head_dim")
+    tl.static_assert((BLOCK_D & (BLOCK_D - 1)) == 0, "BLOCK_D must be a power of two")
     if HEAD_DIM == BLOCK_D:
         return tl.full([BLOCK_D], 1, tl.int1)
     else:
         return offs_d < HEAD_DIM
 
 
-#: ln 2: LSEs live in the exp2 domain inside the kernels and leave them in natural log
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+@triton.jit
+def _rescale(m_old, m_new):
+    """``exp2(m_old - m_new)``, 0 when ``m_old`` is -inf (never forms -inf - -inf)."""
+    return tl.where(m_old == float("-inf"), 0.0, tl.exp2(m_old - m_new))
+
+
+@triton.jit
+def _probs(s, m_new):
+    """``exp2(s - m_new)`` in ``[0, 1]``: exactly 1 where ``s == m_new`` and never above 1 (see
+    the module docstring: an FMA-fused score may differ from its rounded max); exactly 0 for
+    ``s = -inf`` (a masked token), even when ``m_new`` is -inf too."""
+    p = tl.where(s == m_new, 1.0, tl.exp2(tl.minimum(s - m_new, 0.0)))
+    return tl.where(s == float("-inf"), 0.0, p)
+
+
+@triton.jit
+def _softmax_token_step(m, l, acc, s, v):
+    """Fold one token with score ``s`` and value ``v`` into ``(m, l, acc)``; shapes broadcast
+    (``m``, ``l``, ``s`` scalars or ``[BLOCK_D]``; ``acc``, ``v`` ``[BLOCK_D]``)."""
+    m_new = tl.maximum(m, s)
+    alpha = _rescale(m, m_new)
+    p = _probs(s, m_new)
+    return m_new, l * alpha + p, acc * alpha + p * v
+
+
+@triton.jit
+def _softmax_block_step(m, l, s):
+    """A tile of scores ``s`` ``[rows, BLOCK_N]`` (masked tokens at -inf) against the state
+    ``m``, ``l`` ``[rows]``. Returns ``(m_new, alpha, p, l_new)``; the caller updates its
+    accumulator as ``acc * alpha[:, None] + P·V``."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = _rescale(m, m_new)
+    p = _probs(s, m_new[:, None])
+    return m_new, alpha, p, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _merge_partials(m, l, acc, m_s, l_s, acc_s):
+    """Fold the partial state of one split (``m_s`` finite: the split held tokens) into the
+    running ``(m, l, acc)``: both are rescaled to the common max ``2^(m_* - M)``."""
+    m_new = tl.maximum(m, m_s)
+    alpha = _rescale(m, m_new)
+    beta = _rescale(m_s, m_new)
+    return m_new, l * alpha + l_s * beta, acc * alpha + acc_s * beta
+
+
+@triton.jit
+def _normalize(acc, l):
+    """``acc / l``, and 0 for a row that saw no token (``l == 0``)."""
+    return tl.where(l > 0, acc / l, 0.0)
+
+
+@triton.jit
+def _attend_tokens(
+    q, offs_d, mask_d, b, kv_head, start, end,
+    key_cache_ptr, value_cache_ptr, block_tables_ptr, page_size,
+    stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
+    stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
+    stride_bt_b, stride_bt_p,
+    BLOCK_D: tl.constexpr,
+):
+    """Online softmax of one query vector ``q`` ``[BLOCK_D]`` (pre-scaled by scale·log2 e) over
+    tokens ``[start, end)``, one token at a time. Returns the unnormalized state
+    ``(m, l, acc[BLOCK_D])``. The inner loop of ``fused_v1``/``vectorized_v2`` and of
+    ``split_kv_v4``'s split kernel."""
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for t in range(start, end):
+        k_off = _kv_token_offsets(block_tables_ptr, b, stride_bt_b, stride_bt_p, t, True,
+                                  page_size, kv_head, stride_k_page, stride_k_tok, stride_k_head)
+        v_off = _kv_token_offsets(block_tables_ptr, b, stride_bt_b, stride_bt_p, t, True,
+                                  page_size, kv_head, stride_v_page, stride_v_tok, stride_v_head)
+        k = tl.load(key_cache_ptr + k_off + offs_d * stride_k_d, mask=mask_d,
+                    other=0.0).to(tl.float32)
+        v = tl.load(value_cache_ptr + v_off + offs_d * stride_v_d, mask=mask_d,
+                    other=0.0).to(tl.float32)
+        s = tl.sum(q * k, axis=0)  # the one reduction per token
+        m, l, acc = _softmax_token_step(m, l, acc, s, v)
+    return m, l, acc
 
 
 @triton.jit
 def _natural_lse(m, l):
     """Natural-log LSE of an exp2-domain running state ``(m, l)``: ``(m + log2 l) · ln 2``."""
     return (m + tl.log2(l)) * LN2
-
-
-@triton.jit
-def _online_softmax_step(m, l, acc, s):
-    """One online-softmax update over exp2-domain scores ``s [rows, tokens]`` (masked entries
-    -inf, at least one finite per row): returns ``(m_new, l_new, acc · alpha, p)``; the caller
-    adds ``p · V`` to the rescaled ``acc``. NaN-safe on the first tile (``m`` = -inf)."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = _rescale(m, m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_new = l * alpha + tl.sum(p, axis=1)
-    return m_new, l_new, acc * alpha[:, None], p

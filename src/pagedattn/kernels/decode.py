@@ -58,22 +58,26 @@ from pagedattn.kernels.common import (
     _clamped_context_len,
     _dim_mask,
     _natural_lse,
-    _online_softmax_step,
     _page_ids,
     _rescale,
+    _softmax_block_step,
 )
 
 
 @triton.jit
-def _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B: tl.constexpr):
-    """Σ clamped lengths, in 64 bits: with shared (prefix-cached) pages the batch's tokens
-    are not bounded by the cache size, and 1,024 sequences of 256 k tokens pass 2^31."""
+def _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B: tl.constexpr):
+    """Σ clamped lengths (64-bit: with shared, prefix-cached pages the batch's tokens are not
+    bounded by the cache size, and 1,024 sequences of 256 k tokens pass 2^31) and the longest
+    clamped length. ``BLOCK_B`` lengths per vector load: the batch is a runtime value."""
     total = tl.full([], 0, tl.int64)
+    longest = tl.full([], 0, tl.int32)
     for b0 in range(0, batch, BLOCK_B):
         offs_b = b0 + tl.arange(0, BLOCK_B)
         n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
-        total += tl.sum(tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity).to(tl.int64))
-    return total
+        n = tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity)
+        total += tl.sum(n.to(tl.int64))
+        longest = tl.maximum(longest, tl.max(n))
+    return total, longest
 
 
 @triton.jit
@@ -110,7 +114,7 @@ def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_
 # runtime values that change from call to call: never specialized (no recompiles for a new
 # batch size, table width or split policy)
 _RUNTIME_ARGS = ["batch", "max_pages", "forced_splits", "min_chunk", "target_units",
-                 "stride_q_b", "stride_bt_b", "stride_o_b"]
+                 "target_units_ragged", "stride_q_b", "stride_bt_b", "stride_o_b"]
 
 @triton.jit(do_not_specialize=_RUNTIME_ARGS)
 def _paged_decode_kernel(
@@ -123,7 +127,7 @@ def _paged_decode_kernel(
     k_scale_val, v_scale_val,  # Python-float scales (used when not SCALE_FROM_PTR)
     scale_log2,
     batch, num_kv_heads, group, max_pages, forced_splits,
-    min_chunk, target_units,  # split sizing (runtime: tuning them never recompiles)
+    min_chunk, target_units, target_units_ragged,  # split sizing (runtime: never recompiles)
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
     stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
@@ -145,11 +149,16 @@ def _paged_decode_kernel(
     kv_head = u % num_kv_heads
     num_q_heads = num_kv_heads * group
     capacity = max_pages * PAGE_SIZE
-    total = _total_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B)
+    total, longest = _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity,
+                                           BLOCK_B)
     work = total * num_kv_heads  # int64
+    # a ragged batch (mean length under half the longest) is cut finer: whole-sequence units
+    # of unequal lengths leave a tail that smaller units fill
+    ragged = total * 2 < longest.to(tl.int64) * batch
+    target = tl.where(ragged, target_units_ragged, target_units)
     # a multiple of BLOCK_N, so the near-equal pieces of _chunk_of are never more than
     # ceil(len / chunk) per sequence (the workspace bound of the launcher)
-    chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target_units), min_chunk), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target), min_chunk), BLOCK_N) * BLOCK_N
     chunk = tl.minimum(chunk, capacity + BLOCK_N).to(tl.int32)  # no sequence is longer
     b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
                              forced_splits, BLOCK_B, BLOCK_N)
@@ -217,9 +226,9 @@ def _paged_decode_kernel(
         s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)),
                    input_precision=DOT_PRECISION) * qk_scale[:, None]  # [BLOCK_H, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m, l, acc, p = _online_softmax_step(m, l, acc, s)
-        acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                      input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_D] fp32
+        m, alpha, p, l = _softmax_block_step(m, l, s)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_D]
 
     if n_rows == 1:
         out = acc * (v_scale / l)[:, None]

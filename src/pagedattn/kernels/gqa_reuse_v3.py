@@ -16,7 +16,13 @@ as in the study); the online softmax keeps a state per query head.
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _page_ids, _rescale
+from pagedattn.kernels.common import (
+    _clamped_context_len,
+    _dim_mask,
+    _normalize,
+    _page_ids,
+    _softmax_block_step,
+)
 
 
 @triton.jit
@@ -32,6 +38,8 @@ def _gqa_reuse_v3_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    tl.static_assert((BLOCK_G & (BLOCK_G - 1)) == 0, "BLOCK_G must be a power of two")
+    tl.static_assert((BLOCK_N & (BLOCK_N - 1)) == 0, "BLOCK_N must be a power of two")
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
@@ -66,14 +74,10 @@ def _gqa_reuse_v3_kernel(
                         mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
             s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = _rescale(m, m_new)
-            p = tl.exp2(s - m_new[:, None])  # masked tokens: exp2(-inf) = 0
-            l = l * alpha + tl.sum(p, axis=1)
+            m, alpha, p, l = _softmax_block_step(m, l, s)  # masked tokens: p = 0
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
 
-    out = tl.where(l[:, None] > 0, acc / l[:, None], 0.0)
+    out = _normalize(acc, l[:, None])
     o_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
               + offs_d[None, :] * stride_o_d)
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])

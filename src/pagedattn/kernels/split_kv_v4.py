@@ -19,8 +19,13 @@ programs for small batches and long contexts, but no GQA reuse (each query head 
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _clamped_context_len, _dim_mask, _rescale
-from pagedattn.kernels.fused_v1 import _attend_tokens
+from pagedattn.kernels.common import (
+    _attend_tokens,
+    _clamped_context_len,
+    _dim_mask,
+    _merge_partials,
+    _normalize,
+)
 
 
 @triton.jit
@@ -84,13 +89,8 @@ def _split_kv_v4_merge_kernel(
         m_s = tl.load(part_ml_ptr + (base + split) * 2)
         l_s = tl.load(part_ml_ptr + (base + split) * 2 + 1)
         acc_s = tl.load(part_acc_ptr + (base + split) * BLOCK_D + offs_d)
-        m_new = tl.maximum(m, m_s)
-        alpha = _rescale(m, m_new)
-        beta = tl.exp2(m_s - m_new)  # m_s is finite: the split held tokens
-        l = l * alpha + l_s * beta
-        acc = acc * alpha + acc_s * beta
-        m = m_new
-    out = tl.where(l > 0, acc / l, 0.0)
+        m, l, acc = _merge_partials(m, l, acc, m_s, l_s, acc_s)
+    out = _normalize(acc, l)
     o_row = out_ptr + b.to(tl.int64) * stride_o_b + h * stride_o_h
     tl.store(o_row + offs_d * stride_o_d, out.to(out_ptr.dtype.element_ty),
              mask=_dim_mask(offs_d, HEAD_DIM, BLOCK_D))

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
+import torch
 import triton
 
 from pagedattn.launch import LAST_COMPILED
 
 LOG2E = 1.0 / math.log(2.0)
+
+F = TypeVar("F", bound=Callable)
 
 
 def record(name: str, compiled: object) -> None:
@@ -30,3 +37,33 @@ def decode_strides(query, key_cache, value_cache, block_tables, context_lens) ->
         *block_tables.stride(),
         context_lens.stride(0),
     )
+
+
+def named_strides(short: str, t: torch.Tensor, dims: str) -> dict[str, int]:
+    """``{"stride_<short>_<dim>": stride}`` for each dim name in ``dims`` (space-separated),
+    the kernels' stride-argument names: ``named_strides("q", query, "b h d")``."""
+    names = dims.split()
+    if len(names) != t.dim():
+        raise ValueError(f"named_strides: {len(names)} names for a rank-{t.dim()} tensor")
+    return {f"stride_{short}_{n}": s for n, s in zip(names, t.stride(), strict=True)}
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The tensor's CUDA device made current for the launches inside (Triton launches on the
+    current device and its current stream); a no-op context for CPU tensors and for a
+    non-tensor (which the launcher's validation then names)."""
+    if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def on_tensor_device(launcher: F) -> F:
+    """Decorator: run ``launcher`` under :func:`device_guard` of its first argument (passed by
+    position or by keyword), so tensors on ``cuda:1`` launch on ``cuda:1`` whatever the current
+    device. The launcher's validation checks that every tensor shares that device."""
+    @functools.wraps(launcher)
+    def guarded(*args, **kwargs):
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        with device_guard(first):
+            return launcher(*args, **kwargs)
+    return guarded  # type: ignore[return-value]

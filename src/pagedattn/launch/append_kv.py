@@ -13,6 +13,7 @@ import triton
 from pagedattn import _validation as V
 from pagedattn._env import is_interpreter
 from pagedattn.kernels.append_kv import _append_kv_kernel
+from pagedattn.launch._common import named_strides, on_tensor_device, record
 
 # a whole token row ([num_kv_heads * head_dim]) per program up to this many columns
 _MAX_BLOCK_C = 1024
@@ -22,66 +23,9 @@ _GPU_TILE_ELEMENTS = 2048
 _INTERPRET_BLOCK_T = 64
 
 
-_fail = V._fail  # one error format for every argument check
-_check_rank_dtype = V._check_tensor
-
-
-def check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, *, kv_layout,
-                         k_scale, v_scale) -> None:
-    """Metadata checks (no data read). Raises TypeError/ValueError naming the argument."""
-    floats = "float32, float16 or bfloat16"
-    caches = floats + ", float8_e4m3fn or float8_e5m2"
-    table = (
-        ("key", key, 3, V.FLOAT_DTYPES, floats),
-        ("value", value, 3, V.FLOAT_DTYPES, floats),
-        ("key_cache", key_cache, 4, V.FLOAT_DTYPES + V.FP8_DTYPES, caches),
-        ("value_cache", value_cache, 4, V.FLOAT_DTYPES + V.FP8_DTYPES, caches),
-        ("slot_mapping", slot_mapping, 1, V.INDEX_DTYPES, "int32 or int64"),
-    )
-    for name, t, rank, dtypes, words in table:
-        _check_rank_dtype(name, t, rank, dtypes, words)
-    if kv_layout not in V.KV_LAYOUTS:
-        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
-    if value.shape != key.shape:
-        _fail(ValueError, "value", f"the shape of key {tuple(key.shape)}", tuple(value.shape))
-    V.check_cache_pair(key_cache, value_cache)
-    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
-                    ("slot_mapping", slot_mapping)):
-        if t.device != key.device:
-            _fail(ValueError, name, f"a tensor on the key's device {key.device}", t.device)
-    num_tokens, num_kv_heads, head_dim = key.shape
-    _, page_size, cache_heads, cache_dim = V.cache_dims(key_cache, kv_layout)
-    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
-        _fail(ValueError, "key_cache",
-              f"{kv_layout} dims (num_kv_heads={num_kv_heads}, head_dim={head_dim}) as in key",
-              f"(num_kv_heads={cache_heads}, head_dim={cache_dim})")
-    if page_size < 1:
-        _fail(ValueError, "page_size", "at least 1 (key_cache dim)", page_size)
-    if slot_mapping.shape[0] != num_tokens:
-        _fail(ValueError, "slot_mapping", f"{num_tokens} entries (key's num_tokens)",
-              slot_mapping.shape[0])
-    fp8 = key_cache.dtype in V.FP8_DTYPES
-    if not fp8 and key.dtype != key_cache.dtype:
-        _fail(TypeError, "key", f"the cache dtype {key_cache.dtype} (or an fp8 cache)", key.dtype)
-    if value.dtype != key.dtype:
-        _fail(TypeError, "value", f"the key's dtype {key.dtype}", value.dtype)
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is not None and not fp8:
-            _fail(ValueError, name, f"None for a {key_cache.dtype} cache (scales are for fp8)",
-                  "a scale")
-        V.check_scale_arg(name, s, num_kv_heads, key.device)
-
-
-def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    """Slots must be < ``num_pages * page_size`` (negative = skip). Reads the data."""
-    if slot_mapping.numel() == 0:
-        return
-    bad = slot_mapping.long() >= num_slots
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        _fail(ValueError, "slot_mapping",
-              f"slots < num_pages * page_size = {num_slots} or negative (entry {i})",
-              int(slot_mapping[i]))
+# the argument checks live with the API's (one error format); re-exported for existing callers
+check_append_kv_args = V.check_append_kv_args
+check_slot_values = V.check_slot_values
 
 
 def _fp8_constants(dtype: torch.dtype) -> tuple[float, int, float, float]:
@@ -103,6 +47,7 @@ def _scale_args(s):
     return None, 0, 1.0 if s is None else float(s)
 
 
+@on_tensor_device
 def append_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -114,8 +59,9 @@ def append_kv(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     validate: bool | None = None,
-) -> None:
-    """Write one step's new keys/values into their cache slots, in place.
+) -> dict[str, object]:
+    """Write one step's new keys/values into their cache slots, in place, on the tensors' device
+    (whatever the current CUDA device).
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_dim]`` float32/float16/bfloat16, any
@@ -132,11 +78,16 @@ def append_kv(
         validate: ``None`` checks slot values only for CPU tensors, ``True`` always (one host
             sync), ``False`` never. Unchecked slots past the capacity are skipped by the kernel.
 
+    Returns:
+        ``{"append_kv": what the launch returned}`` (the compiled kernel on a GPU, ``None``
+        under the interpreter); ``{}`` when there is no token.
+
     Raises:
         TypeError: a non-tensor or a wrong dtype (key/value differing from a float cache's
         dtype or from each other). ValueError: a wrong rank/shape, mixed
-        devices, head counts or head_dim differing between key and caches, a scale with a
-        non-fp8 cache or of a bad shape, or (when value checks run) a slot
+        devices (naming the argument off the key's device), CPU tensors without
+        ``TRITON_INTERPRET=1``, head counts or head_dim differing between key and caches, a
+        scale with a non-fp8 cache or of a bad shape, or (when value checks run) a slot
         ``>= num_pages * page_size``. Messages name the argument.
     """
     check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout,
@@ -151,7 +102,7 @@ def append_kv(
         check_slot_values(slot_mapping, num_slots)
     num_tokens = key.shape[0]
     if num_tokens == 0:
-        return
+        return {}
     if kv_layout == "HND":  # the kernel sees NHD-shaped views; strides carry the layout
         key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
 
@@ -173,14 +124,21 @@ def append_kv(
         block_t = max(1, _GPU_TILE_ELEMENTS // block_c)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_cols, block_c))
     fp8_max, mantissa_bits, min_normal, magic = _fp8_constants(key_cache.dtype)
-    _append_kv_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
-        kp if from_ptr else slot_mapping, vp if from_ptr else slot_mapping, ks, vs, kval, vval,
-        num_tokens, num_slots, page_size,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        slot_mapping.stride(0),
+    compiled = _append_kv_kernel[grid](
+        key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+        slot_mapping_ptr=slot_mapping,
+        # without tensor scales the pointers are unused: any tensor of the call stands in
+        k_scale_ptr=kp if from_ptr else slot_mapping, v_scale_ptr=vp if from_ptr else slot_mapping,
+        stride_ks=ks, stride_vs=vs, k_scale_val=kval, v_scale_val=vval,
+        num_tokens=num_tokens, num_slots=num_slots, page_size=page_size,
+        **named_strides("key", key, "t h d"), **named_strides("value", value, "t h d"),
+        **named_strides("kc", key_cache, "page slot head d"),
+        **named_strides("vc", value_cache, "page slot head d"),
+        stride_slot=slot_mapping.stride(0),
         NUM_COLS=num_cols, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_C=block_c,
         QUANTIZE=fp8, SCALE_FROM_PTR=from_ptr, FP8_MAX=fp8_max,
         FP8_MANTISSA_BITS=mantissa_bits, FP8_MIN_NORMAL=min_normal, FP8_SUBNORMAL_MAGIC=magic,
         num_warps=4,
     )
+    record("append_kv", compiled)
+    return {"append_kv": compiled}

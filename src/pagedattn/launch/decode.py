@@ -62,6 +62,7 @@ class DecodeConfig:
     num_stages: int
     ctas_per_sm: int  # split target: SMs x this many units (about one wave when resident)
     min_chunk: int  # fewest tokens per split
+    ragged_ctas_per_sm: int = 8  # the target for a ragged batch (mean length < max / 2)
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -88,22 +89,23 @@ def tuned_table(device_name: str) -> dict[str, dict]:
 
 def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> DecodeConfig:
     """The rule for GPUs (or keys) without a tuned entry, read off the H200 sweeps recorded in
-    ``docs/perf-notes.md``: 64-token tiles 2 stages deep for 16-bit caches at head_dim ≤ 128
-    (128-token tiles at head_dim ≤ 64, 32-token tiles at 256), 128-token tiles for fp8 (half
-    the bytes per token), 32-token tiles for fp32 (twice the bytes); splits sized for about
-    one wave of four resident programs per SM."""
+    ``docs/perf-notes.md`` (step 8): 16-bit caches take 64-token tiles 2 stages deep at
+    head_dim 128 (3 stages at head_dim ≤ 64, 32-token tiles at 256); fp8 caches 128-token
+    tiles 3 deep (half the bytes per token); fp32 caches 32-token tiles 3 deep (twice the
+    bytes). Splits target about one wave of four resident programs per SM (two for fp8, fp32
+    and head_dim ≤ 64), eight for ragged batches."""
     bd = block_d(head_dim)
     if cache_dtype == torch.float32:
-        block_n, stages = (32, 3) if bd <= 128 else (16, 3)
+        block_n, stages, ctas = (32, 3, 2) if bd <= 128 else (16, 3, 2)
     elif cache_dtype in FP8_DTYPES:
-        block_n, stages = (128, 2) if bd <= 128 else (64, 2)
+        block_n, stages, ctas = (128, 3, 2) if bd <= 128 else (64, 3, 2)
     elif bd <= 64:
-        block_n, stages = 128, 2
+        block_n, stages, ctas = 64, 3, 2
     elif bd <= 128:
-        block_n, stages = 64, 2
+        block_n, stages, ctas = 64, 2, 4
     else:
-        block_n, stages = 32, 3
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=4,
+        block_n, stages, ctas = 32, 3, 4
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=ctas,
                         min_chunk=256)
 
 
@@ -114,8 +116,8 @@ def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size
     (split sizing is a runtime argument of the kernel)."""
     cfg = heuristic_config(head_dim, group, cache_dtype)
     if interpret:  # the interpreter runs programs one by one: fewer, smaller is faster
-        return replace(cfg, ctas_per_sm=1, num_stages=1, block_n=min(cfg.block_n, 32),
-                       min_chunk=128)
+        return replace(cfg, ctas_per_sm=1, ragged_ctas_per_sm=2, num_stages=1,
+                       block_n=min(cfg.block_n, 32), min_chunk=128)
     tuned = tuned_table(device_name).get(config_key(head_dim, group, cache_dtype, page_size)) \
         if device_name else None
     if tuned:
@@ -240,9 +242,11 @@ class AutoLauncher:
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if on_gpu else 4
         self.target_units = sms * cfg.ctas_per_sm
+        self.target_units_ragged = sms * cfg.ragged_ctas_per_sm
         # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
         self.rows_max = (batch * self.forced_splits if self.forced_splits
-                         else batch + triton.cdiv(self.target_units, num_kv_heads))
+                         else batch + triton.cdiv(max(self.target_units,
+                                                      self.target_units_ragged), num_kv_heads))
         self.grid = (self.rows_max * num_kv_heads, 1, 1)
         self.main_constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n, BLOCK_B=_BLOCK_B,
@@ -279,7 +283,7 @@ class AutoLauncher:
         # unspecialized ones i32 or i64 by size)
         self._select = (device.index, cfg.num_warps, cfg.num_stages, num_kv_heads, group,
                         num_q_heads, page_size, batch, max_pages, self.forced_splits,
-                        cfg.min_chunk, self.target_units,
+                        cfg.min_chunk, self.target_units, self.target_units_ragged,
                         str(sorted(self.main_constexprs.items())),
                         self.merge_kernel.__name__, str(sorted(self.merge_constexprs.items())))
 
@@ -337,6 +341,7 @@ class AutoLauncher:
             batch=self.batch, num_kv_heads=self.num_kv_heads, group=self.group,
             max_pages=self.max_pages, forced_splits=self.forced_splits,
             min_chunk=self.config.min_chunk, target_units=self.target_units,
+            target_units_ragged=self.target_units_ragged,
             stride_q_b=query.stride(0), stride_q_h=query.stride(1), stride_q_d=query.stride(2),
             stride_k_page=key_cache.stride(0), stride_k_tok=key_cache.stride(1),
             stride_k_head=key_cache.stride(2), stride_k_d=key_cache.stride(3),

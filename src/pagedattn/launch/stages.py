@@ -1,6 +1,6 @@
 """Launchers of the study's five stages (``impl="baseline"`` .. ``"split_kv_v4"``).
 
-Each launcher keeps its stage's grid and warp count from the study (``shared/seed``):
+Each launcher keeps its stage's grid and warp count from the study:
 
 | stage          | grid                                 | warps | kernel module                 |
 |----------------|--------------------------------------|-------|-------------------------------|
@@ -10,6 +10,18 @@ Each launcher keeps its stage's grid and warp count from the study (``shared/see
 | gqa_reuse_v3   | (batch, num_kv_heads)                | 4     | kernels/gqa_reuse_v3.py       |
 | split_kv_v4    | (batch, num_q_heads, num_splits)     | 1     | kernels/split_kv_v4.py        |
 |  + its merge   | (batch, num_q_heads)                 | 1     | kernels/split_kv_v4.py        |
+
+Every launcher has one signature, so a dispatch table can call any of them the same way::
+
+    launcher(query, key_cache, value_cache, block_tables, context_lens, out, *, scale,
+             num_splits=None) -> dict[str, compiled kernel]
+
+``num_splits`` is part of that one signature and is used by ``split_kv_v4`` only (``None``: its
+own heuristic). The other stages do not split the context, so for them it has no meaning and is
+not read (the public contract: impls that do not split ignore it).
+Each returns ``{kernel name: what kernel[grid](...) returned}`` (on a GPU the compiled kernel,
+with ``n_regs``, ``n_spills`` and ``metadata``; ``None`` under the interpreter). Launches pass
+every kernel argument by keyword, and run under the tensors' CUDA device.
 
 Inputs are already validated by ``pagedattn.api``; caches arrive as NHD-shaped views.
 """
@@ -24,7 +36,7 @@ from pagedattn.kernels.baseline import _baseline_kernel
 from pagedattn.kernels.fused_v1 import _single_head_kernel
 from pagedattn.kernels.gqa_reuse_v3 import _gqa_reuse_v3_kernel
 from pagedattn.kernels.split_kv_v4 import _split_kv_v4_kernel, _split_kv_v4_merge_kernel
-from pagedattn.launch._common import LOG2E, block_d, decode_strides, record
+from pagedattn.launch._common import LOG2E, block_d, named_strides, on_tensor_device, record
 
 # gqa_reuse_v3 computes [BLOCK_G, BLOCK_N, BLOCK_D] products in registers; this many elements
 # per slice keeps it at about 64 fp32 values per thread with 4 warps.
@@ -43,60 +55,78 @@ def _dims(query, key_cache):
     return batch, num_q_heads, head_dim, page_size, num_kv_heads
 
 
-def _single_head(name, num_warps, query, key_cache, value_cache, block_tables, context_lens,
-                 out, *, scale, kernel=_single_head_kernel):
+def _inputs(query, key_cache, value_cache, block_tables, context_lens, scale) -> dict:
+    """The keyword arguments every stage kernel shares: pointers, scale, sizes, strides."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _dims(query, key_cache)
+    return dict(
+        query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+        block_tables_ptr=block_tables, context_lens_ptr=context_lens,
+        scale_log2=scale * LOG2E, page_size=page_size, max_pages=block_tables.shape[1],
+        group=num_q_heads // num_kv_heads,
+        **named_strides("q", query, "b h d"),
+        **named_strides("k", key_cache, "page tok head d"),
+        **named_strides("v", value_cache, "page tok head d"),
+        **named_strides("bt", block_tables, "b p"),
+        stride_ctx=context_lens.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+    )
+
+
+def _single_head(name, num_warps, kernel, query, key_cache, value_cache, block_tables,
+                 context_lens, out, scale) -> dict:
+    batch, num_q_heads = query.shape[:2]
     compiled = kernel[(batch, num_q_heads)](
-        query, key_cache, value_cache, block_tables, context_lens, out,
-        scale * LOG2E, page_size, block_tables.shape[1], num_q_heads // num_kv_heads,
-        *decode_strides(query, key_cache, value_cache, block_tables, context_lens),
-        *out.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), num_warps=num_warps,
+        **_inputs(query, key_cache, value_cache, block_tables, context_lens, scale),
+        out_ptr=out, **named_strides("o", out, "b h d"), num_warps=num_warps,
     )
     record(name, compiled)
+    return {name: compiled}
 
 
+@on_tensor_device
 def baseline(query, key_cache, value_cache, block_tables, context_lens, out, *, scale,
-             num_splits=None):
+             num_splits=None) -> dict:
     """Stage 0: one program per (sequence, query head); each of the head_dim rows recomputes
-    the whole q·k (study: "baseline", 119.98 ms, DRAM 2.4 %). ``num_splits`` is ignored."""
-    _single_head("baseline", 4, query, key_cache, value_cache, block_tables, context_lens, out,
-                 scale=scale, kernel=_baseline_kernel)
+    the whole q·k (study: "baseline", 119.98 ms, DRAM 2.4 %). Does not split (``num_splits``
+    unused)."""
+    return _single_head("baseline", 4, _baseline_kernel, query, key_cache, value_cache,
+                        block_tables, context_lens, out, scale)
 
 
+@on_tensor_device
 def fused_v1(query, key_cache, value_cache, block_tables, context_lens, out, *, scale,
-             num_splits=None):
+             num_splits=None) -> dict:
     """Stage 1: cooperative 128-thread block per (sequence, query head); block-wide reduction
-    per token (study: 7.50 ms, DRAM 37.9 %). ``num_splits`` is ignored."""
-    _single_head("fused_v1", 4, query, key_cache, value_cache, block_tables, context_lens, out,
-                 scale=scale)
+    per token (study: 7.50 ms, DRAM 37.9 %). Does not split (``num_splits`` unused)."""
+    return _single_head("fused_v1", 4, _single_head_kernel, query, key_cache, value_cache,
+                        block_tables, context_lens, out, scale)
 
 
+@on_tensor_device
 def vectorized_v2(query, key_cache, value_cache, block_tables, context_lens, out, *, scale,
-                  num_splits=None):
+                  num_splits=None) -> dict:
     """Stage 2: one warp per (sequence, query head), 16-byte loads, warp-only reduction
-    (study: 4.95 ms, DRAM 57.4 %). ``num_splits`` is ignored."""
-    _single_head("vectorized_v2", 1, query, key_cache, value_cache, block_tables, context_lens,
-                 out, scale=scale)
+    (study: 4.95 ms, DRAM 57.4 %). Does not split (``num_splits`` unused)."""
+    return _single_head("vectorized_v2", 1, _single_head_kernel, query, key_cache,
+                        value_cache, block_tables, context_lens, out, scale)
 
 
+@on_tensor_device
 def gqa_reuse_v3(query, key_cache, value_cache, block_tables, context_lens, out, *, scale,
-                 num_splits=None):
+                 num_splits=None) -> dict:
     """Stage 3: one program per (sequence, kv head) serving the whole query group from one load
-    of each page slice (study: 3.35 ms, DRAM 84.9 %). ``num_splits`` is ignored."""
+    of each page slice (study: 3.35 ms, DRAM 84.9 %). Does not split (``num_splits`` unused)."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _dims(query, key_cache)
-    group = num_q_heads // num_kv_heads
     bd = block_d(head_dim)
-    bg = triton.next_power_of_2(group)
+    bg = triton.next_power_of_2(num_q_heads // num_kv_heads)
     bn = max(1, min(triton.next_power_of_2(page_size), _V3_SLICE_ELEMENTS // (bg * bd)))
     compiled = _gqa_reuse_v3_kernel[(batch, num_kv_heads)](
-        query, key_cache, value_cache, block_tables, context_lens, out,
-        scale * LOG2E, page_size, block_tables.shape[1], group,
-        *decode_strides(query, key_cache, value_cache, block_tables, context_lens),
-        *out.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_G=bg, BLOCK_N=bn, num_warps=4,
+        **_inputs(query, key_cache, value_cache, block_tables, context_lens, scale),
+        out_ptr=out, **named_strides("o", out, "b h d"),
+        BLOCK_G=bg, BLOCK_N=bn, num_warps=4,
     )
     record("gqa_reuse_v3", compiled)
+    return {"gqa_reuse_v3": compiled}
 
 
 def default_v4_splits(query, block_tables, page_size) -> int:
@@ -108,10 +138,12 @@ def default_v4_splits(query, block_tables, page_size) -> int:
     return max(1, min(want, _V4_MAX_SPLITS, cap))
 
 
+@on_tensor_device
 def split_kv_v4(query, key_cache, value_cache, block_tables, context_lens, out, *, scale,
-                num_splits=None):
-    """Stage 4: split each context into ``num_splits`` chunks (one warp each), then a
-    log-sum-exp merge kernel (study: 3.92 ms + 22.6 us merge, DRAM 73.4 %)."""
+                num_splits=None) -> dict:
+    """Stage 4: split each context into ``num_splits`` chunks (one warp each; ``None``:
+    :func:`default_v4_splits`), then a log-sum-exp merge kernel (study: 3.92 ms + 22.6 us
+    merge, DRAM 73.4 %)."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _dims(query, key_cache)
     splits = num_splits or default_v4_splits(query, block_tables, page_size)
     bd = block_d(head_dim)
@@ -119,17 +151,16 @@ def split_kv_v4(query, key_cache, value_cache, block_tables, context_lens, out, 
                           device=query.device)
     part_acc = torch.empty(batch, num_q_heads, splits, bd, dtype=torch.float32,
                            device=query.device)
-    max_pages = block_tables.shape[1]
-    compiled = _split_kv_v4_kernel[(batch, num_q_heads, splits)](
-        query, key_cache, value_cache, block_tables, context_lens, part_ml, part_acc,
-        scale * LOG2E, page_size, max_pages, num_q_heads // num_kv_heads, splits,
-        *decode_strides(query, key_cache, value_cache, block_tables, context_lens),
+    args = _inputs(query, key_cache, value_cache, block_tables, context_lens, scale)
+    split = _split_kv_v4_kernel[(batch, num_q_heads, splits)](
+        **args, part_ml_ptr=part_ml, part_acc_ptr=part_acc, num_splits=splits, num_warps=1,
+    )
+    record("split_kv_v4", split)
+    merge = _split_kv_v4_merge_kernel[(batch, num_q_heads)](
+        context_lens_ptr=context_lens, part_ml_ptr=part_ml, part_acc_ptr=part_acc,
+        out_ptr=out, page_size=page_size, max_pages=args["max_pages"], num_splits=splits,
+        stride_ctx=args["stride_ctx"], **named_strides("o", out, "b h d"),
         HEAD_DIM=head_dim, BLOCK_D=bd, num_warps=1,
     )
-    record("split_kv_v4", compiled)
-    compiled = _split_kv_v4_merge_kernel[(batch, num_q_heads)](
-        context_lens, part_ml, part_acc, out, page_size, max_pages, splits,
-        context_lens.stride(0), *out.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=bd, num_warps=1,
-    )
-    record("split_kv_v4_merge", compiled)
+    record("split_kv_v4_merge", merge)
+    return {"split_kv_v4": split, "split_kv_v4_merge": merge}
