@@ -79,6 +79,14 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  lean4)  # session 3: fp8 bisection at N07's natural size (carry .peers), host time
+    env_info
+    stamp "fp8 paths at N07's natural size"
+    timeout 240 python3 .peers/diag_fp8.py 2>&1 | tee "$RES/diag_fp8.log"
+    stamp "host time"
+    timeout 60 python3 scripts/host_time.py --json "$RES/host_time.json" 2>&1 | tee "$RES/host.log"
+    pack
+    ;;
   lean3)  # session 3: GPU tests incl. the second-series cases, host time, defaults vs floor
     env_info
     stamp "GPU tests: plan, decode, second-series cases, launchers"

@@ -244,9 +244,14 @@ class AutoLauncher:
         self.target_units = sms * cfg.ctas_per_sm
         self.target_units_ragged = sms * cfg.ragged_ctas_per_sm
         # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
+        # and each sequence has at most ceil(capacity / min_chunk) rows (chunks are never
+        # shorter than min_chunk): a small table needs few programs
+        capacity = max_pages * page_size
         self.rows_max = (batch * self.forced_splits if self.forced_splits
-                         else batch + triton.cdiv(max(self.target_units,
-                                                      self.target_units_ragged), num_kv_heads))
+                         else min(batch + triton.cdiv(max(self.target_units,
+                                                          self.target_units_ragged),
+                                                      num_kv_heads),
+                                  batch * triton.cdiv(capacity, cfg.min_chunk)))
         self.grid = (self.rows_max * num_kv_heads, 1, 1)
         self.main_constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n, BLOCK_B=_BLOCK_B,
@@ -281,11 +286,9 @@ class AutoLauncher:
         # what selects the binaries besides the tensors' binding (fixed for this launcher)
         # (Triton also specializes the integer arguments below on ==1 and %16, and types the
         # unspecialized ones i32 or i64 by size)
-        self._select = (device.index, cfg.num_warps, cfg.num_stages, num_kv_heads, group,
-                        num_q_heads, page_size, batch, max_pages, self.forced_splits,
-                        cfg.min_chunk, self.target_units, self.target_units_ragged,
-                        str(sorted(self.main_constexprs.items())),
-                        self.merge_kernel.__name__, str(sorted(self.merge_constexprs.items())))
+        self._select = (device.index, cfg, num_kv_heads, group, num_q_heads, head_dim,
+                        page_size, q_dtype, kv_dtype, batch, max_pages, self.forced_splits,
+                        per_group)
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
                scale: float, k_scale=None, v_scale=None) -> dict[str, object]:
