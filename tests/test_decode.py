@@ -173,3 +173,21 @@ def test_both_merge_grids(per_group, device, monkeypatch):
     assert torch.isneginf(res.lse.cpu()[~finite.cpu()]).all()
     torch.testing.assert_close(res.lse.double()[finite], ref.lse[finite].to(res.lse.device),
                                rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_recorded_launches_key_on_every_dtype():
+    """Recorded launches are keyed on each tensor's dtype too: the same shapes and strides
+    with another query dtype, fp8 format or index dtype get their own binary, never a
+    recorded one that reads the bytes as the wrong type."""
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    for q_dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for index in (torch.int32, torch.int64):
+                x = make_paged_inputs([5, 70, 33], dtype=q_dtype, cache_dtype=fp8, seed=3,
+                                      device="cuda", **shape)
+                x = x._replace(block_tables=x.block_tables.to(index),
+                               context_lens=x.context_lens.to(index))
+                out = _run("auto", x, k_scale=0.5)
+                ref = paged_decode_reference(*x, k_scale=0.5).out
+                assert rel_l2_error(out, ref) <= tolerance_for(fp8), (q_dtype, fp8, index)

@@ -37,3 +37,10 @@ def device_name(device_index: int) -> str:
 
 def device_name_for(device: torch.device) -> str:
     return device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def num_devices() -> int:
+    """CUDA devices visible to this process (cached: a launch needs no device guard when
+    there is one)."""
+    return torch.cuda.device_count()

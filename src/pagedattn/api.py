@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from pagedattn import _validation as V
+from pagedattn._env import num_devices
 
 
 def _stages():
@@ -102,7 +103,7 @@ def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, v
 def _on_device(device: torch.device):
     """Launch under the tensors' GPU (Triton launches on the current device): a no-op when it
     is already current or the tensors are on the CPU."""
-    if device.type != "cuda" or device.index is None or \
+    if device.type != "cuda" or device.index is None or num_devices() == 1 or \
             device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
@@ -203,7 +204,7 @@ class DecodePlan:
                 return_lse):
         """The run after validation (``paged_decode`` validates once and comes here)."""
         if out is None:
-            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+            out = torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device)
         lse = (torch.empty(self.batch, self.num_q_heads, dtype=torch.float32,
                            device=query.device) if return_lse else None)
         if self.batch > 0 and self.num_q_heads > 0:

@@ -282,7 +282,7 @@ class AutoLauncher:
         self.seq_rows = work[n_ml + n_acc:].view(torch.int32)
         self._ml_ptr, self._acc_ptr, self._rows_ptr = (
             t.data_ptr() for t in (self.part_ml, self.part_acc, self.seq_rows))
-        self._direct = on_gpu and _direct_launch_supported()
+        self._direct = on_gpu and device.index is not None and _direct_launch_supported()
         # what selects the binaries besides the tensors' binding (fixed for this launcher)
         # (Triton also specializes the integer arguments below on ==1 and %16, and types the
         # unspecialized ones i32 or i64 by size)
@@ -300,8 +300,7 @@ class AutoLauncher:
         if self._direct and not tensor_scales:
             tensors = (query, key_cache, value_cache, block_tables, context_lens, out)
             key = (self._select, lse is None,
-                   tuple(t.stride() for t in tensors),
-                   tuple(t.data_ptr() % 16 == 0 for t in tensors))
+                   tuple((t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in tensors))
             entry = BINARIES.get(key)
             if entry is not None:
                 main, merge, main_args, merge_args, main_slots, merge_slots = entry
@@ -315,7 +314,7 @@ class AutoLauncher:
                         1.0 if k_scale is None else float(k_scale),
                         1.0 if v_scale is None else float(v_scale)), strict=True):
                     args[i] = v
-                stream = driver.active.get_current_stream(driver.active.get_current_device())
+                stream = driver.active.get_current_stream(self.device.index)
                 _launch_compiled(main, self.grid, stream, args)
                 args = list(merge_args)
                 for i, v in zip(merge_slots, (context_lens.data_ptr(), self._ml_ptr,
