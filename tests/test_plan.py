@@ -91,6 +91,21 @@ def test_paged_decode_is_the_one_shot_plan(device):
     assert torch.equal(pagedattn.paged_decode(*inputs), _plan(inputs).run(*inputs[:3]))
 
 
+def test_host_lengths_refine_the_plan(device):
+    """A host copy of ragged lengths picks the ragged tiles; the result is the same answer
+    (and stays right after in-place updates, since the kernel reads the device lengths)."""
+    lens = [1, 3, 200, 7]
+    inputs = make_paged_inputs(lens, dtype=torch.bfloat16, seed=9, device=device, **SHAPE)
+    plan = _plan(inputs, host_context_lens=lens)
+    assert plan.ragged
+    _check(plan.run(*inputs[:3]), inputs)
+    assert not _plan(inputs, host_context_lens=torch.tensor([50, 50, 50, 50])).ragged
+    with pytest.raises(ValueError, match="host_context_lens"):
+        _plan(inputs, host_context_lens=[1, 2])
+    with pytest.raises(TypeError, match="host_context_lens"):
+        _plan(inputs, host_context_lens=3)
+
+
 @pytest.mark.parametrize("field,value,exc,name", [
     ("num_q_heads", 5, ValueError, "num_q_heads"),
     ("num_kv_heads", 0, ValueError, "num_kv_heads"),

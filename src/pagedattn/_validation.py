@@ -355,3 +355,22 @@ def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
         _fail(ValueError, "slot_mapping",
               f"slots < num_pages * page_size = {num_slots} or negative (entry {i})",
               int(slot_mapping[i]))
+
+
+def check_host_context_lens(lens: Any, batch: int) -> list[int]:
+    """``plan_decode``'s optional host copy of the lengths: a sequence of ``batch`` ints or a
+    CPU integer tensor of shape ``[batch]``. Returns them as a list of ints."""
+    if isinstance(lens, torch.Tensor):
+        if lens.device.type != "cpu" or lens.is_floating_point() or lens.dim() != 1:
+            _fail(ValueError, "host_context_lens", "a 1-D integer CPU tensor (a host copy)",
+                  f"{lens.dtype} {tuple(lens.shape)} on {lens.device}")
+        values = lens.tolist()
+    else:
+        try:
+            values = [int(n) for n in lens]
+        except (TypeError, ValueError):
+            _fail(TypeError, "host_context_lens", "a sequence of ints or a CPU tensor",
+                  type(lens).__name__)
+    if len(values) != batch:
+        _fail(ValueError, "host_context_lens", f"{batch} entries (the batch)", len(values))
+    return values

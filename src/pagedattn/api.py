@@ -128,8 +128,9 @@ class DecodePlan:
     """
 
     def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,
-                 page_size, q_dtype, kv_dtype, kv_layout, num_splits):
+                 page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False):
         self.block_tables, self.context_lens = block_tables, context_lens
+        self.ragged = ragged
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
         self.head_dim, self.page_size = head_dim, page_size
         self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
@@ -149,7 +150,8 @@ class DecodePlan:
                     batch=self.batch, max_pages=self.block_tables.shape[1],
                     num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
-                    kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits)
+                    kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
+                    ragged=self.ragged)
         return self._launcher
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
@@ -221,7 +223,8 @@ class DecodePlan:
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q_heads: int,
                 num_kv_heads: int, head_dim: int, page_size: int, q_dtype: torch.dtype,
                 kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD",
-                num_splits: int | None = None) -> DecodePlan:
+                num_splits: int | None = None,
+                host_context_lens=None) -> DecodePlan:
     """Plan one decode step of the production kernel (``impl="auto"``) for every layer.
 
     Args:
@@ -233,6 +236,10 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
         kv_dtype: the caches' dtype: ``q_dtype`` (default) or float8_e4m3fn/float8_e5m2.
         kv_layout: ``"NHD"`` or ``"HND"``.
         num_splits: ``None`` (token-balanced splits planned on the device) or an int ≥ 1.
+        host_context_lens: optional host copy of this step's lengths (a list of ints or a CPU
+            tensor; schedulers have one). It only refines the tile choice (a ragged batch,
+            mean under half the longest, pipelines deeper); the kernel still reads
+            ``context_lens`` on the device, so a later in-place update stays correct.
 
     Returns:
         A :class:`DecodePlan`. Nothing is read from the device (no host sync).
@@ -245,10 +252,14 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                  num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                  q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=kv_layout,
                  num_splits=num_splits)
+    ragged = False
+    if host_context_lens is not None:
+        lens = V.check_host_context_lens(host_context_lens, block_tables.shape[0])
+        ragged = bool(lens) and 2 * sum(lens) < max(lens) * len(lens)
     return DecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                       q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,
-                      kv_layout=kv_layout, num_splits=num_splits)
+                      kv_layout=kv_layout, num_splits=num_splits, ragged=ragged)
 
 
 def paged_decode(
