@@ -1,9 +1,12 @@
 """Continuous batching on a tiny random Llama: the paged engine (requests joining, finishing at
-different steps, preempted, pages reused) equals greedy decoding by full dense recompute."""
+different steps, preempted, pages reused; prompts prefilled together in one varlen pass; decode
+padded to batch-size buckets in static buffers, the code the CUDA-graph path replays) equals
+greedy decoding by full dense recompute; and the fp8 cache calibrates its scales at prefill."""
 
 import pytest
 import torch
 
+from pagedattn.serving.baselines import dense_logits, dense_model
 from pagedattn.serving.engine import Engine, generate_greedy
 from pagedattn.serving.gguf_loader import LlamaConfig
 from pagedattn.serving.model import Llama
@@ -44,8 +47,9 @@ def tiny_model(device="cpu", dtype=torch.float32, impl="auto") -> Llama:
 def dense_greedy(model: Llama, prompt, n, eos=()):
     """Full recompute every step (no cache at all): tokens and fp32 logits."""
     toks, out, logits = list(prompt), [], []
+    dense = dense_model(model)
     for _ in range(n):
-        row = model.forward_dense(torch.tensor([toks], device=model.device))[0, -1].float()
+        row = dense_logits(dense, torch.tensor([toks], device=model.device))[0, -1].float()
         tok = int(row.argmax())
         out.append(tok)
         logits.append(row.cpu())
