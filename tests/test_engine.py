@@ -6,7 +6,7 @@ greedy decoding by full dense recompute; and the fp8 cache calibrates its scales
 import pytest
 import torch
 
-from pagedattn.serving.baselines import dense_logits, dense_model
+from pagedattn.serving.baselines import dense_logits, dense_model, random_weights
 from pagedattn.serving.engine import Engine, generate_greedy
 from pagedattn.serving.gguf_loader import LlamaConfig
 from pagedattn.serving.model import Llama
@@ -22,25 +22,7 @@ MAX_NEW = [5, 8, 3, 7, 4]
 
 
 def tiny_model(device="cpu", dtype=torch.float32, impl="auto") -> Llama:
-    g = torch.Generator().manual_seed(0)
-    c = CFG
-    shapes = {"attn_norm": (c.hidden_size,), "ffn_norm": (c.hidden_size,),
-              "wq": (c.num_q_heads * c.head_dim, c.hidden_size),
-              "wk": (c.num_kv_heads * c.head_dim, c.hidden_size),
-              "wv": (c.num_kv_heads * c.head_dim, c.hidden_size),
-              "wo": (c.hidden_size, c.num_q_heads * c.head_dim),
-              "w_gate": (c.intermediate_size, c.hidden_size),
-              "w_up": (c.intermediate_size, c.hidden_size),
-              "w_down": (c.hidden_size, c.intermediate_size)}
-    w = {"embed": torch.randn(c.vocab_size, c.hidden_size, generator=g),
-         "final_norm": 1 + 0.1 * torch.randn(c.hidden_size, generator=g)}
-    for i in range(c.num_layers):
-        for name, shape in shapes.items():
-            if len(shape) == 1:
-                w[f"layers.{i}.{name}"] = 1 + 0.1 * torch.randn(shape, generator=g)
-            else:
-                w[f"layers.{i}.{name}"] = torch.randn(shape, generator=g) * shape[1] ** -0.5
-    return Llama(c, w, dtype=dtype, device=device, impl=impl)
+    return Llama(CFG, random_weights(CFG), dtype=dtype, device=device, impl=impl)
 
 
 @torch.no_grad()

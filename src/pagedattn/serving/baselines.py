@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedattn.serving.gguf_loader import load_gguf
+from pagedattn.serving.gguf_loader import LlamaConfig, load_gguf
 from pagedattn.serving.model import Transformer, sdpa_gqa
 
 
@@ -93,28 +93,57 @@ def dense_greedy(model: Transformer, ids: list[int], batch: int, steps: int):
 
 
 def load_hf_model(path, dtype: torch.dtype, device):
-    """transformers' ``LlamaForCausalLM`` on the GGUF, by its own loader when possible."""
+    """transformers' ``LlamaForCausalLM`` on the GGUF, by its own loader when possible:
+    ``(model, how it was loaded)``."""
     import transformers
 
-    m: Any
     try:
         m = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=dtype)
-        how = "transformers GGUF loader"
+        return m.to(device).eval(), "transformers GGUF loader"
     except (ImportError, ValueError) as e:  # no gguf/accelerate: our dequantized weights
         cfg, w = load_gguf(path)
-        hf_cfg = transformers.LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_q_heads, num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps, rope_theta=cfg.rope_theta,
-            max_position_embeddings=cfg.max_position,
-            tie_word_embeddings=True)  # type: ignore[call-arg]  # rope_theta: 4.x and 5.x
-        m = transformers.LlamaForCausalLM(hf_cfg)
-        m.load_state_dict(hf_state_dict(w), strict=False)
-        m = m.to(dtype)
         how = f"our weights in LlamaForCausalLM ({type(e).__name__}: {e})"
-    return m.to(device).eval(), how
+        return hf_from_weights(cfg, w, dtype, device), how
+
+
+def hf_from_weights(cfg: LlamaConfig, w: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    """transformers' ``LlamaForCausalLM`` holding :func:`load_gguf`-style weights."""
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_q_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position,
+        tie_word_embeddings="lm_head" not in w)  # type: ignore[call-arg]  # rope_theta: 4.x, 5.x
+    m: Any = transformers.LlamaForCausalLM(hf_cfg)
+    m.load_state_dict(hf_state_dict(w), strict=False)
+    return m.to(dtype=dtype, device=device).eval()
+
+
+def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 weights for ``cfg`` in :func:`load_gguf`'s names (tests, tiny benchmark)."""
+    g = torch.Generator().manual_seed(seed)
+    c = cfg
+    shapes = {"attn_norm": (c.hidden_size,), "ffn_norm": (c.hidden_size,),
+              "wq": (c.num_q_heads * c.head_dim, c.hidden_size),
+              "wk": (c.num_kv_heads * c.head_dim, c.hidden_size),
+              "wv": (c.num_kv_heads * c.head_dim, c.hidden_size),
+              "wo": (c.hidden_size, c.num_q_heads * c.head_dim),
+              "w_gate": (c.intermediate_size, c.hidden_size),
+              "w_up": (c.intermediate_size, c.hidden_size),
+              "w_down": (c.hidden_size, c.intermediate_size)}
+    w = {"embed": torch.randn(c.vocab_size, c.hidden_size, generator=g),
+         "final_norm": 1 + 0.1 * torch.randn(c.hidden_size, generator=g)}
+    for i in range(c.num_layers):
+        for name, shape in shapes.items():
+            if len(shape) == 1:
+                w[f"layers.{i}.{name}"] = 1 + 0.1 * torch.randn(shape, generator=g)
+            else:
+                w[f"layers.{i}.{name}"] = torch.randn(shape, generator=g) * shape[1] ** -0.5
+    return w
 
 
 #: our per-layer weight names -> transformers' LlamaDecoderLayer names

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pagedattn._validation import FP8_DTYPES, check_scale_arg
@@ -286,11 +287,14 @@ class PagedKVCache:
             raise ValueError(f"pad_to: expected >= the batch size {len(seq_ids)}, got {pad_to}")
         slots, positions, lens = slots + [-1] * pad, positions + [0] * pad, lens + [0] * pad
         groups += [1] * pad
-        flat = slots + positions + lens
-        for t in tables:
-            flat += t + [0] * (width - len(t))
-        flat += [0] * (width * pad)
-        host = torch.tensor(flat, dtype=self.index_dtype)
+        head = slots + positions + lens
+        arr = np.zeros(len(head) + len(lens) * width,
+                       dtype=np.int64 if self.index_dtype == torch.int64 else np.int32)
+        arr[:len(head)] = head
+        rows = arr[len(head):].reshape(len(lens), width)
+        for i, t in enumerate(tables):  # one numpy row write per sequence (wide tables: fast)
+            rows[i, :len(t)] = t
+        host = torch.from_numpy(arr)
         if self.device.type == "cuda":
             host = host.pin_memory()
         if out is None:

@@ -124,6 +124,11 @@ class Engine:
         self.waiting.append(Request(rid, list(prompt), int(max_new_tokens)))
         return rid
 
+    def warmup(self) -> None:
+        """Compile (eager) or capture (graphs) the decode step of every batch bucket now, so
+        that no timed step pays for it (see :meth:`DecodeRunner.warmup`)."""
+        self.runner.warmup()
+
     @property
     def done(self) -> bool:
         return not self.waiting and not self.running

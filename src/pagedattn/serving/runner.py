@@ -88,6 +88,15 @@ class DecodeRunner:
         self._tokens[b].copy_(host, non_blocking=True)
         return self._run(b, meta)[:n]
 
+    def warmup(self) -> None:
+        """Run (eager: compile the kernels) or capture (graphs) every bucket on a batch of
+        padding rows only: nothing is written to the cache, no page is taken."""
+        for b in self.buckets:
+            meta = self.cache.build_metadata([], [], max_pages=self.max_pages, pad_to=b,
+                                             out=self._meta[b])
+            self._tokens[b].zero_()
+            self._run(b, meta)
+
     def _run(self, b: int, meta) -> torch.Tensor:
         tokens = self._tokens[b]
         with torch.inference_mode():
