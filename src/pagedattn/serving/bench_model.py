@@ -167,7 +167,7 @@ def bench_trace(model, reqs, modes, page_size, max_batch, max_prefill_tokens) ->
         res[mode] = {"output_tokens": out_tokens, "wall_s": wall,
                      "tokens_per_s": out_tokens / wall, "tpot_p50_ms": p50 and p50 * 1e3,
                      "tpot_p99_ms": p99 and p99 * 1e3,
-                     "p99_over_p50": p99 / p50 if p50 else None,
+                     "p99_over_p50": p99 / p50 if p50 and p99 is not None else None,
                      "prefill_steps": s.prefill_steps, "decode_steps": s.decode_steps,
                      "preemptions": s.preemptions}
     return res

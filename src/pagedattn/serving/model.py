@@ -161,6 +161,11 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    attention: Attention
+    feed_forward: FeedForward
+    attention_norm: RMSNorm
+    ffn_norm: RMSNorm
+
     def __init__(self, attention: Attention, feed_forward: FeedForward,
                  attention_norm: RMSNorm, ffn_norm: RMSNorm):
         super().__init__()
@@ -241,10 +246,11 @@ class Transformer(nn.Module):
         nn.Module.__init__(twin)
         twin.cfg, twin.impl, twin.attention = self.cfg, self.impl, attention
         twin.tok_embeddings, twin.norm, twin.output = self.tok_embeddings, self.norm, self.output
+        blocks = cast(list[TransformerBlock], list(self.layers))
         twin.layers = nn.ModuleList(
             TransformerBlock(Attention(self.cfg, i, attention, b.attention.wqkv, b.attention.wo),
                              b.feed_forward, b.attention_norm, b.ffn_norm)
-            for i, b in enumerate(self.layers))
+            for i, b in enumerate(blocks))
         twin.register_buffer("inv_freq", self.inv_freq, persistent=False)
         return twin
 

@@ -19,6 +19,7 @@ layer; the graph then captures the compiled kernels).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ class DecodeRunner:
         self._decode = (torch.compile(model.decode, fullgraph=True, dynamic=True) if compile
                         else model.decode)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool, after the first capture
 
     def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> torch.Tensor:
         """Reserve one slot per sequence, fill the bucket's static buffers and run the step.
