@@ -1,9 +1,12 @@
 """Continuous batching on a tiny random Llama: the paged engine (requests joining, finishing at
-different steps, preempted, pages reused) equals greedy decoding by full dense recompute."""
+different steps, preempted, pages reused; prompts prefilled together in one varlen pass; decode
+padded to batch-size buckets in static buffers, the code the CUDA-graph path replays) equals
+greedy decoding by full dense recompute; and the fp8 cache calibrates its scales at prefill."""
 
 import pytest
 import torch
 
+from pagedattn.serving.baselines import dense_logits, dense_model, random_weights
 from pagedattn.serving.engine import Engine, generate_greedy
 from pagedattn.serving.gguf_loader import LlamaConfig
 from pagedattn.serving.model import Llama
@@ -19,33 +22,16 @@ MAX_NEW = [5, 8, 3, 7, 4]
 
 
 def tiny_model(device="cpu", dtype=torch.float32, impl="auto") -> Llama:
-    g = torch.Generator().manual_seed(0)
-    c = CFG
-    shapes = {"attn_norm": (c.hidden_size,), "ffn_norm": (c.hidden_size,),
-              "wq": (c.num_q_heads * c.head_dim, c.hidden_size),
-              "wk": (c.num_kv_heads * c.head_dim, c.hidden_size),
-              "wv": (c.num_kv_heads * c.head_dim, c.hidden_size),
-              "wo": (c.hidden_size, c.num_q_heads * c.head_dim),
-              "w_gate": (c.intermediate_size, c.hidden_size),
-              "w_up": (c.intermediate_size, c.hidden_size),
-              "w_down": (c.hidden_size, c.intermediate_size)}
-    w = {"embed": torch.randn(c.vocab_size, c.hidden_size, generator=g),
-         "final_norm": 1 + 0.1 * torch.randn(c.hidden_size, generator=g)}
-    for i in range(c.num_layers):
-        for name, shape in shapes.items():
-            if len(shape) == 1:
-                w[f"layers.{i}.{name}"] = 1 + 0.1 * torch.randn(shape, generator=g)
-            else:
-                w[f"layers.{i}.{name}"] = torch.randn(shape, generator=g) * shape[1] ** -0.5
-    return Llama(c, w, dtype=dtype, device=device, impl=impl)
+    return Llama(CFG, random_weights(CFG), dtype=dtype, device=device, impl=impl)
 
 
 @torch.no_grad()
 def dense_greedy(model: Llama, prompt, n, eos=()):
     """Full recompute every step (no cache at all): tokens and fp32 logits."""
     toks, out, logits = list(prompt), [], []
+    dense = dense_model(model)
     for _ in range(n):
-        row = model.forward_dense(torch.tensor([toks], device=model.device))[0, -1].float()
+        row = dense_logits(dense, torch.tensor([toks], device=model.device))[0, -1].float()
         tok = int(row.argmax())
         out.append(tok)
         logits.append(row.cpu())
@@ -125,3 +111,115 @@ def test_engine_rejects_bad_requests(model):
         engine.add_request([1], 0)
     with pytest.raises(ValueError, match="max_batch_size"):
         Engine(model, model.make_cache(4), max_batch_size=0)
+
+
+# -- decode runner: buckets, padding, static buffers (the code the CUDA-graph path replays) --
+def test_buckets():
+    from pagedattn.serving.runner import BUCKETS, bucket_for, buckets_up_to
+
+    assert BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 64, 65, 256)] == [1, 2, 4, 8, 64, 128, 256]
+    assert buckets_up_to(3) == (1, 2, 4) and buckets_up_to(256) == BUCKETS
+    for bad in (0, 257):
+        with pytest.raises(ValueError, match="batch"):
+            bucket_for(bad)
+
+
+def test_padded_metadata_rows_point_nowhere():
+    cache = tiny_model().make_cache(8, page_size=4)
+    for s, n in ((0, 5), (1, 2)):
+        cache.add_sequence(s)
+        cache.append(s, n)
+    out = torch.full((cache.metadata_size(4, 3),), 99, dtype=cache.index_dtype)
+    meta = cache.prepare_step([0, 1], [1, 1], max_pages=3, pad_to=4, out=out)
+    assert meta.block_tables.data_ptr() == out[12:].data_ptr()  # views of the static buffer
+    assert meta.slot_mapping.tolist()[2:] == [-1, -1]  # append_kv skips padding
+    assert meta.context_lens.tolist() == [6, 3, 0, 0]
+    assert meta.positions.tolist() == [5, 2, 0, 0]
+    assert meta.block_tables.tolist() == [[0, 1, 0], [2, 0, 0], [0, 0, 0], [0, 0, 0]]
+    with pytest.raises(ValueError, match="pad_to"):
+        cache.build_metadata([0, 1], [[], []], max_pages=3, pad_to=1)
+
+
+def test_runner_padded_steps_equal_unpadded_decode(model):
+    """Three sequences run at bucket 4 in the static buffers (reused in place, step after
+    step) give the logits of an unpadded ``model.decode`` on a twin cache."""
+    from pagedattn.serving.runner import DecodeRunner
+
+    caches = [model.make_cache(16, page_size=4) for _ in range(2)]
+    prompts = PROMPTS[:3]
+    for cache in caches:
+        for s, p in enumerate(prompts):
+            cache.add_sequence(s)
+            model.prefill(torch.tensor(p), cache.prepare_step([s], [len(p)]), cache)
+    with pytest.raises(ValueError, match="graphs"):
+        DecodeRunner(model, caches[0], max_batch_size=4, max_pages=8, graphs=True)
+    runner = DecodeRunner(model, caches[0], max_batch_size=4, max_pages=8)
+    runner.warmup()  # padding rows only: nothing written
+    assert torch.equal(caches[0].kv, caches[1].kv)
+    tokens, ptr = [3, 1, 4], runner._meta[4].data_ptr()
+    for _ in range(3):
+        got = runner.step([0, 1, 2], tokens)
+        meta = caches[1].prepare_step([0, 1, 2], [1, 1, 1])
+        want = model.decode(torch.tensor(tokens), meta, caches[1])
+        assert got.shape == want.shape and rel_l2_error(got, want) <= 1e-5
+        assert runner._meta[4].data_ptr() == ptr
+        tokens = want.argmax(-1).tolist()
+    # the same slots written (padding rows wrote nothing), values equal up to GEMM rounding
+    assert torch.equal(caches[0].kv != 0, caches[1].kv != 0)
+    assert rel_l2_error(caches[0].kv, caches[1].kv) <= 1e-6
+
+
+def test_engine_rejects_requests_longer_than_max_model_len(model):
+    engine = Engine(model, model.make_cache(8, page_size=4), max_model_len=10)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request(list(range(8)), 3)
+
+
+# -- fp8 cache: scales calibrated from the prompt's K/V amax ---------------------------------
+def test_fp8_scales_are_amax_over_the_format_max():
+    from pagedattn.serving.cache import fp8_scales
+
+    amax = torch.tensor([448.0, 0.0, 1.0, float("nan")])
+    got = fp8_scales(amax, torch.float8_e4m3fn)
+    assert torch.equal(got, torch.tensor([1.0, 1.0, 1.0 / 448, 1.0]))  # amax 0/NaN: 1.0
+    assert fp8_scales(torch.tensor([57344.0]), torch.float8_e5m2).item() == 1.0
+    with pytest.raises(ValueError, match="dtype"):
+        fp8_scales(amax, torch.float16)
+
+
+def test_fp8_prefill_calibrates_per_layer_and_kv_head(model):
+    """After the first prefill each layer's largest stored |K| and |V| per kv head is the fp8
+    maximum (scale = amax / 448); a second prefill keeps the scales; given scales are kept."""
+    cache = model.make_cache(16, page_size=4, dtype=torch.float8_e4m3fn)
+    assert cache.needs_calibration
+    cache.add_sequence(0)
+    model.prefill(torch.tensor(PROMPTS[1]), cache.prepare_step([0], [len(PROMPTS[1])]), cache)
+    assert not cache.needs_calibration
+    for layer in range(CFG.num_layers):
+        ks, vs = cache.scales(layer)
+        assert ks.shape == (CFG.num_kv_heads,) and bool((ks != 1).all() & (vs != 1).all())
+        for c in (cache.key_cache(layer), cache.value_cache(layer)):
+            assert c.float().abs().amax(dim=(0, 1, 3)).tolist() == [448.0] * CFG.num_kv_heads
+    before = cache._scales.clone()
+    cache.add_sequence(1)
+    model.prefill(torch.tensor(PROMPTS[4]), cache.prepare_step([1], [len(PROMPTS[4])]), cache)
+    assert torch.equal(cache._scales, before)
+    fixed = model.make_cache(4, page_size=4, dtype=torch.float8_e4m3fn, k_scale=0.5,
+                             v_scale=0.25)
+    assert not fixed.needs_calibration
+    assert fixed.scales(1)[0].tolist() == [0.5] * 2 and fixed.scales(0)[1].tolist() == [0.25] * 2
+    assert model.make_cache(4).scales(0) == (None, None)
+
+
+def test_fp8_engine_stays_close_to_the_fp32_cache(model, dense):
+    """fp8 K/V (calibrated) change the decode logits by a few percent at most, up to the
+    first token that differs from the fp32 cache's."""
+    res = generate_greedy(model, PROMPTS[:3], MAX_NEW[:3], page_size=4, max_batch_size=3,
+                          keep_logits=True, cache_dtype=torch.float8_e4m3fn)
+    for r, (want, want_logits) in zip(res.requests, dense[:3], strict=True):
+        assert rel_l2_error(r.logits[0], want_logits[0]) <= 1e-5  # prefill: unquantized K/V
+        n = next((i + 1 for i, (a, b) in enumerate(zip(r.output, want, strict=True)) if a != b),
+                 len(want))
+        assert n >= 2
+        assert rel_l2_error(torch.stack(r.logits[:n]), torch.stack(want_logits[:n])) <= 0.05

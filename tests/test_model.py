@@ -28,11 +28,12 @@ if missing:
     pytest.skip(f"the model test needs {', '.join(missing)} (pip install 'pagedattn[serve]')",
                 allow_module_level=True)
 
-from pagedattn.serving.bench_model import hf_greedy  # noqa: E402
+from pagedattn import cli  # noqa: E402
+from pagedattn.serving.baselines import HF_NAMES, hf_greedy  # noqa: E402
 from pagedattn.serving.engine import generate_greedy  # noqa: E402
-from pagedattn.serving.generate import encode, load_tokenizer  # noqa: E402
 from pagedattn.serving.gguf_loader import find_gguf  # noqa: E402
 from pagedattn.serving.model import Llama  # noqa: E402
+from pagedattn.serving.tokenizer import encode, load_tokenizer  # noqa: E402
 from pagedattn.testing import rel_l2_error  # noqa: E402
 
 # Plain (no chat template) prompts: short contexts keep the interpreter fast; none of them
@@ -61,9 +62,13 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def prompts(gguf_path):
-    tok = load_tokenizer(gguf_path)
-    return [encode(tok, p, chat=False) for p in PROMPTS]
+def tokenizer(gguf_path):
+    return load_tokenizer(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [encode(tokenizer, p, chat=False) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +91,11 @@ def test_our_gguf_loader_equals_transformers_weights(gguf_path, hf_model):
 
     cfg, w = load_gguf(gguf_path)
     sd = hf_model.state_dict()
-    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-             "wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-             "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
-             "w_down": "mlp.down_proj"}
     assert torch.equal(w["embed"], sd["model.embed_tokens.weight"])
     assert torch.equal(w["final_norm"], sd["model.norm.weight"])
     assert cfg.tie_word_embeddings and "lm_head" not in w
     for i in range(cfg.num_layers):
-        for ours, theirs in names.items():
+        for ours, theirs in HF_NAMES.items():
             assert torch.equal(w[f"layers.{i}.{ours}"], sd[f"model.layers.{i}.{theirs}.weight"])
 
 
@@ -116,3 +117,23 @@ def test_smollm2_paged_greedy_equals_transformers(gguf_path, prompts, hf_referen
         err = rel_l2_error(torch.stack(r.logits), want_logits)
         print(f"prompt {r.rid}: {len(r.output)} tokens equal, logits rel L2 {err:.2e}")
         assert err <= LOGITS_RTOL
+
+
+def test_chat_template_is_the_default(tokenizer):
+    """SmolLM2-Instruct has a chat template: the prompt becomes one user turn with the
+    assistant's generation prompt; ``chat=False`` (``--raw``) is the bare text."""
+    text = "What is the capital of France?"
+    ids = encode(tokenizer, text)
+    assert ids == encode(tokenizer, text, chat=True) != encode(tokenizer, text, chat=False)
+    shown = tokenizer.decode(ids)
+    assert "<|im_start|>user" in shown and shown.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_generate_answers_with_no_flag(capsys):
+    """The README's command, as a user types it: the answer streams to stdout and names Paris;
+    tokens/s is reported on stderr. (fp32 on the CPU, ~1 min through the interpreter.)"""
+    rc = cli.main(["generate", "What is the capital of France?", "--max-new-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert "Paris" in out, out
+    assert "tokens/s" in err

@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("pagedattn.bench.profile", "Nsight Compute profile of impls on one shape"),
     "ladder": ("pagedattn.bench.ladder", "the study's stage ladder: table, charts, report"),
     "generate": ("pagedattn.serving.generate", "generate text with SmolLM2 through the kernel"),
+    "bench-model": ("pagedattn.serving.bench_model",
+                    "SmolLM2 serving throughput: eager vs CUDA graphs vs transformers"),
 }
 
 

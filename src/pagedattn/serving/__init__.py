@@ -1,7 +1,11 @@
 """Serving integration: a paged KV cache, the KV-append and decode kernels as torch custom ops,
-a small Llama (SmolLM2) over the cache, continuous batching, and ``pagedattn generate``.
+a small Llama (SmolLM2) over the cache, continuous batching with CUDA-graph decode, and the
+``pagedattn generate`` / ``pagedattn bench-model`` commands.
 
-Modules (imported on demand; nothing is imported here): ``cache`` (PagedKVCache), ``ops``
-(torch.library ops), ``gguf_loader`` (weights), ``model`` (Llama forward), ``engine``
-(continuous batching), ``generate`` (CLI), ``bench_model`` (GPU throughput and agreement).
+Modules (imported on demand; nothing is imported here): ``cache`` (PagedKVCache, fp8 scales),
+``ops`` (torch.library ops), ``gguf_loader`` (weights), ``model`` (gpt-fast-style modules and
+the paged attention backend), ``runner`` (decode steps in batch buckets, eager or CUDA graphs),
+``engine`` (continuous batching), ``tokenizer``, ``cli_args`` (argument checks), ``generate``
+(CLI), ``baselines`` (dense backend and transformers, for the benchmark and the tests),
+``bench_model`` (CLI: throughput and agreement).
 """

@@ -1,27 +1,92 @@
-"""Model-level benchmark and agreement check (for the GPU): SmolLM2 decode through the paged
-path vs a dense-KV SDPA path, and vs transformers on the same weights.
+"""``pagedattn bench-model``: SmolLM2 serving throughput and agreement, eager vs CUDA graphs vs
+transformers, in one run; writes ``<out>.json`` and ``<out>.md`` naming the commit measured.
 
-* Throughput: ``batch`` copies of one chat-templated prompt, greedy, ``new_tokens`` steps.
-  Decode tokens/s counts ``batch * (new_tokens - 1)`` tokens over the decode loop (prefill
-  excluded), timed between CUDA synchronizations, after an untimed run of ``warmup`` steps.
-  Both paths run eagerly and keep the next tokens on the device (no per-step host sync).
-* Agreement: transformers (``LlamaForCausalLM`` loaded from the same GGUF with its own loader
-  when ``gguf``+``accelerate`` are installed, else built from our dequantized weights) runs the
-  same greedy loop with its own KV cache. Reported: the first step where the paged tokens
-  differ from transformers' (``None`` if none), and the relative L2 error
-  ``‖ours − hf‖ / ‖hf‖`` (fp32) of the logits over the steps before that.
+Sections (every engine run is greedy, EOS ignored so that every request makes its full count):
+
+* **fixed batch** (``--batches``, default 1 and 64): ``batch`` copies of one chat prompt,
+  ``--new-tokens`` each. Decode tokens/s = decode tokens / decode seconds (prefill excluded),
+  per mode (``eager``, ``graphs``, ``graphs+compile`` with ``--compile``), after the engine's
+  warm-up (every bucket compiled or captured) and an untimed short run. transformers' plain
+  ``generate()`` on the same GGUF runs the same batch (its time includes its prefill).
+* **trace**: ``--trace-requests`` requests (default 256) whose prompt and output lengths are
+  drawn from the packaged Azure conversation trace (seed 0, rows with replacement), clipped to
+  the model's context (output at most ``--trace-max-output``, prompt at most the context
+  minus the output), random prompt tokens, all queued at once and served by continuous
+  batching (``--trace-max-batch`` running at most). Output tokens/s over the wall time, and
+  p50/p99 of each request's time per output token (after its first token).
+* **graphs vs eager**: four chat prompts, ``--new-tokens`` each, batched: the tokens must be
+  identical. **transformers agreement** (batch 1, the first prompt): first divergence and the
+  logits' relative L2 error before it.
+* **fp8** (``--cache-dtype fp8_e4m3`` scales calibrated at prefill) against the model-dtype
+  cache on the four prompts: first divergence per prompt, logits relative L2 before it, and
+  the decode tokens/s of the largest fixed batch.
+
+``--tiny`` runs every section on a small random model (no GGUF, no tokenizer) with a few
+tokens: the CPU smoke test.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
+import sys
 import time
-from typing import Any
+from pathlib import Path
 
 import torch
 
-from pagedattn.serving.generate import encode, load_tokenizer
-from pagedattn.serving.gguf_loader import find_gguf, load_gguf
-from pagedattn.serving.model import Llama
+from pagedattn.serving.cli_args import int_in, one_line_errors, resolve_device
+from pagedattn.serving.generate import CACHE_DTYPES, DTYPES, MAX_BATCH
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Explain photosynthesis in two sentences.", "List three uses of a paperclip."]
+TINY_CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                num_q_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_eps=1e-5,
+                max_position=64, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    one_line_errors(parser)
+    parser.add_argument("--gguf", default=None, help="path of the SmolLM2 GGUF file")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--new-tokens", type=int_in(2), default=128)
+    parser.add_argument("--batches", default="1,64", help="comma-separated fixed batch sizes")
+    parser.add_argument("--trace-requests", type=int_in(0), default=256)
+    parser.add_argument("--trace-max-batch", type=int_in(1, MAX_BATCH), default=64)
+    parser.add_argument("--trace-max-output", type=int_in(1), default=1024)
+    parser.add_argument("--max-prefill-tokens", type=int_in(1), default=4096)
+    parser.add_argument("--page-size", type=int_in(1, 4096), default=16)
+    parser.add_argument("--cache-dtype", choices=sorted(CACHE_DTYPES), default="fp8_e4m3",
+                        help="the quantized cache compared with the model-dtype cache")
+    parser.add_argument("--compile", action="store_true", help="add a graphs+compile mode")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--tiny", action="store_true", help="small random model (smoke test)")
+    parser.add_argument("--out", default=None,
+                        help="results prefix (default: docs/results/serving-<gpu or cpu>)")
+
+
+def git_state() -> dict:
+    """The commit measured and whether ``src/`` differs from it (None outside a checkout)."""
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    top = git("rev-parse", "--show-toplevel")
+    status = git("status", "--porcelain", "--", f"{top}/src") if top else None
+    return {"commit": git("rev-parse", "HEAD"), "src_dirty": bool(status) if top else None}
+
+
+def command_line(a: argparse.Namespace) -> str:
+    """The command as typed when run from the CLI, else rebuilt from the arguments."""
+    if "bench-model" in sys.argv:
+        return "pagedattn " + " ".join(sys.argv[sys.argv.index("bench-model"):])
+    opts = " ".join(f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
+                    for k, v in vars(a).items() if v not in (None, False) and k != "command")
+    return f"pagedattn bench-model {opts}"
 
 
 def _sync(device: torch.device) -> None:
@@ -29,169 +94,239 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def paged_greedy(model: Llama, ids: list[int], batch: int, steps: int, *, page_size: int = 16):
-    """``batch`` copies of ``ids`` through prefill + ``steps - 1`` paged decode steps.
+def run_engine(model, prompts, max_new, *, mode: str, page_size: int, max_batch: int,
+               cache_dtype=None, keep_logits=False, max_prefill_tokens=4096, warm=True):
+    """Requests through a fresh :class:`Engine` (EOS ignored): ``(requests, stats, wall s)``.
+    ``warm``: warm up every bucket, then an untimed 2-token run of the same prompts."""
+    from pagedattn.serving.engine import Engine, EngineStats
 
-    Returns ``(tokens [steps] of row 0, logits [steps, vocab] fp32 of row 0, decode seconds)``.
-    """
-    dev, t = model.device, len(ids)
-    cache = model.make_cache(batch * (-(-(t + steps) // page_size)) + 1, page_size=page_size)
-    seqs = list(range(batch))
-    for s in seqs:
-        cache.add_sequence(s)
-    meta = cache.prepare_step(seqs, [t] * batch)
-    logits = model.prefill(torch.tensor(ids * batch, device=dev), meta, cache)
-    toks, rows = [logits.argmax(-1)], [logits[0].float()]
-    _sync(dev)
+    per_req = [max_new] * len(prompts) if isinstance(max_new, int) else list(max_new)
+    longest = max(len(p) + n for p, n in zip(prompts, per_req, strict=True))
+    num_pages = sum(-(-(len(p) + n) // page_size) + 1 for p, n in zip(prompts, per_req,
+                                                                       strict=True))
+    cache = model.make_cache(num_pages, page_size=page_size, dtype=cache_dtype)
+    engine = Engine(model, cache, max_batch_size=max_batch, keep_logits=keep_logits,
+                    graphs=mode.startswith("graphs"), compile=mode.endswith("compile"),
+                    max_model_len=max(longest, 2), max_prefill_tokens=max_prefill_tokens)
+    if warm:
+        engine.warmup()
+        for p in prompts:
+            engine.add_request(p, 2)
+        engine.run()
+        engine.finished.clear()
+        engine.stats = EngineStats()
+    for p, n in zip(prompts, per_req, strict=True):
+        engine.add_request(p, n)
+    _sync(model.device)
     t0 = time.perf_counter()
-    for _ in range(steps - 1):
-        meta = cache.prepare_step(seqs, [1] * batch)
-        logits = model.decode(toks[-1], meta, cache)
-        toks.append(logits.argmax(-1))
-        rows.append(logits[0].float())
-    _sync(dev)
-    elapsed = time.perf_counter() - t0
-    return torch.stack(toks)[:, 0].cpu(), torch.stack(rows).cpu(), elapsed
+    reqs = engine.run()
+    _sync(model.device)
+    return reqs, engine.stats, time.perf_counter() - t0
 
 
-@torch.inference_mode()
-def dense_greedy(model: Llama, ids: list[int], batch: int, steps: int):
-    """Same as :func:`paged_greedy` through the dense-KV SDPA path: ``(tokens, seconds)``."""
-    dev, t = model.device, len(ids)
-    kv = model.new_dense_cache(batch, t + steps)
-    logits = model.forward_dense(torch.tensor([ids] * batch, device=dev), kv, 0)[:, -1]
-    toks = [logits.argmax(-1)]
-    _sync(dev)
-    t0 = time.perf_counter()
-    for pos in range(t, t + steps - 1):
-        logits = model.forward_dense(toks[-1][:, None], kv, pos)[:, -1]
-        toks.append(logits.argmax(-1))
-    _sync(dev)
-    return torch.stack(toks)[:, 0].cpu(), time.perf_counter() - t0
+def trace_requests(num: int, context: int, max_output: int, vocab: int, seed: int = 0):
+    """``num`` (prompt ids, output length) pairs from the Azure conversation trace, clipped to
+    ``context`` (output <= ``max_output``; prompt <= context - output), random prompt ids."""
+    from pagedattn.bench.traces import load_trace
+
+    rows = load_trace("azure")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(rows), (num,), generator=g).tolist()
+    out = []
+    for i in idx:
+        ctx, gen = rows[i]
+        n_out = max(1, min(gen, max_output, context - 1))
+        n_in = max(1, min(ctx, context - n_out))
+        out.append((torch.randint(0, vocab, (n_in,), generator=g).tolist(), n_out))
+    return out
 
 
-def load_hf_model(path, dtype: torch.dtype, device):
-    """transformers' ``LlamaForCausalLM`` on the GGUF, by its own loader when possible."""
-    import transformers
-
-    m: Any
-    try:
-        m = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=dtype)
-        how = "transformers GGUF loader"
-    except (ImportError, ValueError) as e:  # no gguf/accelerate: our dequantized weights
-        cfg, w = load_gguf(path)
-        hf_cfg = transformers.LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_q_heads, num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps, rope_theta=cfg.rope_theta,
-            max_position_embeddings=cfg.max_position,
-            tie_word_embeddings=True)  # type: ignore[call-arg]  # rope_theta: 4.x and 5.x
-        m = transformers.LlamaForCausalLM(hf_cfg)
-        names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                 "wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-                 "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
-                 "w_down": "mlp.down_proj"}
-        sd = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["final_norm"],
-              "lm_head.weight": w.get("lm_head", w["embed"])}
-        for k, v in w.items():
-            if k.startswith("layers."):
-                _, i, n = k.split(".")
-                sd[f"model.layers.{i}.{names[n]}.weight"] = v
-        m.load_state_dict(sd, strict=False)
-        m = m.to(dtype)
-        how = f"our weights in LlamaForCausalLM ({type(e).__name__}: {e})"
-    return m.to(device).eval(), how
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(torch.tensor(xs).quantile(q)) if xs else None
 
 
-@torch.inference_mode()
-def hf_greedy(hf, ids: list[int], steps: int, device):
-    """transformers greedy with its own KV cache: ``(tokens [steps], logits [steps, vocab])``."""
-    out = hf(torch.tensor([ids], device=device), use_cache=True)
-    toks, rows = [], []
-    for i in range(steps):
-        logits = out.logits[0, -1].float()
-        nxt = int(logits.argmax())
-        toks.append(nxt)
-        rows.append(logits.cpu())
-        if i + 1 < steps:
-            out = hf(torch.tensor([[nxt]], device=device), past_key_values=out.past_key_values,
-                     use_cache=True)
-    return torch.tensor(toks), torch.stack(rows)
-
-
-def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    n = min(len(a), len(b))
-    diff = (a[:n] != b[:n]).nonzero()
-    return int(diff[0, 0]) if len(diff) else None
-
-
-def logits_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.double(), ref.double()
-    return float((ours - ref).norm() / ref.norm())
-
-
-def run_benchmark(gguf=None, *, batch=32, prompt="What is the capital of France?",
-                  new_tokens=128, dtype=torch.bfloat16, device="cuda", impl="auto",
-                  page_size=16, compare_hf=True, warmup=8) -> dict:
-    """See the module docstring. Returns a dict of results (and prints nothing)."""
-    dev = torch.device(device)
-    path = find_gguf(gguf)
-    tokenizer = load_tokenizer(path)
-    ids = encode(tokenizer, prompt, chat=True)
-    model = Llama.from_gguf(path, dtype=dtype, device=dev, impl=impl)
-    if warmup:  # compile the Triton kernels, warm cuBLAS and the allocators
-        paged_greedy(model, ids, batch, warmup + 1, page_size=page_size)
-        dense_greedy(model, ids, batch, warmup + 1)
-    p_tok, p_logits, p_s = paged_greedy(model, ids, batch, new_tokens, page_size=page_size)
-    d_tok, d_s = dense_greedy(model, ids, batch, new_tokens)
-    n_dec = batch * (new_tokens - 1)
-    res = {
-        "model": path.name, "dtype": str(dtype), "device": str(dev), "impl": impl,
-        "batch": batch, "prompt_tokens": len(ids), "new_tokens": new_tokens,
-        "paged_tokens_per_s": n_dec / p_s if p_s else None,
-        "dense_tokens_per_s": n_dec / d_s if d_s else None,
-        "paged_vs_dense_first_divergence": first_divergence(p_tok, d_tok),
-        "paged_text": tokenizer.decode(p_tok.tolist(), skip_special_tokens=True),
-        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-    }
-    if compare_hf:
-        hf, how = load_hf_model(path, dtype, dev)
-        h_tok, h_logits = hf_greedy(hf, ids, new_tokens, dev)
-        div = first_divergence(p_tok, h_tok)
-        upto = new_tokens if div is None else div + 1  # logits at div still share a prefix
-        res.update({
-            "hf_loader": how,
-            "hf_first_divergence": div,
-            "hf_logits_rel_l2": logits_rel_error(p_logits[:upto], h_logits[:upto]),
-            "hf_text": tokenizer.decode(h_tok.tolist(), skip_special_tokens=True),
-        })
+def bench_fixed(model, ids, batch, new_tokens, modes, page_size) -> dict:
+    res = {}
+    for mode in modes:
+        _, s, _ = run_engine(model, [ids] * batch, new_tokens, mode=mode, page_size=page_size,
+                             max_batch=batch)
+        res[mode] = {"decode_tokens_per_s": s.decode_tokens_per_s, "decode_steps":
+                     s.decode_steps, "max_running": s.max_running}
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m pagedattn.serving.bench_model [--gguf PATH] [--batch N] ...``: one JSON line."""
-    import argparse
-    import json
+def bench_trace(model, reqs, modes, page_size, max_batch, max_prefill_tokens) -> dict:
+    res = {}
+    for mode in modes:
+        done, s, wall = run_engine(model, [p for p, _ in reqs], [n for _, n in reqs],
+                                   mode=mode, page_size=page_size, max_batch=max_batch,
+                                   max_prefill_tokens=max_prefill_tokens)
+        tpot = [t for r in done if (t := r.time_per_output_token) is not None]
+        out_tokens = sum(len(r.output) for r in done)
+        p50, p99 = _pct(tpot, 0.5), _pct(tpot, 0.99)
+        res[mode] = {"output_tokens": out_tokens, "wall_s": wall,
+                     "tokens_per_s": out_tokens / wall, "tpot_p50_ms": p50 and p50 * 1e3,
+                     "tpot_p99_ms": p99 and p99 * 1e3,
+                     "p99_over_p50": p99 / p50 if p50 and p99 is not None else None,
+                     "prefill_steps": s.prefill_steps, "decode_steps": s.decode_steps,
+                     "preemptions": s.preemptions}
+    return res
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gguf", default=None)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--impl", default="auto")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
-    a = p.parse_args(argv)
-    res = run_benchmark(a.gguf, batch=a.batch, new_tokens=a.new_tokens,
-                        dtype=getattr(torch, a.dtype), device=a.device, impl=a.impl,
-                        compare_hf=not a.no_hf)
-    print(json.dumps(res))
+
+def compare_runs(a, b) -> list[dict]:
+    """Per request: first divergence of ``b`` from ``a`` and the logits' relative L2 error up
+    to and including that step (the logits there still share a prefix)."""
+    from pagedattn.serving.baselines import first_divergence, logits_rel_error
+
+    rows = []
+    for ra, rb in zip(a, b, strict=True):
+        ta, tb = torch.tensor(ra.output), torch.tensor(rb.output)
+        div = first_divergence(ta, tb)
+        upto = len(ta) if div is None else div + 1
+        err = (logits_rel_error(torch.stack(rb.logits[:upto]), torch.stack(ra.logits[:upto]))
+               if ra.logits and rb.logits else None)
+        rows.append({"first_divergence": div, "logits_rel_l2": err})
+    return rows
+
+
+def run_benchmark(a: argparse.Namespace, device: torch.device) -> dict:
+    from pagedattn.serving import baselines
+    from pagedattn.serving.gguf_loader import LlamaConfig, find_gguf, load_gguf
+    from pagedattn.serving.model import Transformer
+
+    dtype = DTYPES[a.dtype]
+    if a.tiny:
+        cfg = LlamaConfig(**TINY_CFG)  # type: ignore[arg-type]
+        weights, name = baselines.random_weights(cfg), "tiny random Llama"
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+                   for n in (7, 12, 5, 9)]
+    else:
+        path = find_gguf(a.gguf)
+        cfg, weights = load_gguf(path)
+        name = path.name
+        from pagedattn.serving.tokenizer import encode, load_tokenizer
+
+        tok = load_tokenizer(path)
+        prompts = [encode(tok, p) for p in PROMPTS]
+    model = Transformer(cfg, weights, dtype=dtype, device=device)
+    modes = ["eager"] + (["graphs"] if device.type == "cuda" else [])
+    modes += ["graphs+compile"] if a.compile and device.type == "cuda" else []
+    batches = [int(b) for b in a.batches.split(",")]
+    res: dict = {"model": name, "dtype": a.dtype, "device": str(device),
+                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                 "torch": torch.__version__, "new_tokens": a.new_tokens,
+                 "page_size": a.page_size, "modes": modes, **git_state(),
+                 "command": command_line(a)}
+    hf = None
+    if not a.no_hf:
+        hf = (baselines.hf_from_weights(cfg, weights, dtype, device) if a.tiny
+              else baselines.load_hf_model(path, dtype, device)[0])
+    res["fixed"] = {}
+    for b in batches:
+        row = bench_fixed(model, prompts[0], b, a.new_tokens, modes, a.page_size)
+        if hf is not None:
+            baselines.hf_generate_tokens_per_s(hf, prompts[0], b, 2, device)  # warm-up
+            row["transformers"] = {"tokens_per_s": baselines.hf_generate_tokens_per_s(
+                hf, prompts[0], b, a.new_tokens, device)}
+        res["fixed"][str(b)] = row
+    if a.trace_requests:
+        reqs = trace_requests(a.trace_requests, cfg.max_position, a.trace_max_output,
+                              cfg.vocab_size)
+        res["trace"] = bench_trace(model, reqs, modes, a.page_size, a.trace_max_batch,
+                                   a.max_prefill_tokens)
+    kw = dict(page_size=a.page_size, max_batch=len(prompts), keep_logits=True)
+    runs = {m: run_engine(model, prompts, a.new_tokens, mode=m, **kw)[0] for m in modes}
+    best = modes[-1]
+    res["graphs_vs_eager"] = {m: {"identical": all(
+        r.output == e.output for r, e in zip(runs[m], runs["eager"], strict=True)),
+        "per_prompt": compare_runs(runs["eager"], runs[m])} for m in modes[1:]}
+    if hf is not None:
+        h_tok, h_logits = baselines.hf_greedy(hf, prompts[0], a.new_tokens, device)
+        ours = runs[best][0]
+        div = baselines.first_divergence(torch.tensor(ours.output), h_tok)
+        upto = a.new_tokens if div is None else div + 1
+        res["transformers_agreement"] = {"mode": best, "first_divergence": div,
+                                         "logits_rel_l2": baselines.logits_rel_error(
+                                             torch.stack(ours.logits[:upto]), h_logits[:upto])}
+    q = CACHE_DTYPES[a.cache_dtype]
+    fp8 = run_engine(model, prompts, a.new_tokens, mode=best, cache_dtype=q, **kw)[0]
+    top = max(batches)
+    res["fp8"] = {"cache_dtype": a.cache_dtype, "mode": best,
+                  "per_prompt": compare_runs(runs[best], fp8),
+                  f"batch{top}": bench_fixed_cache(model, prompts[0], top, a, best, q)}
+    return res
+
+
+def bench_fixed_cache(model, ids, batch, a, mode, cache_dtype) -> dict:
+    _, s, _ = run_engine(model, [ids] * batch, a.new_tokens, mode=mode, page_size=a.page_size,
+                         max_batch=batch, cache_dtype=cache_dtype)
+    return {"decode_tokens_per_s": s.decode_tokens_per_s}
+
+
+def _f(x, fmt="{:,.0f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def to_markdown(res: dict) -> str:
+    """The results as a targets table and section tables."""
+    modes = res["modes"]
+    lines = [f"# Serving benchmark: {res['model']} ({res['dtype']}, {res['gpu'] or 'cpu'})", "",
+             f"Commit `{res['commit']}` (src/ {'dirty' if res['src_dirty'] else 'clean'}), "
+             f"torch {res['torch']}, {res['new_tokens']} new tokens, page size "
+             f"{res['page_size']}.", "", f"Command: `{res['command']}`", "",
+             "## Decode tokens/s, fixed batch", "",
+             "| batch | " + " | ".join(modes) + " | transformers generate() |",
+             "|---|" + "---|" * (len(modes) + 1)]
+    for b, row in res["fixed"].items():
+        hf = row.get("transformers", {}).get("tokens_per_s")
+        lines.append(f"| {b} | " + " | ".join(_f(row[m]["decode_tokens_per_s"]) for m in modes)
+                     + f" | {_f(hf)} |")
+    if "trace" in res:
+        lines += ["", "## Azure conversation trace, continuous batching", "",
+                  "| mode | output tokens | tokens/s | TPOT p50 ms | TPOT p99 ms | p99/p50 |",
+                  "|---|---|---|---|---|---|"]
+        for m, r in res["trace"].items():
+            lines.append(f"| {m} | {r['output_tokens']} | {_f(r['tokens_per_s'])} | "
+                         f"{_f(r['tpot_p50_ms'], '{:.3f}')} | {_f(r['tpot_p99_ms'], '{:.3f}')}"
+                         f" | {_f(r['p99_over_p50'], '{:.2f}')} |")
+    lines += ["", "## Agreement", ""]
+    for m, r in res["graphs_vs_eager"].items():
+        lines.append(f"- {m} vs eager, {len(r['per_prompt'])} prompts: identical = "
+                     f"{r['identical']}")
+    if "transformers_agreement" in res:
+        t = res["transformers_agreement"]
+        lines.append(f"- {t['mode']} vs transformers (prompt 0): first divergence "
+                     f"{t['first_divergence']}, logits rel L2 {t['logits_rel_l2']:.2e}")
+    f = res["fp8"]
+    lines.append(f"- {f['cache_dtype']} cache vs {res['dtype']} cache ({f['mode']}): " + "; ".join(
+        f"prompt {i}: first divergence {p['first_divergence']}, logits rel L2 "
+        f"{_f(p['logits_rel_l2'], '{:.2e}')}" for i, p in enumerate(f["per_prompt"])))
+    (key, v), = ((k, v) for k, v in f.items() if k.startswith("batch"))
+    lines += [f"- {f['cache_dtype']} decode tokens/s at {key}: "
+              f"{_f(v['decode_tokens_per_s'])}", ""]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        device = resolve_device(args.device)
+        batches = [int(b) for b in args.batches.split(",")]
+        if not all(1 <= b <= MAX_BATCH for b in batches):
+            raise ValueError(f"--batches: expected sizes in [1, {MAX_BATCH}], got {batches}")
+    except ValueError as e:
+        msg = str(e) if str(e).startswith("--") else f"--batches: {e}"
+        print(f"pagedattn bench-model: error: {msg}", file=sys.stderr)
+        return 2
+    if args.tiny:
+        args.new_tokens, args.trace_requests = min(args.new_tokens, 4), min(args.trace_requests, 6)
+        args.trace_max_output = min(args.trace_max_output, 5)
+        args.trace_max_batch, args.batches = min(args.trace_max_batch, 4), "1,2"
+    res = run_benchmark(args, device)
+    out = Path(args.out or f"docs/results/serving-{'h200' if device.type == 'cuda' else 'cpu'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    md = to_markdown(res)
+    out.with_suffix(".md").write_text(md)
+    print(md)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -16,6 +16,13 @@ are never written again, so they stay shared; the partial last page is copied on
 first sequence that appends into a page whose refcount is above one gets a private copy (one
 device copy across all layers), and the other keeps the original.
 
+fp8 scales: an fp8 cache keeps one K and one V scale per (layer, kv head), fp32 on the device
+(:meth:`PagedKVCache.scales`). Given ``k_scale``/``v_scale`` fill them; without them the cache
+calibrates itself from the first prefill it sees: each layer's scale is the prompt K/V amax
+per kv head over the fp8 format's largest finite value (:func:`fp8_scales`), and later tokens
+that exceed it saturate (``append_kv`` clamps), as vLLM's dynamically computed KV scales. The
+scale tensors are updated in place, so a captured CUDA graph reads the calibrated values.
+
 Errors leave the cache as it was: an append that would need more pages than are free raises
 :class:`CacheFullError` before touching anything, for every sequence of the batch.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pagedattn._validation import FP8_DTYPES, check_scale_arg
@@ -53,6 +61,17 @@ class StepMetadata(NamedTuple):
     context_lens: torch.Tensor  # [batch] lengths after this step's tokens
     block_tables: torch.Tensor  # [batch, max_pages] page ids, padded with 0
     query_start: list[int]  # host: [batch + 1] offsets of each sequence's new tokens
+
+
+def fp8_scales(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-kv-head fp8 scales ``amax / finfo(dtype).max`` (448 for e4m3fn, 57344 for e5m2),
+    fp32, so that the largest value maps to the largest finite fp8 value; a head whose amax is
+    0 (or not finite) gets scale 1.0. Raises ValueError for a non-fp8 ``dtype``."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype: expected an fp8 dtype, got {dtype}")
+    amax = amax.float()
+    ok = (amax > 0) & torch.isfinite(amax)
+    return torch.where(ok, amax / torch.finfo(dtype).max, torch.ones_like(amax))
 
 
 def _as_scale_tensor(name: str, s, num_kv_heads: int, device: torch.device):
@@ -97,6 +116,12 @@ class PagedKVCache:
             raise ValueError(f"k_scale: scales are for fp8 caches, got dtype {dtype}")
         self.k_scale = _as_scale_tensor("k_scale", k_scale, num_kv_heads, self.device)
         self.v_scale = _as_scale_tensor("v_scale", v_scale, num_kv_heads, self.device)
+        # [num_layers, 2 (K, V), num_kv_heads] fp32; given scales or 1.0 until calibrated
+        self._scales = torch.ones(num_layers, 2, num_kv_heads, device=self.device)
+        for i, s in enumerate((self.k_scale, self.v_scale)):
+            if s is not None:
+                self._scales[:, i] = s
+        self.needs_calibration = dtype in FP8_DTYPES and k_scale is None and v_scale is None
         self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
                               dtype=dtype, device=self.device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() -> low id
@@ -112,6 +137,21 @@ class PagedKVCache:
 
     def value_cache(self, layer: int) -> torch.Tensor:
         return self.kv[layer, 1]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(k_scale, v_scale)`` ``[num_kv_heads]`` fp32 views for ``layer`` (fp8), else
+        ``(None, None)``."""
+        if self.dtype not in FP8_DTYPES:
+            return None, None
+        return self._scales[layer, 0], self._scales[layer, 1]
+
+    def calibrate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Set ``layer``'s scales from the amax of ``key``/``value`` ``[num_tokens,
+        num_kv_heads, head_dim]`` per kv head (:func:`fp8_scales`), in place, on the device.
+        The caller clears :attr:`needs_calibration` once every layer is done."""
+        amax = torch.stack([key.detach().abs().amax(dim=(0, 2)),
+                            value.detach().abs().amax(dim=(0, 2))])
+        self._scales[layer].copy_(fp8_scales(amax, self.dtype))
 
     @property
     def num_free_pages(self) -> int:
@@ -220,12 +260,18 @@ class PagedKVCache:
 
     # -- step tensors --------------------------------------------------------------------
     def build_metadata(self, seq_ids: Sequence[Hashable], new_slots: Sequence[Sequence[int]], *,
-                       max_pages: int | None = None) -> StepMetadata:
+                       max_pages: int | None = None, pad_to: int | None = None,
+                       out: torch.Tensor | None = None) -> StepMetadata:
         """Device tensors for a step whose new tokens were reserved as ``new_slots`` (the
         last ``len(new_slots[i])`` tokens of each sequence). One host buffer, one copy.
 
         ``max_pages`` fixes the block-table width (CUDA graphs); default: the widest sequence.
-        Raises ValueError when a sequence has more pages than ``max_pages``.
+        ``pad_to`` appends padding rows up to that batch size (a decode bucket): one token each
+        with slot -1 (``append_kv`` skips it), position 0, context length 0 and a block-table
+        row of page 0 (a valid page that is never read). ``out`` (int, on the cache's device,
+        ``metadata_size`` elements) receives the values in place and the result views it, so a
+        captured graph sees them. Raises ValueError when a sequence has more pages than
+        ``max_pages``, ``pad_to`` is below the batch size, or ``out`` has the wrong size.
         """
         tables = [self._pages[self._known(s)] for s in seq_ids]
         width = max([len(t) for t in tables] + [1]) if max_pages is None else max_pages
@@ -235,26 +281,46 @@ class PagedKVCache:
         lens = [self._lens[s] for s in seq_ids]
         slots = [s for group in new_slots for s in group]
         positions = [p for n, g in zip(lens, new_slots, strict=True) for p in range(n - len(g), n)]
-        flat = slots + positions + lens
-        for t in tables:
-            flat += t + [0] * (width - len(t))
-        pin = self.device.type == "cuda"
-        host = torch.tensor(flat, dtype=self.index_dtype)
-        if pin:
+        groups = [len(g) for g in new_slots]
+        pad = 0 if pad_to is None else pad_to - len(seq_ids)
+        if pad < 0:
+            raise ValueError(f"pad_to: expected >= the batch size {len(seq_ids)}, got {pad_to}")
+        slots, positions, lens = slots + [-1] * pad, positions + [0] * pad, lens + [0] * pad
+        groups += [1] * pad
+        head = slots + positions + lens
+        arr = np.zeros(len(head) + len(lens) * width,
+                       dtype=np.int64 if self.index_dtype == torch.int64 else np.int32)
+        arr[:len(head)] = head
+        rows = arr[len(head):].reshape(len(lens), width)
+        for i, t in enumerate(tables):  # one numpy row write per sequence (wide tables: fast)
+            rows[i, :len(t)] = t
+        host = torch.from_numpy(arr)
+        if self.device.type == "cuda":
             host = host.pin_memory()
-        buf = host.to(self.device, non_blocking=True)
-        nt, b = len(slots), len(seq_ids)
+        if out is None:
+            buf = host.to(self.device, non_blocking=True)
+        elif out.numel() != host.numel():
+            raise ValueError(f"out: expected {host.numel()} elements, got {out.numel()}")
+        else:
+            buf = out.copy_(host, non_blocking=True)
+        nt, b = len(slots), len(lens)
         starts = [0]
-        for g in new_slots:
-            starts.append(starts[-1] + len(g))
+        for n in groups:
+            starts.append(starts[-1] + n)
         return StepMetadata(buf[:nt], buf[nt:2 * nt], buf[2 * nt:2 * nt + b],
                             buf[2 * nt + b:].view(b, width), starts)
 
+    @staticmethod
+    def metadata_size(batch: int, max_pages: int) -> int:
+        """Elements of a decode step's metadata buffer (one token per sequence)."""
+        return batch * (3 + max_pages)
+
     def prepare_step(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], *,
-                     max_pages: int | None = None) -> StepMetadata:
+                     max_pages: int | None = None, pad_to: int | None = None,
+                     out: torch.Tensor | None = None) -> StepMetadata:
         """:meth:`reserve` then :meth:`build_metadata`: the usual call once per step."""
         slots = self.reserve(seq_ids, num_tokens)
-        return self.build_metadata(seq_ids, slots, max_pages=max_pages)
+        return self.build_metadata(seq_ids, slots, max_pages=max_pages, pad_to=pad_to, out=out)
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> torch.Tensor:
         """Reserve and return ``[sum(num_tokens)]`` device slots for a step's new tokens."""

@@ -1,12 +1,14 @@
 """Continuous batching over a :class:`PagedKVCache`: requests join and leave between steps.
 
 Each :meth:`Engine.step` is either a **prefill** (waiting requests that fit are admitted and
-their prompts run as one ragged batch, giving each its first token) or a **decode** (one token
-for every running request, one ``paged_decode`` call per layer). Waiting requests are admitted
-while the batch has room (``max_batch_size``) and the free pages cover their prompt plus one
-page of headroom per running sequence. A request finishes at an EOS token or at its own
-``max_new_tokens``; its pages go back to the pool at once and the next waiting request can
-use them, so lengths stay ragged and pages are reused.
+their prompts run as one packed varlen pass, giving each its first token) or a **decode** (one
+token for every running request, one ``paged_decode`` call per layer, through a
+:class:`DecodeRunner`: padded to a batch-size bucket, eager or replayed from a CUDA graph).
+Waiting requests are admitted while the batch has room (``max_batch_size``), the prompts of
+the step stay within ``max_prefill_tokens`` (one request is always admitted) and the free pages
+cover their prompt plus one page of headroom per running sequence. A request finishes at an EOS
+token or at its own ``max_new_tokens``; its pages go back to the pool at once and the next
+waiting request can use them, so lengths stay ragged and pages are reused.
 
 If a decode step cannot get pages (:class:`CacheFullError`), the most recently admitted
 request is preempted: its pages are freed and it goes back to the front of the queue, to be
@@ -25,7 +27,8 @@ from typing import NamedTuple
 import torch
 
 from pagedattn.serving.cache import CacheFullError, PagedKVCache
-from pagedattn.serving.model import Llama
+from pagedattn.serving.model import Transformer
+from pagedattn.serving.runner import DecodeRunner
 
 
 @dataclass
@@ -39,6 +42,14 @@ class Request:
     finish_reason: str | None = None  # "eos" or "length" once done
     preemptions: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)  # fp32 [vocab] per token, if kept
+    first_token_s: float = 0.0  # perf_counter() when the first token came
+    finish_s: float = 0.0  # perf_counter() when it finished
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Seconds per token after the first (None with fewer than two tokens)."""
+        n = len(self.output) - 1
+        return (self.finish_s - self.first_token_s) / n if n > 0 else None
 
 
 @dataclass
@@ -61,19 +72,34 @@ class Engine:
     """Greedy continuous-batching generator.
 
     Args:
-        model: a :class:`Llama`.
+        model: a :class:`Transformer` (paged attention).
         cache: a :class:`PagedKVCache` shaped for it (empty, or holding other sequences).
-        max_batch_size: most sequences decoded together.
+        max_batch_size: most sequences decoded together (1..256).
         eos_token_ids: tokens that end a request (kept in its output).
         keep_logits: store each produced token's logits (fp32, on the host) in its request.
+        graphs: decode by CUDA-graph replay (CUDA only); else eagerly.
+        compile: decode through ``torch.compile`` (see :mod:`pagedattn.serving.runner`).
+        max_model_len: longest sequence (prompt + new tokens) a request may reach; sets the
+            block-table width of decode steps. Default: the model's context length.
+        max_prefill_tokens: prompt tokens per prefill step (a longer single prompt still runs).
     """
 
-    def __init__(self, model: Llama, cache: PagedKVCache, *, max_batch_size: int = 8,
-                 eos_token_ids: Sequence[int] = (), keep_logits: bool = False):
+    def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch_size: int = 8,
+                 eos_token_ids: Sequence[int] = (), keep_logits: bool = False,
+                 graphs: bool = False, compile: bool = False, max_model_len: int | None = None,
+                 max_prefill_tokens: int = 8192):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens: expected >= 1, got {max_prefill_tokens}")
+        self.max_model_len = model.cfg.max_position if max_model_len is None else max_model_len
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
         self.model, self.cache = model, cache
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
+        max_pages = min(-(-self.max_model_len // cache.page_size), cache.num_pages)
+        self.runner = DecodeRunner(model, cache, max_batch_size=max_batch_size,
+                                   max_pages=max_pages, graphs=graphs, compile=compile)
         self.eos = set(eos_token_ids)
         self.keep_logits = keep_logits
         self.waiting: deque[Request] = deque()
@@ -85,15 +111,23 @@ class Engine:
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue a prompt (token ids); returns its request id. Raises ValueError for an
-        empty prompt or ``max_new_tokens < 1``."""
+        empty prompt, ``max_new_tokens < 1`` or a total over ``max_model_len``."""
         if len(prompt) == 0:
             raise ValueError("prompt: expected at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.max_model_len:
+            raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
+                             f"({max_new_tokens}) exceeds max_model_len {self.max_model_len}")
         rid = self._next_rid
         self._next_rid += 1
         self.waiting.append(Request(rid, list(prompt), int(max_new_tokens)))
         return rid
+
+    def warmup(self) -> None:
+        """Compile (eager) or capture (graphs) the decode step of every batch bucket now, so
+        that no timed step pays for it (see :meth:`DecodeRunner.warmup`)."""
+        self.runner.warmup()
 
     @property
     def done(self) -> bool:
@@ -127,12 +161,14 @@ class Engine:
     def _admit(self) -> list[Request]:
         admitted: list[Request] = []
         free = self.cache.num_free_pages - len(self.running)  # headroom: a page per runner
+        tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             r = self.waiting[0]
-            need = self._pages_for(len(r.prompt) + len(r.output)) + 1
-            if need > free:
+            n = len(r.prompt) + len(r.output)
+            need = self._pages_for(n) + 1
+            if need > free or (admitted and tokens + n > self.max_prefill_tokens):
                 break
-            free -= need
+            free, tokens = free - need, tokens + n
             admitted.append(self.waiting.popleft())
         return admitted
 
@@ -140,8 +176,11 @@ class Engine:
         """Greedy tokens for ``reqs`` from ``logits`` ``[len(reqs), vocab]``; retire the done."""
         tokens = logits.argmax(dim=-1).tolist()  # the one device-to-host sync of a step
         host_logits = logits.float().cpu() if self.keep_logits else None
+        now = time.perf_counter()
         for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True)):
             r.output.append(tok)
+            if len(r.output) == 1:
+                r.first_token_s = now
             if host_logits is not None:
                 r.logits.append(host_logits[i])
             if self.on_token is not None:
@@ -151,6 +190,7 @@ class Engine:
             elif len(r.output) >= r.max_new_tokens:
                 r.finish_reason = "length"
             if r.finish_reason is not None:
+                r.finish_s = now
                 self.cache.free(r.rid)
                 self.running.remove(r)
                 self.finished[r.rid] = r
@@ -175,18 +215,14 @@ class Engine:
     def _decode(self) -> None:
         t0 = time.perf_counter()
         while True:
-            ids = [r.rid for r in self.running]
+            reqs = list(self.running)
             try:
-                meta = self.cache.prepare_step(ids, [1] * len(ids))
+                logits = self.runner.step([r.rid for r in reqs], [r.output[-1] for r in reqs])
                 break
-            except CacheFullError:
-                if len(self.running) == 1:
+            except CacheFullError:  # nothing was reserved
+                if len(reqs) == 1:
                     raise
-                self._preempt(self.running[-1])
-        reqs = list(self.running)
-        tokens = torch.tensor([r.output[-1] for r in reqs], dtype=torch.long)
-        with torch.inference_mode():
-            logits = self.model.decode(tokens.to(self.model.device), meta, self.cache)
+                self._preempt(reqs[-1])
         self._emit(reqs, logits)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(reqs)
@@ -205,16 +241,18 @@ class GenerateResult(NamedTuple):
     stats: EngineStats
 
 
-def generate_greedy(model: Llama, prompts: Sequence[Sequence[int]],
+def generate_greedy(model: Transformer, prompts: Sequence[Sequence[int]],
                     max_new_tokens: int | Sequence[int], *, num_pages: int | None = None,
                     page_size: int = 16, max_batch_size: int = 8,
                     eos_token_ids: Sequence[int] = (), keep_logits: bool = False,
-                    cache_dtype: torch.dtype | None = None,
+                    cache_dtype: torch.dtype | None = None, graphs: bool = False,
+                    compile: bool = False,
                     on_token: Callable[[Request, int], None] | None = None) -> GenerateResult:
     """Generate for every prompt through an :class:`Engine` on a fresh cache.
 
-    ``num_pages`` defaults to enough for every request at full length. Returns the finished
-    requests in prompt order and the engine's statistics.
+    ``num_pages`` defaults to enough for every request at full length, ``max_model_len`` to
+    the longest request. Returns the finished requests in prompt order and the engine's
+    statistics.
     """
     per_req = ([int(max_new_tokens)] * len(prompts) if isinstance(max_new_tokens, int)
                else [int(n) for n in max_new_tokens])
@@ -222,8 +260,10 @@ def generate_greedy(model: Llama, prompts: Sequence[Sequence[int]],
         num_pages = sum(-(-(len(p) + n) // page_size) + 1
                         for p, n in zip(prompts, per_req, strict=True))
     cache = model.make_cache(num_pages, page_size=page_size, dtype=cache_dtype)
+    longest = max(len(p) + n for p, n in zip(prompts, per_req, strict=True))
     engine = Engine(model, cache, max_batch_size=max_batch_size, eos_token_ids=eos_token_ids,
-                    keep_logits=keep_logits)
+                    keep_logits=keep_logits, graphs=graphs, compile=compile,
+                    max_model_len=max(longest, 2))
     for p, n in zip(prompts, per_req, strict=True):
         engine.add_request(p, n)
     return GenerateResult(engine.run(on_token), engine.stats)

@@ -1,93 +1,266 @@
-"""A small Llama forward in PyTorch (RMSNorm, RoPE, SwiGLU, GQA) over a paged KV cache.
+"""A small Llama (SmolLM2) in the style of gpt-fast: ``RMSNorm``, ``Attention``, ``FeedForward``,
+``TransformerBlock`` and ``Transformer`` modules, with the attention backend a constructor
+choice.
 
-Two attention paths share every other line of the model:
+The attention backend owns the KV cache: each ``Attention`` layer computes its rotated
+``q``/``k``/``v`` and calls ``backend(layer, q, k, v, step)``, where ``step`` is the backend's
+per-step state. :class:`PagedAttention` (serving, here) writes K/V into a
+:class:`PagedKVCache` with ``append_kv`` and attends with ``paged_decode`` at decode, or with
+one block-diagonal causal SDPA over all the prompts of a prefill (varlen, no loop per prompt).
+The dense-KV reference backend used by the benchmark and the tests lives in
+:mod:`pagedattn.serving.baselines`.
 
-* **paged** (serving): :meth:`Llama.prefill` runs causal attention with torch SDPA over each
-  prompt and writes the prompt's K/V into the :class:`PagedKVCache` with ``append_kv``;
-  :meth:`Llama.decode` takes one token per sequence of a ragged batch, appends its K/V and
-  attends with ``paged_decode`` (one kernel call per layer for the whole batch). Both go
-  through the ``torch.library`` custom ops, so a decode step traces under ``torch.compile``.
-* **dense** (the benchmark's baseline): :meth:`Llama.prefill_dense` / :meth:`Llama.decode_dense`
-  keep K/V in a contiguous ``[num_layers, 2, batch, num_kv_heads, max_len, head_dim]`` tensor
-  and attend with SDPA, for an equal-length batch.
+Kernel count matters at batch 1 (the step is launch-bound even inside a CUDA graph): Q/K/V are
+one fused projection, gate/up another, RoPE is ``addcmul(x * cos, roll(x), ±sin)`` on Q and K
+together, RMSNorm is ``F.rms_norm``.
 
-Numerics follow Hugging Face's ``LlamaForCausalLM`` (fp32 RMSNorm statistics, RoPE
-``freqs = position * inv_freq`` with ``rotate_half``, ``down(silu(gate(x)) * up(x))``), so in
-fp32 greedy decoding matches transformers token for token.
+Numerics follow Hugging Face's ``LlamaForCausalLM`` (fp32 RMSNorm statistics, RoPE ``freqs =
+position * inv_freq`` with ``rotate_half``, ``down(silu(gate(x)) * up(x))``), so in fp32 greedy
+decoding matches transformers token for token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, cast
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedattn.serving import ops
 from pagedattn.serving.cache import PagedKVCache, StepMetadata
 from pagedattn.serving.gguf_loader import LlamaConfig, load_gguf
 
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
-_LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x²) + eps)`` with fp32 statistics (as transformers)."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA with grouped KV: ``q`` ``[B, Hq, Tq, D]``, ``k``/``v`` ``[B, Hkv, Tk, D]``."""
+    if _SDPA_HAS_GQA and mask is None:  # as transformers does when there is no mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]  # with a mask: repeat, so the fused kernels apply
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
-class Llama(torch.nn.Module):
-    """Llama decoder weights and forward passes.
+# -- attention backends ------------------------------------------------------------------
+class AttentionBackend(Protocol):
+    """``backend(layer, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D], step) -> [N, Hq, D]``."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 step) -> torch.Tensor: ...
+
+
+Attend = Callable[..., torch.Tensor]  # (q, key_cache, value_cache, k_scale, v_scale) -> out
+
+
+class PagedStep(NamedTuple):
+    """One step of the paged backend: built once per step, read by every layer."""
+
+    cache: PagedKVCache
+    meta: StepMetadata
+    mask: torch.Tensor | None  # prefill: [N, N] block-diagonal causal mask; decode: None
+    attend: Attend | None  # decode: the paged attention of this step (see decode_attend)
+
+
+def decode_attend(meta: StepMetadata, impl: str) -> Attend:
+    """The decode attention of one step, built once and run per layer.
+
+    This is the one place to swap in the plan API: ``plan = pagedattn.plan_decode(
+    meta.block_tables, meta.context_lens, ...)`` and ``return lambda q, kc, vc, ks, vs:
+    plan.run(q, kc, vc, k_scale=ks, v_scale=vs)``.
+    """
+    def attend(q, kc, vc, k_scale, v_scale):
+        return ops.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, impl=impl,
+                                k_scale=k_scale, v_scale=v_scale)
+    return attend
+
+
+def prefill_mask(query_start: list[int], device: torch.device) -> torch.Tensor:
+    """``[N, N]`` bool: token ``i`` sees token ``j`` when both belong to one prompt (the
+    ``query_start`` segments) and ``j <= i``."""
+    lens = torch.tensor([b - a for a, b in zip(query_start[:-1], query_start[1:], strict=True)])
+    seg = torch.repeat_interleave(torch.arange(len(lens)), lens).to(device)
+    n = query_start[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return causal & (seg[:, None] == seg[None, :])
+
+
+class PagedAttention:
+    """Paged backend: K/V through ``append_kv`` into the step's cache; decode attention by
+    ``paged_decode`` (``impl``), prefill attention by one masked SDPA over the packed prompts.
+    An fp8 cache that still needs calibration takes its scales from the prefill's K/V."""
+
+    def __init__(self, impl: str = "auto"):
+        self.impl = impl
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 step: PagedStep) -> torch.Tensor:
+        cache = step.cache
+        if step.mask is not None and cache.needs_calibration:
+            cache.calibrate(layer, k, v)
+        k_scale, v_scale = cache.scales(layer)
+        kc, vc = cache.key_cache(layer), cache.value_cache(layer)
+        ops.append_kv(k, v, kc, vc, step.meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        if step.mask is not None:  # prefill
+            o = sdpa_gqa(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                         v.transpose(0, 1)[None], mask=step.mask)
+            return o[0].transpose(0, 1)
+        return cast(Attend, step.attend)(q, kc, vc, k_scale, v_scale)
+
+
+# -- modules -------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight, self.eps = _param(weight), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w_down(silu(w_gate x) * w_up x)``, gate and up as one ``w13`` projection."""
+
+    def __init__(self, w13: torch.Tensor, w_down: torch.Tensor):
+        super().__init__()
+        self.w13 = _param(w13)  # [2 * intermediate, hidden]: gate rows, then up rows
+        self.w_down = _param(w_down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w_down)
+
+
+class Attention(nn.Module):
+    """GQA self-attention: fused QKV projection, RoPE, the backend, output projection."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, backend: AttentionBackend,
+                 wqkv: torch.Tensor, wo: torch.Tensor):
+        super().__init__()
+        self.layer, self.backend = layer, backend
+        self.num_q_heads, self.num_kv_heads = cfg.num_q_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.wqkv = _param(wqkv)  # [(Hq + 2 Hkv) D, hidden]: the Q, K, V rows
+        self.wo = _param(wo)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                step) -> torch.Tensor:
+        n, hq, hkv, d = x.shape[0], self.num_q_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.wqkv)  # [N, (Hq + 2 Hkv) D]
+        qk = apply_rope(qkv[:, :(hq + hkv) * d].view(n, hq + hkv, d), *rope)
+        v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+        o = self.backend(self.layer, qk[:, :hq], qk[:, hq:], v, step)  # [N, Hq, D]
+        return F.linear(o.reshape(n, hq * d), self.wo)
+
+
+class TransformerBlock(nn.Module):
+    attention: Attention
+    feed_forward: FeedForward
+    attention_norm: RMSNorm
+    ffn_norm: RMSNorm
+
+    def __init__(self, attention: Attention, feed_forward: FeedForward,
+                 attention_norm: RMSNorm, ffn_norm: RMSNorm):
+        super().__init__()
+        self.attention, self.feed_forward = attention, feed_forward
+        self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
+
+    def forward(self, x: torch.Tensor, rope, step) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, step)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """``cos``, signed ``sin`` ``[N, 1, head_dim]`` for integer ``positions`` ``[N]``: with
+    ``sin`` negated on the first half, ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``
+    exactly (a sign flip), one kernel fewer."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin = torch.cat((-sin[:, : freqs.shape[1]], sin[:, freqs.shape[1]:]), dim=-1)
+    return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x`` ``[N, H, head_dim]``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+class Transformer(nn.Module):
+    """Llama decoder.
 
     Args:
         cfg: shapes and constants (:class:`LlamaConfig`).
-        weights: fp32 tensors as returned by :func:`load_gguf` (nn.Linear layout).
+        weights: tensors as returned by :func:`load_gguf` (``nn.Linear`` layout).
         dtype: compute dtype of weights and activations (float32/float16/bfloat16).
         device: where the weights live.
-        impl: the ``paged_decode`` impl used by :meth:`decode`.
+        impl: the ``paged_decode`` impl of the default backend.
+        attention: the attention backend (default: :class:`PagedAttention` with ``impl``).
+
+    ``forward(token_ids [N], positions [N], step)`` returns hidden states ``[N, hidden]``;
+    :meth:`logits` the vocabulary logits of chosen rows. :meth:`prefill` and :meth:`decode`
+    are the paged entry points.
     """
 
     inv_freq: torch.Tensor  # [head_dim // 2] fp32 RoPE frequencies (a buffer)
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 impl: str = "auto"):
+                 impl: str = "auto", attention: AttentionBackend | None = None):
         super().__init__()
         self.cfg, self.impl = cfg, impl
-        p = {k: torch.nn.Parameter(v.to(device=device, dtype=dtype), requires_grad=False)
-             for k, v in weights.items()}
-        self.embed, self.final_norm = p["embed"], p["final_norm"]
-        self.lm_head = p.get("lm_head", self.embed)  # tied embeddings: the same tensor
-        self.layers = torch.nn.ModuleList()
+        self.attention = PagedAttention(impl) if attention is None else attention
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.tok_embeddings = _param(w["embed"])
+        self.norm = RMSNorm(w["final_norm"], cfg.rms_eps)
+        self.output = _param(w.get("lm_head", w["embed"]))  # tied: the same tensor
+        self.layers = nn.ModuleList()
         for i in range(cfg.num_layers):
-            layer = torch.nn.Module()
-            for k in _LAYER_KEYS:
-                setattr(layer, k, p[f"layers.{i}.{k}"])
-            self.layers.append(layer)
+            lw = {k.split(".", 2)[2]: v for k, v in w.items() if k.startswith(f"layers.{i}.")}
+            self.layers.append(TransformerBlock(
+                Attention(cfg, i, self.attention,
+                          torch.cat([lw["wq"], lw["wk"], lw["wv"]]), lw["wo"]),
+                FeedForward(torch.cat([lw["w_gate"], lw["w_up"]]), lw["w_down"]),
+                RMSNorm(lw["attn_norm"], cfg.rms_eps), RMSNorm(lw["ffn_norm"], cfg.rms_eps)))
         inv = 1.0 / (cfg.rope_theta ** (
             torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).to(torch.float32) / cfg.head_dim))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
 
     @classmethod
     def from_gguf(cls, path=None, *, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu", impl: str = "auto") -> Llama:
+                  device: str | torch.device = "cpu", impl: str = "auto") -> Transformer:
         """Load SmolLM2 (or any llama GGUF); see :func:`pagedattn.serving.gguf_loader.find_gguf`."""
         cfg, weights = load_gguf(path)
         return cls(cfg, weights, dtype=dtype, device=device, impl=impl)
 
+    def with_attention(self, attention: AttentionBackend) -> Transformer:
+        """A twin sharing every weight tensor (no copy) over another attention backend."""
+        twin = Transformer.__new__(Transformer)
+        nn.Module.__init__(twin)
+        twin.cfg, twin.impl, twin.attention = self.cfg, self.impl, attention
+        twin.tok_embeddings, twin.norm, twin.output = self.tok_embeddings, self.norm, self.output
+        blocks = cast(list[TransformerBlock], list(self.layers))
+        twin.layers = nn.ModuleList(
+            TransformerBlock(Attention(self.cfg, i, attention, b.attention.wqkv, b.attention.wo),
+                             b.feed_forward, b.attention_norm, b.ffn_norm)
+            for i, b in enumerate(blocks))
+        twin.register_buffer("inv_freq", self.inv_freq, persistent=False)
+        return twin
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.tok_embeddings.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.tok_embeddings.device
 
     def make_cache(self, num_pages: int, *, page_size: int = 16, dtype: torch.dtype | None = None,
                    k_scale=None, v_scale=None) -> PagedKVCache:
@@ -97,53 +270,27 @@ class Llama(torch.nn.Module):
                             dtype=self.dtype if dtype is None else dtype, device=self.device,
                             k_scale=k_scale, v_scale=v_scale)
 
-    # -- shared pieces -------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin ``[num_tokens, head_dim]`` for integer ``positions`` ``[num_tokens]``."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
+        x = F.embedding(token_ids, self.tok_embeddings)
+        rope = rope_tables(positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, step)
+        return x
 
-    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x`` ``[N, hidden]`` -> rotated ``q`` ``[N, Hq, D]``, ``k``/``v`` ``[N, Hkv, D]``."""
-        c = self.cfg
-        h = rms_norm(x, layer.attn_norm, c.rms_eps)
-        q = F.linear(h, layer.wq).view(-1, c.num_q_heads, c.head_dim)
-        k = F.linear(h, layer.wk).view(-1, c.num_kv_heads, c.head_dim)
-        v = F.linear(h, layer.wv).view(-1, c.num_kv_heads, c.head_dim)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.output)
 
-    def _finish_layer(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, SwiGLU MLP, residual. ``attn`` ``[N, Hq*D]``."""
-        x = x + F.linear(attn, layer.wo)
-        h = rms_norm(x, layer.ffn_norm, self.cfg.rms_eps)
-        return x + F.linear(F.silu(F.linear(h, layer.w_gate)) * F.linear(h, layer.w_up),
-                            layer.w_down)
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.final_norm, self.cfg.rms_eps), self.lm_head)
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-        """``q`` ``[B, Hq, Tq, D]``, ``k``/``v`` ``[B, Hkv, Tk, D]`` -> ``[B, Hq, Tq, D]``."""
-        if _SDPA_HAS_GQA:  # as transformers does when there is no mask
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-        group = self.cfg.num_q_heads // self.cfg.num_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    # -- paged path ----------------------------------------------------------------------
+    # -- paged entry points --------------------------------------------------------------
     def prefill(self, token_ids: torch.Tensor, meta: StepMetadata,
                 cache: PagedKVCache) -> torch.Tensor:
-        """Prompts of a ragged batch, each starting at position 0 of a fresh sequence.
+        """All prompts of a ragged batch in one pass, each from position 0 of a fresh sequence.
 
         Args:
-            token_ids: ``[num_tokens]`` int64, the prompts concatenated in
-                ``meta.query_start`` order.
+            token_ids: ``[num_tokens]`` int, the prompts concatenated in ``meta.query_start``
+                order.
             meta: from ``cache.prepare_step(seq_ids, prompt_lengths)`` on empty sequences.
-            cache: the paged cache (written through ``append_kv``).
+            cache: the paged cache (written through ``append_kv``; an fp8 cache without
+                scales is calibrated here, on its first prefill).
 
         Returns: the last position's logits per prompt, ``[num_prompts, vocab]`` (model dtype).
         Raises ValueError if ``token_ids`` and ``meta`` disagree on the token count.
@@ -152,29 +299,18 @@ class Llama(torch.nn.Module):
         if token_ids.shape[0] != starts[-1]:
             raise ValueError(f"token_ids: expected {starts[-1]} tokens (meta), "
                              f"got {token_ids.shape[0]}")
-        c = self.cfg
-        x = F.embedding(token_ids, self.embed)
-        cos, sin = self._rope(meta.positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
-            ops.append_kv(k, v, cache.key_cache(i), cache.value_cache(i), meta.slot_mapping,
-                          k_scale=cache.k_scale, v_scale=cache.v_scale)
-            outs = []
-            # causal attention within each prompt
-            for a, b in zip(starts[:-1], starts[1:], strict=True):
-                o = self._sdpa(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
-                               v[a:b].transpose(0, 1)[None], causal=True)
-                outs.append(o[0].transpose(0, 1).reshape(b - a, c.num_q_heads * c.head_dim))
-            x = self._finish_layer(layer, x, torch.cat(outs))
+        step = PagedStep(cache, meta, prefill_mask(starts, token_ids.device), None)
+        x = self(token_ids, meta.positions, step)
+        cache.needs_calibration = False
         last = torch.tensor([b - 1 for b in starts[1:]], device=x.device)
-        return self._logits(x[last])
+        return self.logits(x[last])
 
     def decode(self, token_ids: torch.Tensor, meta: StepMetadata,
                cache: PagedKVCache) -> torch.Tensor:
         """One new token per sequence of a ragged batch.
 
         Args:
-            token_ids: ``[batch]`` int64, each sequence's newest token.
+            token_ids: ``[batch]`` int, each sequence's newest token.
             meta: from ``cache.prepare_step(seq_ids, [1] * batch)``: the token's slot and
                 position, and the block tables and lengths including it.
             cache: the paged cache.
@@ -182,50 +318,8 @@ class Llama(torch.nn.Module):
         Returns: logits ``[batch, vocab]`` in the model dtype. No host sync: traceable by
         ``torch.compile(fullgraph=True)`` and capturable in a CUDA graph.
         """
-        c = self.cfg
-        x = F.embedding(token_ids, self.embed)
-        cos, sin = self._rope(meta.positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
-            kc, vc = cache.key_cache(i), cache.value_cache(i)
-            ops.append_kv(k, v, kc, vc, meta.slot_mapping, k_scale=cache.k_scale,
-                          v_scale=cache.v_scale)
-            o = ops.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens,
-                                 impl=self.impl, k_scale=cache.k_scale, v_scale=cache.v_scale)
-            x = self._finish_layer(layer, x, o.reshape(-1, c.num_q_heads * c.head_dim))
-        return self._logits(x)
+        step = PagedStep(cache, meta, None, decode_attend(meta, self.impl))
+        return self.logits(self(token_ids, meta.positions, step))
 
-    # -- dense path (baseline) -----------------------------------------------------------
-    def new_dense_cache(self, batch: int, max_len: int) -> torch.Tensor:
-        """``[num_layers, 2, batch, num_kv_heads, max_len, head_dim]`` zeros."""
-        c = self.cfg
-        return torch.zeros(c.num_layers, 2, batch, c.num_kv_heads, max_len, c.head_dim,
-                           dtype=self.dtype, device=self.device)
 
-    def forward_dense(self, token_ids: torch.Tensor, dense_kv: torch.Tensor | None = None,
-                      start: int = 0) -> torch.Tensor:
-        """Equal-length batch ``token_ids`` ``[batch, T]`` at positions ``[start, start+T)``;
-        with ``dense_kv`` the new K/V are stored there and attention reads positions
-        ``[0, start+T)``; without it, a full recompute over the given tokens (start 0).
-
-        Returns logits ``[batch, T, vocab]`` in the model dtype. Raises ValueError for a
-        multi-token chunk with ``start > 0``.
-        """
-        c = self.cfg
-        batch, t = token_ids.shape
-        if t > 1 and start > 0:
-            raise ValueError("start: a multi-token chunk must start at position 0")
-        x = F.embedding(token_ids, self.embed).reshape(batch * t, c.hidden_size)
-        pos = torch.arange(start, start + t, device=x.device).repeat(batch)
-        cos, sin = self._rope(pos, x.dtype)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
-            q, k, v = (y.view(batch, t, -1, c.head_dim).transpose(1, 2) for y in (q, k, v))
-            if dense_kv is not None:
-                dense_kv[i, 0, :, :, start:start + t] = k
-                dense_kv[i, 1, :, :, start:start + t] = v
-                k, v = dense_kv[i, 0, :, :, :start + t], dense_kv[i, 1, :, :, :start + t]
-            # a single new token attends to everything; a prompt chunk from 0 is causal
-            o = self._sdpa(q, k, v, causal=t > 1)
-            x = self._finish_layer(layer, x, o.transpose(1, 2).reshape(batch * t, -1))
-        return self._logits(x).view(batch, t, -1)
+Llama = Transformer  # the name the rest of the package and the tests used first

@@ -1,0 +1,124 @@
+"""Decode steps padded to batch-size buckets, run eagerly or by replaying one CUDA graph per
+bucket.
+
+A step of ``n`` sequences runs at the smallest bucket ``b >= n`` of :data:`BUCKETS` (capped at
+the engine's ``max_batch_size``). Its inputs live in static per-bucket device buffers, updated
+in place before each step with one host-to-device copy for the metadata (slots, positions,
+context lengths, block tables of fixed width ``max_pages``) and one for the token ids. Rows
+``n..b-1`` are padding: slot -1 (``append_kv`` skips it), context length 0, a block-table row of
+page 0, token 0; their logits are dropped.
+
+The eager and graph paths share all of this; they differ only in :meth:`DecodeRunner._run`:
+eager calls ``model.decode`` on the static buffers, the graph path captures that same call
+once per bucket (lazily, on the bucket's first step: a warm-up call, which writes the same K/V
+the replay writes, then the capture) and replays it. ``compile=True`` wraps ``model.decode``
+in ``torch.compile(fullgraph=True, dynamic=True)`` (inductor fuses the elementwise work of a
+layer; the graph then captures the compiled kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from pagedattn.serving.cache import PagedKVCache
+from pagedattn.serving.model import Transformer
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
+    """The smallest bucket ``>= n``. Raises ValueError for ``n < 1`` or above the largest."""
+    if n < 1 or n > buckets[-1]:
+        raise ValueError(f"batch: expected 1..{buckets[-1]} sequences, got {n}")
+    return next(b for b in buckets if b >= n)
+
+
+def buckets_up_to(max_batch_size: int) -> tuple[int, ...]:
+    """The buckets a runner of ``max_batch_size`` uses: :data:`BUCKETS` below it, then the
+    bucket that holds it. Raises ValueError beyond the largest bucket."""
+    top = bucket_for(max_batch_size)
+    return tuple(b for b in BUCKETS if b <= top)
+
+
+class DecodeRunner:
+    """Decode steps of ``model`` over ``cache``.
+
+    Args:
+        model, cache: the model and its paged cache.
+        max_batch_size: most sequences per step (at most ``BUCKETS[-1]``).
+        max_pages: block-table width of every step (covers the longest sequence).
+        graphs: replay a CUDA graph per bucket (needs a CUDA model) instead of eager calls.
+        compile: run ``model.decode`` through ``torch.compile`` (both modes).
+
+    Raises ValueError for ``graphs`` on a CPU model or bad sizes.
+    """
+
+    def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch_size: int,
+                 max_pages: int, graphs: bool = False, compile: bool = False):
+        if graphs and model.device.type != "cuda":
+            raise ValueError(f"graphs: CUDA graphs need a CUDA model, got {model.device}")
+        if max_pages < 1:
+            raise ValueError(f"max_pages: expected >= 1, got {max_pages}")
+        self.model, self.cache, self.max_pages, self.graphs = model, cache, max_pages, graphs
+        self.buckets = buckets_up_to(max_batch_size)
+        dev = model.device
+        self._meta = {b: torch.zeros(cache.metadata_size(b, max_pages), dtype=cache.index_dtype,
+                                     device=dev) for b in self.buckets}
+        self._tokens = {b: torch.zeros(b, dtype=torch.long, device=dev) for b in self.buckets}
+        self._decode = (torch.compile(model.decode, fullgraph=True, dynamic=True) if compile
+                        else model.decode)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool: Any = None  # the graphs' shared memory pool, after the first capture
+
+    def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> torch.Tensor:
+        """Reserve one slot per sequence, fill the bucket's static buffers and run the step.
+
+        Returns logits ``[len(seq_ids), vocab]`` (a view of the bucket's output: read it
+        before the next step). Raises CacheFullError (nothing changed) when the pages run out.
+        """
+        n = len(seq_ids)
+        b = bucket_for(n, self.buckets)
+        meta = self.cache.prepare_step(seq_ids, [1] * n, max_pages=self.max_pages, pad_to=b,
+                                       out=self._meta[b])
+        host = torch.tensor(list(tokens) + [0] * (b - n), dtype=torch.long)
+        if self.model.device.type == "cuda":
+            host = host.pin_memory()
+        self._tokens[b].copy_(host, non_blocking=True)
+        return self._run(b, meta)[:n]
+
+    def warmup(self) -> None:
+        """Run (eager: compile the kernels) or capture (graphs) every bucket on a batch of
+        padding rows only: nothing is written to the cache, no page is taken."""
+        for b in self.buckets:
+            meta = self.cache.build_metadata([], [], max_pages=self.max_pages, pad_to=b,
+                                             out=self._meta[b])
+            self._tokens[b].zero_()
+            self._run(b, meta)
+
+    def _run(self, b: int, meta) -> torch.Tensor:
+        tokens = self._tokens[b]
+        with torch.inference_mode():
+            if not self.graphs:
+                return self._decode(tokens, meta, self.cache)
+            if b not in self._graphs:
+                self._graphs[b] = self._capture(tokens, meta)
+            graph, logits = self._graphs[b]
+            graph.replay()
+            return logits
+
+    def _capture(self, tokens: torch.Tensor, meta):
+        """Warm up on a side stream (compiles kernels; writes the same K/V as the replay),
+        then capture ``decode`` on the static buffers into a graph sharing one memory pool."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._decode(tokens, meta, self.cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._decode(tokens, meta, self.cache)
+        self._pool = graph.pool()
+        return graph, logits
