@@ -30,6 +30,12 @@ def _stages():
     return stages
 
 
+def _append_kv_launcher():
+    from pagedattn.launch.append_kv import append_kv
+
+    return append_kv
+
+
 def _auto_launcher_class():
     from pagedattn.launch.decode import AutoLauncher
 
@@ -381,3 +387,34 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
                                        context_lens, out, scale=sm_scale,
                                        num_splits=num_splits) or {}
     return out, compiled
+
+
+def append_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, kv_layout: str = "NHD",
+              k_scale: float | torch.Tensor | None = None,
+              v_scale: float | torch.Tensor | None = None,
+              validate: bool | None = None) -> None:
+    """Write one step's new keys and values into their cache slots, in place (vLLM's
+    ``reshape_and_cache``), on the tensors' device.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` float32/float16/bfloat16, any
+            strides: the cache's dtype, or any of the three for an fp8 cache.
+        key_cache, value_cache: as in :func:`paged_decode` (NHD or HND, float or fp8). Mutated.
+        slot_mapping: ``[num_tokens]`` int32/int64: token ``t`` goes to page
+            ``slot // page_size``, offset ``slot % page_size``; negative slots are skipped
+            (padding rows).
+        kv_layout: ``"NHD"`` or ``"HND"``.
+        k_scale, v_scale: fp8 caches only: a float, 0-d tensor or ``[num_kv_heads]`` tensor;
+            stored values are ``saturate(x / scale)``.
+        validate: ``None`` checks slot values only for CPU tensors, ``True`` always (one host
+            sync; refused under CUDA-graph capture), ``False`` never.
+
+    Raises:
+        TypeError, ValueError: a wrong type, dtype, rank, shape, device or slot (when value
+            checks run), named in the message; checked in ``pagedattn._validation`` before
+            any launch.
+    """
+    _append_kv_launcher()(key, value, key_cache, value_cache, slot_mapping,
+                          kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
+                          validate=validate)

@@ -84,18 +84,14 @@ def _append_kv_op(
     slot_mapping: torch.Tensor, kv_layout: str = "NHD",
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    from pagedattn.launch.append_kv import append_kv as _launch  # Triton loads here, lazily
-
-    _launch(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout,
-            k_scale=k_scale, v_scale=v_scale)
+    api.append_kv(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout,
+                  k_scale=k_scale, v_scale=v_scale)
 
 
 @_append_kv_op.register_fake
 def _(key, value, key_cache, value_cache, slot_mapping, kv_layout="NHD", k_scale=None,
       v_scale=None):
-    from pagedattn.launch.append_kv import check_append_kv_args
-
-    check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout,
+    V.check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout,
                          k_scale=k_scale, v_scale=v_scale)
 
 
@@ -125,7 +121,7 @@ def paged_decode(query, key_cache, value_cache, block_tables, context_lens, *, s
 
 def append_kv(key, value, key_cache, value_cache, slot_mapping, *, kv_layout="NHD",
               k_scale=None, v_scale=None) -> None:
-    """:func:`pagedattn.launch.append_kv.append_kv` through the custom op (in place).
+    """:func:`pagedattn.append_kv` through the custom op (in place).
 
     ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]``; caches ``[num_pages,
     page_size, num_kv_heads, head_dim]`` (NHD) or HND; ``slot_mapping`` ``[num_tokens]``
