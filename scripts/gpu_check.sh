@@ -79,6 +79,27 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  ncu3)  # session 3: ncu, auto's main kernel beside the floor's split kernel (carry .peers)
+    env_info
+    for s in ${SHAPES:-llama8b-b64-c2k mooncake-b16-llama8b hd64-smollm-b64-c2k fp8-llama8b-b64-c8k}; do
+      stamp "ncu: $s"
+      timeout 100 ncu --clock-control none --section SpeedOfLight --section LaunchStats \
+        --section Occupancy -k regex:'_paged_decode_kernel|_floor_split_kernel' --csv \
+        --page details python3 scripts/ncu_side_by_side.py --shape "$s" \
+        --peer-file .peers/plain_floor.py > "$RES/ncu-$s.csv" 2> "$RES/ncu-$s.err"
+      python3 - "$RES/ncu-$s.csv" <<'PY'
+import csv, sys
+keep = ("Duration", "DRAM Throughput", "Registers Per Thread", "Grid Size",
+        "Achieved Occupancy", "Waves Per SM", "Theoretical Occupancy")
+lines = open(sys.argv[1]).read().splitlines()
+start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+for r in csv.DictReader(lines[start:] if start is not None else []):
+    if r["Metric Name"] in keep:
+        print(r["ID"], r["Kernel Name"][:22], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
+PY
+    done
+    pack
+    ;;
   lean4)  # session 3: fp8 bisection at N07's natural size (carry .peers), host time
     env_info
     stamp "fp8 paths at N07's natural size"
