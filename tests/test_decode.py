@@ -191,3 +191,20 @@ def test_recorded_launches_key_on_every_dtype():
                 out = _run("auto", x, k_scale=0.5)
                 ref = paged_decode_reference(*x, k_scale=0.5).out
                 assert rel_l2_error(out, ref) <= tolerance_for(fp8), (q_dtype, fp8, index)
+
+
+@pytest.mark.parametrize("batch", [3, 130, 257], ids=["one-block", "fits-256", "scan-loop"])
+def test_split_planner_batch_sizes(batch, device):
+    """The device-side split planner reads every length in one vector load up to 256
+    sequences and loops over blocks beyond; both plan the same rows (ragged lengths, empty
+    sequences, forced splits included)."""
+    g = torch.Generator().manual_seed(batch)
+    lens = torch.randint(0, 40 if batch < 256 else 9, (batch,), generator=g).tolist()
+    lens[-1] = 0
+    inputs = make_paged_inputs(lens, num_q_heads=2, num_kv_heads=1, head_dim=16, page_size=4,
+                               dtype=torch.float16, seed=batch, device=device)
+    ref = paged_decode_reference(*inputs).out
+    for num_splits in (None, 3) if batch < 256 else (None,):
+        out = _run("auto", inputs, num_splits=num_splits)
+        assert rel_l2_error(out, ref) <= tolerance_for(torch.float16)
+        assert (out[-1] == 0).all()

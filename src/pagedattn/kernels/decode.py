@@ -134,7 +134,9 @@ def _paged_decode_kernel(
     stride_bt_b, stride_bt_p, stride_ctx,
     stride_o_b, stride_o_h, stride_o_d,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # lengths per vector load of the split planner
+    BATCH_FITS: tl.constexpr,  # batch <= BLOCK_B: one load of context_lens plans every split
     PAGE_SIZE: tl.constexpr,  # a model constant: token -> (page, slot) by shifts/multiplies
     DOT_DTYPE: tl.constexpr,  # operand dtype of the dots
     DOT_PRECISION: tl.constexpr,  # "tf32x3" for fp32 operands (fp32 accuracy), else default
@@ -149,8 +151,15 @@ def _paged_decode_kernel(
     kv_head = u % num_kv_heads
     num_q_heads = num_kv_heads * group
     capacity = max_pages * PAGE_SIZE
-    total, longest = _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity,
-                                           BLOCK_B)
+    if BATCH_FITS:  # every length in one vector load, reused by the whole split plan
+        offs_b = tl.arange(0, BLOCK_B)
+        n_all = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
+        n_all = tl.minimum(tl.maximum(n_all.to(tl.int32), 0), capacity)
+        total = tl.sum(n_all.to(tl.int64))
+        longest = tl.max(n_all)
+    else:
+        total, longest = _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity,
+                                               BLOCK_B)
     work = total * num_kv_heads  # int64
     # a ragged batch (mean length under half the longest) is cut finer: whole-sequence units
     # of unequal lengths leave a tail that smaller units fill
@@ -160,11 +169,18 @@ def _paged_decode_kernel(
     # ceil(len / chunk) per sequence (the workspace bound of the launcher)
     chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target), min_chunk), BLOCK_N) * BLOCK_N
     chunk = tl.minimum(chunk, capacity + BLOCK_N).to(tl.int32)  # no sequence is longer
-    b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
-                             forced_splits, BLOCK_B, BLOCK_N)
+    if BATCH_FITS:
+        ends = tl.cumsum(tl.cdiv(n_all, _chunk_of(n_all, chunk, forced_splits, BLOCK_N)), 0)
+        before = (ends <= r) & (offs_b < batch)
+        b = tl.sum(before.to(tl.int32))
+        start_b = tl.max(tl.where(before, ends, 0))
+        ctx = tl.sum(tl.where(offs_b == b, n_all, 0))
+    else:
+        b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
+                                 forced_splits, BLOCK_B, BLOCK_N)
+        ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
     if b >= batch:  # past the last real row: the grid is sized from shapes, not lengths
         return
-    ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
     chunk_b = _chunk_of(ctx, chunk, forced_splits, BLOCK_N)
     n_rows = tl.cdiv(ctx, chunk_b)
     tok_start = (r - start_b) * chunk_b

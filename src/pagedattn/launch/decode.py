@@ -49,8 +49,9 @@ from pagedattn.launch._common import LOG2E, block_d
 
 # split rows merged per vector step by the per-head merge: the usual split counts, one round
 _MERGE_BLOCK_R = 32
-# sequences scanned per vector step of the device-side split planner (context_lens loads)
-_BLOCK_B = 128
+# sequences scanned per vector step of the device-side split planner (context_lens loads):
+# a batch of up to this many is planned from one load (a power of two >= 16 covering it)
+_MAX_BLOCK_B = 256
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,9 @@ class AutoLauncher:
                                   batch * triton.cdiv(capacity, cfg.min_chunk)))
         self.grid = (self.rows_max * num_kv_heads, 1, 1)
         self.main_constexprs = dict(
-            HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n, BLOCK_B=_BLOCK_B,
+            HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n,
+            BLOCK_B=min(_MAX_BLOCK_B, max(16, triton.next_power_of_2(batch))),
+            BATCH_FITS=batch <= _MAX_BLOCK_B,
             # the query group is the tile's rows: tl.dot needs >= 16 (padding rows masked)
             BLOCK_H=max(16, triton.next_power_of_2(group)),
             PAGE_SIZE=page_size, DOT_DTYPE=_dot_dtype(kv_dtype, interpret),
