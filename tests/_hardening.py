@@ -19,7 +19,8 @@ from pagedattn.testing import PagedInputs, rel_l2_error, tolerance_for
 
 IMPLS = list(pagedattn.IMPLS)
 STAGES = list(pagedattn.STAGES)
-SPLIT_IMPLS = ["split_kv_v4", "auto"]  # the impls that honour num_splits
+# the impls that honour num_splits, from the impl table's capabilities
+SPLIT_IMPLS = [name for name, spec in pagedattn.IMPLS.items() if spec.splits]
 NAN = float("nan")
 
 

@@ -5,17 +5,18 @@ CPU and, on a GPU, that ``validate=None`` never syncs and ``validate=True`` refu
 capture.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from _hardening import IMPLS, NAN, STAGES, check, run
 
 import pagedattn
+from pagedattn import api
 from pagedattn.launch import decode as launch_decode
-from pagedattn.launch import stages as launch_stages
 from pagedattn.testing import make_paged_inputs
 
 FP16, FP8 = torch.float16, torch.float8_e4m3fn
-LAUNCHERS = [(launch_stages, name) for name in STAGES] + [(launch_decode.AutoLauncher, "launch")]
 
 
 class Launched(Exception):
@@ -28,8 +29,11 @@ def no_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise Launched("a kernel launched before validation finished")
 
-    for module, name in LAUNCHERS:
-        monkeypatch.setattr(module, name, fail)
+    # every impl of the table: the planned one's launcher class, the others' launch functions
+    monkeypatch.setattr(launch_decode.AutoLauncher, "launch", fail)
+    for name, spec in api.IMPLS.items():
+        if not spec.planned:
+            monkeypatch.setitem(api.IMPLS, name, dataclasses.replace(spec, launcher=lambda: fail))
 
 
 def _base(head_dim=64, dtype=FP16):
