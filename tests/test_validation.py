@@ -171,22 +171,26 @@ def test_scale_argument_error(case, no_launch):
 
 
 # what a stage cannot honour -> the argument the error names
-STAGE_REFUSALS = {
-    "fp8-cache": (_both_caches(lambda t: t.to(FP8)), "key_cache"),
+# case -> (mutation, the argument named, the ImplSpec capability that would honour it)
+REFUSALS = {
+    "fp8-cache": (_both_caches(lambda t: t.to(FP8)), "key_cache", "fp8"),
     "HND": (lambda a, k: (k.update(kv_layout="HND"),
                           _both_caches(lambda t: t.transpose(1, 2).contiguous())(a, k)),
-            "kv_layout"),
-    "return_lse": (_kw(return_lse=True), "return_lse"),
-    "k_scale": (_kw(k_scale=0.5), "k_scale"),
-    "v_scale": (_kw(v_scale=torch.tensor(0.5)), "v_scale"),
+            "kv_layout", "hnd"),
+    "return_lse": (_kw(return_lse=True), "return_lse", "lse"),
+    "k_scale": (_kw(k_scale=0.5), "k_scale", "fp8"),
+    "v_scale": (_kw(v_scale=torch.tensor(0.5)), "v_scale", "fp8"),
 }
+# every (impl, case) whose capability the impl table says the impl lacks
+LACKING = [(impl, case) for impl, spec in pagedattn.IMPLS.items()
+           for case, (_, _, capability) in REFUSALS.items() if not getattr(spec, capability)]
 
 
-@pytest.mark.parametrize("case", list(STAGE_REFUSALS))
-@pytest.mark.parametrize("impl", STAGES)
-def test_stage_refuses_what_it_cannot_honour(impl, case, no_launch):
-    """ValueError naming the argument and the impl, never a silent fallback."""
-    mutate, name = STAGE_REFUSALS[case]
+@pytest.mark.parametrize("impl,case", LACKING)
+def test_impl_refuses_what_it_cannot_honour(impl, case, no_launch):
+    """ValueError naming the argument and the impl, never a silent fallback: every impl the
+    table marks without a capability (the study's stages, any new impl) refuses it."""
+    mutate, name, _ = REFUSALS[case]
     args, kw = _base(), {"impl": impl}
     mutate(args, kw)
     with pytest.raises(ValueError, match=f"{name}.*{impl}"):

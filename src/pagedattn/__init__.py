@@ -12,11 +12,12 @@ from pagedattn.api import (
     DecodePlan,
     ImplSpec,
     append_kv,
+    compiled_kernels,
     paged_decode,
     plan_decode,
 )
 from pagedattn.reference import paged_decode_reference
 
 __all__ = ["IMPLS", "STAGES", "DecodeOutput", "DecodePlan", "ImplSpec", "append_kv",
-           "paged_decode", "paged_decode_reference", "plan_decode"]
+           "compiled_kernels", "paged_decode", "paged_decode_reference", "plan_decode"]
 __version__ = "0.1.0"
