@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from _hardening import IMPLS, NAN, STAGES, check, run
+from _hardening import IMPLS, NAN, check, run
 
 import pagedattn
 from pagedattn import api
