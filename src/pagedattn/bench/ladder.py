@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import name_list, nonneg_int
-from pagedattn.bench.profile import ImplProfile, smem_bytes
+from pagedattn._cli_types import name_list
+from pagedattn.bench.profile import ImplProfile, add_profiling_arguments, smem_bytes
 from pagedattn.bench.report import fmt_bytes, fmt_count, fmt_pct, fmt_time
 from pagedattn.bench.shapes import SHAPES
 
@@ -447,28 +447,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default=list(LADDER_SHAPES),
                         type=name_list(SHAPES, what="shape"),
                         help=f"comma list of shapes [{','.join(LADDER_SHAPES)}]")
-    parser.add_argument("--small", action="store_true", help="shrunken shapes")
-    parser.add_argument("--no-ncu", action="store_true",
-                        help="use the fallback (CUDA events) even with ncu, and accept it")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="without a GPU: run the pipeline on shrunken shapes in the "
-                             "interpreter; nothing is measured, exit 0")
-    parser.add_argument("--warmup", type=nonneg_int, default=3, help="unprofiled calls first [3]")
+    add_profiling_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     """Run ``pagedattn ladder``; returns the exit status."""
     from pagedattn.api import STAGES
-    from pagedattn.bench.profile import measure_roofline, profile_impls, verdict
+    from pagedattn.bench.profile import (
+        measure_roofline,
+        nothing_measurable,
+        profile_impls,
+        verdict,
+    )
     from pagedattn.bench.report import environment_meta
     from pagedattn.bench.shapes import resolve_shape
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and not args.dry_run:
-        print("pagedattn ladder: nothing was measured: no CUDA GPU, so neither Nsight Compute "
-              "nor timing can run. --dry-run runs the ladder's pipeline on shrunken shapes in "
-              "the Triton interpreter (checked, not measured).", file=sys.stderr)
+    if nothing_measurable("ladder", args):
         return 1
+    on_gpu = torch.cuda.is_available()
     small = args.small or not on_gpu
     impls = [*STAGES, "auto"]
     roofline = measure_roofline()

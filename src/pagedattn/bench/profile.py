@@ -384,6 +384,28 @@ def _impls_type():
     return name_list(IMPLS, what="impl", presets={"all": tuple(IMPLS)})
 
 
+def add_profiling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``profile`` and ``ladder`` share."""
+    parser.add_argument("--small", action="store_true", help="shrunken shapes")
+    parser.add_argument("--no-ncu", action="store_true",
+                        help="use the fallback (CUDA events) even with ncu, and accept it")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="without a GPU: run the pipeline on shrunken shapes in the "
+                             "interpreter; nothing is measured, exit 0")
+    parser.add_argument("--warmup", type=nonneg_int, default=3, help="unprofiled calls first [3]")
+
+
+def nothing_measurable(command: str, args: argparse.Namespace) -> bool:
+    """Without a GPU and without ``--dry-run``: say plainly that nothing can be measured (the
+    caller exits 1 and writes nothing)."""
+    if torch.cuda.is_available() or args.dry_run:
+        return False
+    print(f"pagedattn {command}: nothing was measured: no CUDA GPU, so neither Nsight Compute "
+          "nor timing can run. --dry-run runs the pipeline on shrunken shapes in the Triton "
+          "interpreter (checked, not measured).", file=sys.stderr)
+    return True
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pagedattn profile``."""
     parser.add_argument("--impl", default=["auto"], type=_impls_type(),
@@ -393,13 +415,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                               "[seed-fp32-b64-c2048]")
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                         help=f"reports, CSV and markdown go here [{DEFAULT_OUT_DIR}]")
-    parser.add_argument("--small", action="store_true", help="a shrunken copy of the shape")
-    parser.add_argument("--no-ncu", action="store_true",
-                        help="use the fallback (CUDA events) even with ncu, and accept it")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="without a GPU: run the pipeline on a shrunken shape in the "
-                             "interpreter; nothing is measured, exit 0")
-    parser.add_argument("--warmup", type=nonneg_int, default=3, help="unprofiled calls first [3]")
+    add_profiling_arguments(parser)
     parser.add_argument("--repeat", type=positive_int, default=1,
                         help="profiled calls per impl; repeated launches are merged by the "
                              "median [1]")
@@ -409,12 +425,9 @@ def main(args: argparse.Namespace) -> int:
     """Run ``pagedattn profile``; returns the exit status."""
     from pagedattn.bench.report import environment_meta
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and not args.dry_run:
-        print("pagedattn profile: nothing was measured: no CUDA GPU, so neither Nsight Compute "
-              "nor timing can run. --dry-run runs the impls on a shrunken shape in the Triton "
-              "interpreter (checked, not measured).", file=sys.stderr)
+    if nothing_measurable("profile", args):
         return 1
+    on_gpu = torch.cuda.is_available()
     small = args.small or not on_gpu
     shape = resolve_shape(args.shape, small)
     out = Path(args.out_dir)
