@@ -408,9 +408,12 @@ def run_main(args: argparse.Namespace) -> int:
               "correctness only; interpreter times are not performance.")
         timers, roofline, meta = UNTIMED, None, report.environment_meta(None)
     print(shape.describe())
+    from tqdm import tqdm
+
     t0 = time.perf_counter()
-    rows = measure_shape(shape, entries(args.impls, []), device, timers=timers,
-                         seed=args.seed, poison=True)
+    with tqdm(total=len(args.impls), unit="impl") as progress:
+        rows = measure_shape(shape, entries(args.impls, []), device, timers=timers,
+                             seed=args.seed, poison=True, progress=progress)
     finalize(rows, meta, roofline)
     print(report.terminal_table(rows))
     tolerance = next((r["tolerance"] for r in rows if "tolerance" in r), "-")
