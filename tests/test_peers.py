@@ -163,4 +163,5 @@ def test_bench_dry_run_with_a_peer_file(peer_path, tmp_path, capsys):
     assert rows[0]["median_us"] == "" and rows[0]["host_us"] == ""  # nothing timed
     md = (out / "bench.md").read_text()
     assert "not measured in this run" in md and "git_commit" in md
+    assert "nothing was timed" in md and "median over cold-L2" not in md
     assert not (out / "bench_roofline.png").exists()  # no chart without data
