@@ -15,28 +15,15 @@ import cProfile
 import io
 import json
 import pstats
-import time
 
 import torch
 
 from pagedattn import _validation as V
+from pagedattn._cli_types import positive_int
 from pagedattn.api import paged_decode
 from pagedattn.bench.shapes import build_batch, get_shape
-from pagedattn.bench.timing import time_cold, time_graph
+from pagedattn.bench.timing import host_us, time_cold, time_graph
 from pagedattn.launch.decode import paged_decode_auto
-
-
-def host_us(fn, calls: int = 300) -> float:
-    """Mean host microseconds per call over ``calls`` back-to-back submissions."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return dt
 
 
 def measure_shape(name: str, reps: int) -> tuple[dict, str]:
@@ -58,8 +45,9 @@ def measure_shape(name: str, reps: int) -> tuple[dict, str]:
         paged_decode_auto(q, kc, vc, bt, cl, out, None, scale=q.shape[-1] ** -0.5,
                           k_scale=b.k_scale, v_scale=b.v_scale)
 
-    row = {"shape": name, "host_full_us": host_us(full),
-           "host_validation_us": host_us(check_only), "host_launcher_us": host_us(launcher_only)}
+    row = {"shape": name, **{f"host_{what}_us": host_us(fn, calls=300, warmup=10) for what, fn
+                             in (("full", full), ("validation", check_only),
+                                 ("launcher", launcher_only))}}
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(200):
@@ -76,7 +64,7 @@ def measure_shape(name: str, reps: int) -> tuple[dict, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama8b-b64-c2k,llama8b-b1-c32k")
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=positive_int, default=50)
     args = ap.parse_args()
     for name in args.shapes.split(","):
         row, profile = measure_shape(name, args.reps)

@@ -19,12 +19,16 @@ from pagedattn.bench.shapes import (
     SHAPES,
     build_batch,
     get_shape,
+    load_trace,
     make_shape,
     ragged_lognormal_lens,
+    resolve_shape,
+    sample_context_lens,
     select_shapes,
+    shrink,
+    shrink_lengths,
 )
-from pagedattn.bench.timing import Timing, _summarize, gb_per_s
-from pagedattn.bench.traces import load_trace, sample_context_lens
+from pagedattn.bench.timing import Timing, _summarize, gb_per_s, pct_of
 from pagedattn.reference import paged_decode_reference
 
 PEERS_README = Path("/work/shared/peers/README.md")
@@ -180,10 +184,24 @@ def test_timing_summary_and_units():
     t = _summarize([x / 1000 for x in range(1, 102)])  # ms -> µs 1..101
     assert (t.median_us, t.reps) == (51.0, 101) and t.p20_us == 21.0 and t.p80_us == 81.0
     assert gb_per_s(2_000_000, 1.0) == pytest.approx(2000.0)
+    assert gb_per_s(2_000_000, None) is None  # untimed: no bandwidth, never 0 or inf
+    assert pct_of(2000.0, 4000.0) == 50.0 and pct_of(None, 4000.0) is None
+    assert pct_of(2000.0, None) is None
+
+
+def test_shrinking_keeps_raggedness_and_empty_rows():
+    assert shrink_lengths([10, 20], 48) == [10, 20]  # never scales up
+    assert shrink_lengths([100, 1000, 3, 0], 50) == [5, 50, 1, 0]  # >= 1 token; 0 stays 0
+    assert shrink_lengths([], 8) == []
+    small = shrink(get_shape("qwen7b-b64-c4k"))
+    assert small.name == "qwen7b-b64-c4k-small" and small.context_lens == (17, 17)
+    assert (small.model.num_q_heads, small.model.num_kv_heads) == (7, 1)  # group 7 kept
+    assert resolve_shape("ragged-b64-llama8b", small=True).context_lens == (1, 17)
+    assert resolve_shape("mha-b32-c4k") is get_shape("mha-b32-c4k")
 
 
 def test_stream_read_kernel_reads_everything():
-    from pagedattn.bench.readbw_kernel import stream_read
+    from pagedattn.bench.timing import stream_read
 
     x = torch.arange(3 * 1024 + 5, dtype=torch.float32).to(torch.bfloat16)
     partial = stream_read(x, chunk=2048, block=512)
@@ -198,6 +216,7 @@ def _fake_rows():
     for shape in ("llama8b-b1-c32k", "ragged-b64-llama8b"):
         for impl, us in (("auto", 50.0), ("flashinfer-tc", 60.0)):
             r = harness.base_row(get_shape(shape), impl, "ours" if impl == "auto" else "peer")
+            r["status"] = "ok"
             r.update(median_us=us, p20_us=us - 1, p80_us=us + 1, graph_median_us=us - 5,
                      gbps=r["minimal_bytes"] / us / 1e3, graph_gbps=r["minimal_bytes"] / (us - 5)
                      / 1e3, rel_l2_error=2e-3, tolerance=1e-2, status="ok")
@@ -209,12 +228,13 @@ def _fake_rows():
 
 def test_reports_csv_json_md_png(tmp_path):
     rows = _fake_rows()
-    meta = {"gpu": "FakeGPU", "torch": "2.x", "triton": "3.6.0", "git_sha": "abc",
-            "date": "2026-12-01T00:00:00+00:00"}
+    meta = {"gpu": "FakeGPU", "torch": "2.x", "triton": "3.6.0", "git_commit": "abc",
+            "src_dirty": "yes", "date": "2026-12-01T00:00:00+00:00"}
     paths = harness.write_reports(rows, meta, 4000.0, tmp_path)
     with paths["csv"].open(newline="") as f:
         got = list(csv.DictReader(f))
-    assert len(got) == 5 and got[0]["gpu"] == "FakeGPU" and got[0]["git_sha"] == "abc"
+    assert len(got) == 5 and got[0]["gpu"] == "FakeGPU" and got[0]["git_commit"] == "abc"
+    assert got[0]["roofline_gbps"] == "4000.0" and got[0]["src_dirty"] == "yes"
     for col in ("median_us", "gbps", "pct_roofline", "graph_pct_roofline", "kv_bytes"):
         assert col in got[0]
     assert float(got[0]["pct_roofline"]) == pytest.approx(100 * float(got[0]["gbps"]) / 4000)
@@ -222,6 +242,11 @@ def test_reports_csv_json_md_png(tmp_path):
     assert doc["meta"]["roofline_gbps"] == 4000.0 and len(doc["rows"]) == 5
     md = paths["md"].read_text()
     assert "| shape" in md and "4,000 GB/s" in md and "unsupported" in md
+    assert "- git_commit: abc" in md and "src/ had uncommitted changes" in md
+    # the to-beat column: flashinfer-tc (60 us) is the only peer; auto at 50 us beats it
+    auto = next(r for r in got if r["impl"] == "auto")
+    assert auto["to_beat_us"] == "60.0" and auto["to_beat_peer"] == "flashinfer-tc"
+    assert auto["beats"] == "yes" and auto["graph_beats"] == "yes"
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = report.terminal_table(rows)
     assert "ragged-b64-llama8b" in text and "graph µs" in text
@@ -237,13 +262,29 @@ def test_compile_metadata():
     assert "regs=96" in report.format_kernels({"_k": md})
     dict_md = report.compile_metadata(SimpleNamespace(metadata={"shared": 0, "num_warps": 8}))
     assert dict_md["num_warps"] == 8 and dict_md["n_regs"] is None
-    assert isinstance(report.last_compiled(), dict)
+
+
+def test_compiled_kernels_attributes_one_call(device):
+    """The one reader of the launch layer's compile record: only this call's kernels."""
+    from pagedattn.bench.profile import compiled_kernels
+
+    b = build_batch(make_shape("t", "smollm2-135m", [5, 17], dtype=torch.float32), device)
+    out, kernels = compiled_kernels("split_kv_v4", b)
+    assert len(kernels) == 2  # split + merge
+    ref = paged_decode_reference(*b.tensors).out
+    assert torch.allclose(out.double().cpu(), ref.cpu(), atol=1e-4)
+    _, again = compiled_kernels("gqa_reuse_v3", b)
+    assert len(again) == 1  # the split pair's kernels are not attributed to gqa_reuse_v3
 
 
 def test_environment_meta_on_cpu():
     meta = report.environment_meta(None)
     assert meta["gpu"].startswith("cpu") and meta["torch"] == torch.__version__
     assert set(report.META_KEYS) <= set(meta)
+    assert meta["src_dirty"] in ("yes", "no", "unknown")
+    assert re.fullmatch(r"[0-9a-f]{40}|unknown", meta["git_commit"])
+    assert "not measured" in report.roofline_line(None)
+    assert "4,321 GB/s" in report.roofline_line(4321.0)
 
 
 # --- the harness loop, with fake timers ---------------------------------------------------
@@ -252,18 +293,21 @@ def test_environment_meta_on_cpu():
 def test_bench_shape_with_fake_timers():
     shape = make_shape("tiny", "smollm2-135m", [5, 17, 33], dtype=torch.float32)
     fake = lambda fn: Timing(10.0, 9.0, 11.0, 3)  # noqa: E731
-    rows = harness.bench_shape(shape, ["auto", "gqa_reuse_v3"],
-                               ["naive", "flex-paged", "flex-gathered", "flashinfer-tc"], "cpu",
-                               timer=fake, graph_timer=fake)
+    timers = harness.Timers(fake, fake, lambda fn: 7.5)
+    columns = harness.entries(["auto", "gqa_reuse_v3"], ["naive", "flex-paged", "flex-gathered",
+                                                        "flashinfer-tc", "flashinfer-xqa"])
+    rows = harness.measure_shape(shape, columns, "cpu", timers=timers)
     by = {r["impl"]: r for r in rows}
     for name in ("auto", "gqa_reuse_v3", "naive", "flex-paged", "flex-gathered"):
         assert by[name]["status"] == "ok", by[name]
         assert by[name]["rel_l2_error"] < 1e-4 and by[name]["median_us"] == 10.0
         assert by[name]["gbps"] == pytest.approx(shape.minimal_bytes / 10e-6 / 1e9)
-        assert by[name]["graph_median_us"] == 10.0
-    assert by["flashinfer-tc"]["status"] == "unsupported"
+        assert by[name]["graph_median_us"] == 10.0 and by[name]["host_us"] == 7.5
+    assert by["flashinfer-tc"]["status"] == by["flashinfer-xqa"]["status"] == "unsupported"
+    assert by["auto"]["kernels"] == "" and "_compiled" in by["auto"]  # interpreter: no metadata
     harness.finalize(rows, {"gpu": "cpu"}, 1000.0)
     assert by["auto"]["pct_roofline"] == pytest.approx(100 * by["auto"]["gbps"] / 1000)
+    assert by["auto"]["to_beat_us"] == 10.0 and by["auto"]["beats"] == "yes"
 
 
 def test_bench_shape_reports_failures_and_unsupported(monkeypatch):
@@ -271,7 +315,8 @@ def test_bench_shape_reports_failures_and_unsupported(monkeypatch):
 
     shape = make_shape("tiny8", "llama-3-8b", [3, 20], fp8=True)
     monkeypatch.setattr(api, "paged_decode", lambda *a, **k: torch.zeros_like(a[0]))
-    rows = harness.bench_shape(shape, ["auto", "split_kv_v4"], ["naive"], "cpu", timer=None)
+    rows = harness.measure_shape(shape, harness.entries(["auto", "split_kv_v4"], ["naive"]),
+                                 "cpu")
     by = {r["impl"]: r for r in rows}
     assert by["auto"]["status"] == "FAIL" and by["auto"]["rel_l2_error"] == pytest.approx(1.0)
     assert by["split_kv_v4"]["status"] == "unsupported"
@@ -285,7 +330,8 @@ def test_bench_main_without_gpu(capsys, tmp_path):
     harness.add_arguments(parser)
     if not torch.cuda.is_available():
         assert harness.main(parser.parse_args(["--out-dir", str(tmp_path)])) == 2
-        assert "needs a CUDA GPU" in capsys.readouterr().out
+        assert "nothing was measured: no CUDA GPU" in capsys.readouterr().out
+        assert not tmp_path.joinpath("bench.md").exists()
     assert harness.main(parser.parse_args(["--list"])) == 0
     listing = capsys.readouterr().out
     assert all(name in listing for name in PEER_TABLE)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pagedattn.api as api
-from pagedattn.bench import mainjob
+from pagedattn.bench import harness
 from pagedattn.reference import paged_decode_reference
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -21,7 +21,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    mainjob.add_arguments(parser)
+    harness.add_run_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -32,18 +32,12 @@ def _oracle_decode(query, key_cache, value_cache, block_tables, context_lens, *,
     return ref.out.to(query.dtype)
 
 
-def test_scale_lengths_keeps_raggedness():
-    assert mainjob.scale_lengths([10, 20], 48) == [10, 20]  # never scales up
-    assert mainjob.scale_lengths([100, 1000, 3], 50) == [5, 50, 1]  # at least one token
-    assert mainjob.scale_lengths([], 8) == []
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's shrinking and wording")
 def test_main_with_the_oracle_as_every_impl(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(api, "paged_decode", _oracle_decode)
     out_csv = tmp_path / "run.csv"
-    rc = mainjob.main(_args("--model", "smollm2-135m", "--trace", "mooncake", "--batch", "3",
-                            "--csv", str(out_csv)))
+    rc = harness.run_main(_args("--model", "smollm2-135m", "--trace", "mooncake", "--batch",
+                                "3", "--csv", str(out_csv)))
     text = capsys.readouterr().out
     assert rc == 0
     assert "Shrunk for the CPU interpreter" in text and "interpreter times are not" in text
@@ -52,6 +46,10 @@ def test_main_with_the_oracle_as_every_impl(monkeypatch, capsys, tmp_path):
     assert [r["impl"] for r in rows] == list(api.IMPLS)
     assert all(r["status"] == "ok" and float(r["rel_l2_error"]) < 1e-2 for r in rows)
     assert rows[0]["torch"] == torch.__version__
+    # the file names what was measured: the commit, and (on the CPU) no roofline, no time
+    assert rows[0]["git_commit"] and rows[0]["src_dirty"] in ("yes", "no", "unknown")
+    assert rows[0]["roofline_gbps"] == "" and rows[0]["median_us"] == ""
+    assert rows[0]["host_us"] == ""
 
 
 def test_failing_or_raising_impls_exit_nonzero(monkeypatch, capsys):
@@ -63,22 +61,24 @@ def test_failing_or_raising_impls_exit_nonzero(monkeypatch, capsys):
         return _oracle_decode(query, *args, **kw)
 
     monkeypatch.setattr(api, "paged_decode", broken)
-    rc = mainjob.main(_args("--model", "smollm2-135m", "--batch", "2", "--max-context", "20",
-                            "--impls", "baseline,fused_v1,auto"))
+    rc = harness.run_main(_args("--model", "smollm2-135m", "--batch", "2", "--max-context",
+                                "20", "--impls", "baseline,fused_v1,auto"))
     text = capsys.readouterr().out
     assert rc == 1
     assert "RuntimeError: boom" in text and "FAILED: baseline, fused_v1" in text
 
 
-def test_unknown_impl_is_a_clear_error():
-    with pytest.raises(SystemExit, match="--impls"):
-        mainjob.main(_args("--impls", "fastest", "--batch", "1", "--max-context", "4"))
+def test_unknown_impl_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _args("--impls", "fastest", "--batch", "1", "--max-context", "4")
+    assert exc.value.code == 2
+    assert "unknown impl 'fastest'" in capsys.readouterr().err
 
 
 def test_real_kernels_on_a_tiny_batch(capsys):
     """The real impls through Triton (the interpreter on the CPU), two cheap ones."""
-    rc = mainjob.main(_args("--model", "smollm2-135m", "--batch", "3", "--max-context", "33",
-                            "--dtype", "fp32", "--impls", "gqa_reuse_v3,auto"))
+    rc = harness.run_main(_args("--model", "smollm2-135m", "--batch", "3", "--max-context",
+                                "33", "--dtype", "fp32", "--impls", "gqa_reuse_v3,auto"))
     assert rc == 0, capsys.readouterr().out
 
 

@@ -132,7 +132,7 @@ else:  # profile: record the command line, write the report, do not run the targ
 def test_profile_with_ncu_end_to_end_with_a_stand_in_ncu(tmp_path):
     import sys
 
-    from pagedattn.bench.profiling import profile_with_ncu
+    from pagedattn.bench.profile import profile_with_ncu
 
     fake = tmp_path / "ncu"
     fake.write_text(FAKE_NCU.format(python=sys.executable, data=str(DATA),
@@ -145,11 +145,11 @@ def test_profile_with_ncu_end_to_end_with_a_stand_in_ncu(tmp_path):
         "seed-fp32-b64-c2048_split_kv_v4.details.csv"]
     cmd = (tmp_path / "cmd.txt").read_text()
     assert "--clock-control none --profile-from-start off" in cmd
-    assert "pagedattn.bench.profile_target --impl split_kv_v4 --shape seed-fp32-b64-c2048" in cmd
+    assert "pagedattn.bench.profile --impl split_kv_v4 --shape seed-fp32-b64-c2048" in cmd
 
 
 def test_profile_impls_uses_ncu_and_falls_back_per_impl(tmp_path, monkeypatch):
-    from pagedattn.bench import profiling
+    from pagedattn.bench import profile as profiling
 
     raw = (DATA / "ncu_synthetic_raw.csv").read_text()
     details = (DATA / "ncu_synthetic_details.csv").read_text()
@@ -175,14 +175,14 @@ def test_profile_impls_uses_ncu_and_falls_back_per_impl(tmp_path, monkeypatch):
                                                                 "_merge_like_kernel"]
     assert split.total_us == pytest.approx(3920.0 + 22.56)
     assert (tmp_path / "seed-fp32-b64-c2048_split_kv_v4.raw.csv").read_text() == raw
-    assert targets[1][1:3] == ["-m", "pagedattn.bench.profile_target"]
+    assert targets[1][1:3] == ["-m", "pagedattn.bench.profile"]
     assert "--small" not in targets[1] and "--meta-out" in targets[1]
 
 
 # --- table, report and charts, from the synthetic capture -------------------------------------
 
 def _ncu_profiles(shape: str):
-    from pagedattn.bench.profiling import SOURCE_NCU, ImplProfile
+    from pagedattn.bench.profile import SOURCE_NCU, ImplProfile
 
     split, merge = read_ncu_csv(DATA / "ncu_synthetic_details.csv")
     (gqa, _) = read_ncu_csv(DATA / "ncu_synthetic_raw.csv")
@@ -199,7 +199,7 @@ def _ncu_profiles(shape: str):
 
 
 def test_table_has_the_study_rows_and_split_merge_cells():
-    from pagedattn.bench.profile_report import table, to_markdown, to_text
+    from pagedattn.bench.profile import table, to_text
 
     rows = table(_ncu_profiles("seed-fp32-b64-c2048"), roofline_gbps=4400.0)
     labels = [r[0] for r in rows]
@@ -217,7 +217,7 @@ def test_table_has_the_study_rows_and_split_merge_cells():
     gqa = rows[0].index("gqa_reuse_v3")
     assert row["Shared memory/block (static+dynamic)"][gqa] == "16.0 KiB"
     assert row["Achieved bandwidth"][gqa] == f"{1e9 / 3920e3:.0f} GB/s"
-    md = to_markdown(rows).splitlines()
+    md = to_text(rows, "github").splitlines()
     assert md[0].startswith("|") and "split_kv_v4" in md[0] and set(md[1]) <= set("|-: ")
     assert "split_kv_v4" in to_text(rows).splitlines()[0]
 
@@ -240,23 +240,33 @@ def test_ladder_report_commentary_follows_the_numbers(tmp_path):
     assert "the same direction as the study" in md
     assert "Fastest stage: **gqa_reuse_v3**" in md and "**auto** (the production kernel)" in md
     assert "| fused_v1 | 7.50 ms | 7.84 ms | 37.92 % | 73.41 % | 16.0x | 15.0x |" in md
+    assert "Dry run" not in md and "did not run" not in md  # a full ncu page: no warning
+    # every figure of ours in the commentary comes from the profiles: scale them, text follows
+    for p in by_shape["seed-fp32-b64-c2048"]:
+        if p.impl == "fused_v1":
+            p.total_us *= 2
+    md2 = write_report(tmp_path / "l2.md", by_shape, {s: s for s in by_shape}, 4400.0,
+                       {"gpu": "test"}, small=False).read_text()
+    assert "**fused_v1** vs baseline: 7.50x faster" in md2
 
 
 # --- the fallback, for real, on the CPU interpreter --------------------------------------------
 
 @cpu_only
 def test_fallback_profile_runs_impls_and_reports_no_counters(tmp_path):
-    from pagedattn.bench.profile_report import table
-    from pagedattn.bench.profiling import SOURCE_INTERPRETER, profile_impls
+    from pagedattn.bench.profile import SOURCE_DRY_RUN, profile_impls, table, verdict
 
     profiles = profile_impls(["gqa_reuse_v3", "split_kv_v4"], "llama8b-b1-c1k", tmp_path,
                              small=True, log=lambda *_: None)
-    assert [p.source for p in profiles] == [SOURCE_INTERPRETER] * 2
+    assert [p.source for p in profiles] == [SOURCE_DRY_RUN] * 2
     assert all(p.total_us is None and p.note == "no CUDA GPU" for p in profiles)
+    assert [p.status for p in profiles] == ["ok", "ok"]  # checked against the oracle
     assert len(profiles[1].kernels) == 2  # split + merge both recorded by the launcher
     row = {r[0]: r for r in table(profiles)}
-    assert row["Source"][1:] == ["fallback (interpreter)"] * 2
+    assert row["Source"][1:] == ["dry run (interpreter)"] * 2
     assert set(row["DRAM throughput"][1:]) <= {"n/a", "n/a / n/a"}
+    assert verdict(profiles, dry_run=False, no_ncu=False) == "nothing was measured"
+    assert verdict(profiles, dry_run=True, no_ncu=False) is None
 
 
 @cpu_only
@@ -265,30 +275,35 @@ def test_profile_cli_main_writes_report_and_csv(tmp_path, capsys):
 
     parser = argparse.ArgumentParser()
     profile.add_arguments(parser)
-    args = parser.parse_args(["--impl", "vectorized_v2", "--shape", "hd64-smollm-b64-c2k",
-                              "--out-dir", str(tmp_path)])
-    assert profile.main(args) == 0
+    argv = ["--impl", "vectorized_v2", "--shape", "hd64-smollm-b64-c2k", "--out-dir",
+            str(tmp_path)]
+    assert profile.main(parser.parse_args(argv)) == 1  # no GPU: nothing measured, no page
+    assert "nothing was measured" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    assert profile.main(parser.parse_args([*argv, "--dry-run"])) == 0
     printed = capsys.readouterr().out
-    assert "fallback (interpreter)" in printed and "Registers/thread" in printed
-    assert (tmp_path / "profile_hd64-smollm-b64-c2k-small.md").exists()
+    assert "dry run (interpreter)" in printed and "Registers/thread" in printed
+    md = (tmp_path / "profile_hd64-smollm-b64-c2k-small.md").read_text()
+    assert "Dry run: nothing was measured" in md and "not measured in this run" in md
+    assert "compile metadata only" not in md and "H200" not in md
     assert (tmp_path / "profile_hd64-smollm-b64-c2k-small.csv").exists()
-    with pytest.raises(ValueError, match="impl"):
-        profile.parse_impls("baseline,nope")
-    assert profile.main(parser.parse_args(["--impl", "nope"])) == 2
-    assert profile.main(parser.parse_args(["--shape", "nope"])) == 2
 
 
 @cpu_only
-def test_ladder_small_on_cpu(tmp_path):
+def test_ladder_on_cpu_refuses_then_dry_runs_honestly(tmp_path, capsys):
     from pagedattn.bench import ladder
 
     parser = argparse.ArgumentParser()
     ladder.add_arguments(parser)
     out = tmp_path / "docs" / "ladder.md"
-    args = parser.parse_args(["--small", "--out", str(out), "--out-dir", str(tmp_path / "o")])
-    assert ladder.main(args) == 0
+    argv = ["--out", str(out), "--out-dir", str(tmp_path / "o")]
+    assert ladder.main(parser.parse_args(argv)) == 1
+    assert "nothing was measured" in capsys.readouterr().err and not out.exists()
+    assert ladder.main(parser.parse_args([*argv, "--dry-run"])) == 0
     md = out.read_text()
-    assert "Shrunken shapes on the Triton interpreter" in md
+    assert "Dry run: nothing was measured" in md
     assert "## seed-fp32-b64-c2048-small" in md and "## azure-conv-b64-llama8b-small" in md
-    assert "not timed here; the study measured 16.0x" in md
-    assert len(list(out.parent.glob("ladder-*.png"))) == 3
+    assert "| fused_v1 | 7.50 ms | n/a | 37.92 % | n/a | 16.0x | n/a |" in md  # study's, labelled
+    assert "figures come from the H200 run" not in md and "compile metadata only" not in md
+    assert "Nothing was measured for this shape" in md and "No chart: nothing was measured" in md
+    assert not list(out.parent.glob("ladder-*.png"))  # no chart without data

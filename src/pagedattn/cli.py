@@ -1,21 +1,24 @@
 """``pagedattn`` command line: a thin argparse shell over the library.
 
-Every subcommand lives in its own module, which provides ``add_arguments(parser)`` and
-``main(args) -> int``; they are imported only when their subcommand runs. Without a CUDA GPU
+Every subcommand lives in a module (``module`` or ``module:ATTR``) whose ``add_arguments(parser)``
+and ``main(args) -> int`` it uses; they are imported only when their subcommand runs. Parsers are
+:class:`pagedattn._cli_types.OneLineParser`: a bad value is one line on stderr and exit status 2,
+and a failed output write is one line and exit status 1, never a traceback. Without a CUDA GPU
 the CLI sets ``TRITON_INTERPRET=1`` for itself before anything imports Triton (the library
 never does), so the kernels run on the CPU through Triton's interpreter.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
 
+from pagedattn._cli_types import OneLineParser
+
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("pagedattn.bench.mainjob", "run every impl on a real trace batch and check it"),
+    "run": ("pagedattn.bench.harness:RUN", "run every impl on a real trace batch and check it"),
     "bench": ("pagedattn.bench.harness", "benchmark impls and peers against the roofline"),
     "profile": ("pagedattn.bench.profile", "Nsight Compute profile of impls on one shape"),
     "ladder": ("pagedattn.bench.ladder", "the study's stage ladder: table, charts, report"),
@@ -34,19 +37,33 @@ def _use_interpreter_without_gpu() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _command(name: str):
+    """The object with ``add_arguments``/``main`` for subcommand ``name``."""
+    module, _, attr = COMMANDS[name][0].partition(":")
+    target = importlib.import_module(module)
+    return getattr(target, attr) if attr else target
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedattn", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="pagedattn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if a in COMMANDS), None)
-    for name, (module, help_text) in COMMANDS.items():
+    if chosen is not None:  # before the subcommand's module imports Triton
+        _use_interpreter_without_gpu()
+    for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         if name == chosen:  # only the chosen subcommand's module is imported
-            importlib.import_module(module).add_arguments(p)
-    if chosen is not None:
-        _use_interpreter_without_gpu()
-    args, _ = parser.parse_known_args(argv) if chosen is None else (parser.parse_args(argv), None)
-    return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
+            _command(name).add_arguments(p)
+    args = parser.parse_args(argv)
+    try:
+        return int(_command(args.command).main(args) or 0)
+    except OSError as e:  # an output path the user gave that cannot be written
+        print(f"pagedattn {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"pagedattn {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,15 +1,26 @@
-"""``pagedattn bench``: time our impls and the peers on the registry's shapes, on one GPU.
+"""``pagedattn run`` and ``pagedattn bench``: one measure-a-row pipeline for our impls and peers.
 
-For every shape (interleaved: all impls for shape 1, then all for shape 2, ...), every impl
-and every peer: check the output against the float64 oracle (computed on the GPU), time the
-call on cold L2 (median, µs), optionally time CUDA-graph replays (``--graph``), and report GB/s
-(minimal bytes, decimal) and % of the read roofline measured by a streaming-read kernel in the
-same run (at the start and the end; the higher is used). Outputs in ``--out-dir``: ``bench.csv``,
-``bench.json``, ``bench.md`` and ``bench_roofline.png``, rewritten after every shape, so an
-interrupted run keeps what it measured.
+:func:`measure` is the pipeline every command shares (``run``, ``bench``, and the fallback of
+``profile`` and ``ladder``): build the callable, run it once (for our impls through
+:func:`pagedattn.bench.profile.compiled_kernels`, which also yields Triton's compile metadata),
+check the output against the float64 oracle, then time it: cold-L2 median (eager), optionally
+CUDA-graph replays, and the host time of one eager call. A failing impl or peer is a row
+(``FAIL``, ``error`` or ``unsupported``), never a crash.
 
-Example (H200): ``PYTHONPATH=src python3 -m pagedattn.cli bench --shapes peers --graph
---out-dir $OUT/bench``. Needs CUDA; ``--list`` works anywhere.
+``pagedattn run`` (the main job): every impl on one real-trace batch with poisoned pages;
+shrunk for the CPU interpreter, where it checks correctness only.
+
+``pagedattn bench``: every shape x (impls + peers), interleaved by shape, with the read
+roofline measured at the start and the end of the same run (the higher counts), a "to beat"
+column (the fastest peer that passed its check, same run) and whether each impl is at most
+``TO_BEAT_SLACK`` x that. Outputs in ``--out-dir`` (``bench.csv``, ``.json``, ``.md``, ``.png``)
+are rewritten after every shape and name the commit measured. Needs CUDA, except ``--list``
+and ``--dry-run`` (shrunken shapes on the interpreter: checked, untimed)::
+
+    pagedattn bench --shapes peers --graph --peer-file floor=PATH/plain_floor.py:best_floor_runner
+
+Host time: mean of ``--host-calls`` back-to-back eager calls on the row's own batch
+(:func:`pagedattn.bench.timing.host_us`); ``n/a`` under the CPU interpreter.
 """
 
 from __future__ import annotations
@@ -20,54 +31,66 @@ import gc
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import torch
 
+from pagedattn._cli_types import name_list, nonneg_int, positive_int
 from pagedattn.bench import report
-from pagedattn.bench.peers import DEFAULT_PEERS, PEERS, PeerUnsupported
-from pagedattn.bench.shapes import SHAPES, BenchBatch, BenchShape, build_batch, select_shapes
+from pagedattn.bench.peers import DEFAULT_PEERS, PEERS, PeerUnsupported, peer_file
+from pagedattn.bench.report import TO_BEAT_SLACK
+from pagedattn.bench.shapes import (
+    MODELS,
+    SHAPE_PRESETS,
+    SHAPES,
+    TRACES,
+    BenchBatch,
+    BenchShape,
+    build_batch,
+    make_shape,
+    resolve_shape,
+    sample_context_lens,
+    shrink_lengths,
+)
 from pagedattn.bench.timing import Timing, gb_per_s
 
 DEFAULT_IMPLS = ("auto", "split_kv_v4", "gqa_reuse_v3")
+#: ``pagedattn run`` defaults: the stages loop token by token in the interpreter (about 0.1 s
+#: per token for 32 heads), so the CPU default takes under a minute on 2 cores
+CPU_BATCH, CPU_MAX_CONTEXT, GPU_BATCH = 6, 32, 64
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 Timer = Callable[[Callable[[], object]], Timing]
+Factory = Callable[[BenchShape, BenchBatch, bool], Callable[[], torch.Tensor]]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", default="peers",
-                        help="'peers' (the peers table, default), 'all', or a comma list")
-    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
-                        help="comma list of pagedattn impls (default: %(default)s)")
-    parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
-                        help=f"comma list of {', '.join(PEERS)}, or 'none' "
-                             "(default: %(default)s; absent packages are skipped)")
-    parser.add_argument("--graph", action="store_true",
-                        help="also time CUDA-graph replays (FlashInfer with use_cuda_graph)")
-    parser.add_argument("--reps", type=int, default=100, help="timed repetitions (default 100)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
-    parser.add_argument("--no-check", action="store_true",
-                        help="skip the float64 oracle (faster; the error column stays empty)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the K/V/q draws")
-    parser.add_argument("--out-dir", default="out/bench", help="where the reports go")
-    parser.add_argument("--list", action="store_true", help="list the shapes and exit")
+class Timers(NamedTuple):
+    """What :func:`measure` times: each ``None`` leaves its columns empty."""
+
+    eager: Timer | None = None
+    graph: Timer | None = None
+    host: Callable[[Callable[[], object]], float] | None = None
 
 
-def _split(text: str) -> list[str]:
-    return [s.strip() for s in text.split(",") if s.strip() and s.strip() != "none"]
+UNTIMED = Timers()  # check only: the CPU interpreter and --dry-run
 
 
-def base_row(shape: BenchShape, impl: str, kind: str) -> dict[str, Any]:
-    m = shape.model
-    return {"shape": shape.name, "impl": impl, "kind": kind, "batch": shape.batch,
-            "num_q_heads": m.num_q_heads, "num_kv_heads": m.num_kv_heads,
-            "head_dim": m.head_dim, "dtype": str(shape.dtype).removeprefix("torch."),
-            "cache_dtype": str(shape.cache_dtype).removeprefix("torch."),
-            "num_tokens": shape.num_tokens, "kv_bytes": shape.kv_bytes,
-            "minimal_bytes": shape.minimal_bytes, "status": "", "error": ""}
+class Entry(NamedTuple):
+    """One column of a run: ``kind`` is "ours" (an impl name) or "peer"."""
+
+    name: str
+    kind: str
+    make: Factory
 
 
-def impl_factory(impl: str) -> Callable[..., Callable[[], torch.Tensor]]:
-    """A factory like the peers' for one of our impls: ``paged_decode(..., impl=impl)``."""
+def _impl_names() -> tuple[str, ...]:
+    from pagedattn.api import IMPLS
+
+    return tuple(IMPLS)
+
+
+def impl_entry(impl: str) -> Entry:
+    """Our ``impl`` as an :class:`Entry`: ``paged_decode(..., impl=impl)`` on the batch."""
     import pagedattn.api as api
 
     def make(shape: BenchShape, b: BenchBatch, for_graph: bool = False):
@@ -75,96 +98,204 @@ def impl_factory(impl: str) -> Callable[..., Callable[[], torch.Tensor]]:
             raise PeerUnsupported(f"{impl}: the study's stages take no fp8 cache")
         return lambda: api.paged_decode(*b.tensors, impl=impl, **b.scales)
 
-    return make
+    return Entry(impl, "ours", make)
 
 
-def _record_timing(row: dict[str, Any], prefix: str, t: Timing, nbytes: int) -> None:
-    row[f"{prefix}median_us"], row[f"{prefix}p20_us"], row[f"{prefix}p80_us"] = t[:3]
-    row[f"{prefix}gbps"] = gb_per_s(nbytes, t.median_us)
+def entries(impls: list[str], peers: list[str], peer_files=()) -> list[Entry]:
+    """Our impls, then the built-in peers, then peers loaded with ``--peer-file``."""
+    return ([impl_entry(i) for i in impls] + [Entry(p, "peer", PEERS[p]) for p in peers]
+            + [Entry(p.name, "peer", p.factory) for p in peer_files])
 
 
-def measure(shape: BenchShape, b: BenchBatch, name: str, kind: str, make, ref,
-            timer: Timer | None, graph_timer: Timer | None) -> dict[str, Any]:
-    """One row: build the callable, check it against ``ref`` (float64 or None), time it."""
+def base_row(shape: BenchShape, name: str, kind: str) -> dict[str, Any]:
+    m = shape.model
+    return {"shape": shape.name, "impl": name, "kind": kind, "batch": shape.batch,
+            "num_q_heads": m.num_q_heads, "num_kv_heads": m.num_kv_heads,
+            "head_dim": m.head_dim, "dtype": str(shape.dtype).removeprefix("torch."),
+            "cache_dtype": str(shape.cache_dtype).removeprefix("torch."),
+            "num_tokens": shape.num_tokens, "kv_bytes": shape.kv_bytes,
+            "minimal_bytes": shape.minimal_bytes, "status": "", "error": ""}
+
+
+def _first_call(entry: Entry, fn, b: BenchBatch):
+    """Run the entry once; for our impls through ``compiled_kernels`` (compile metadata)."""
+    if entry.kind != "ours":
+        return fn(), {}
+    from pagedattn.bench.profile import compiled_kernels
+
+    out, kernels = compiled_kernels(entry.name, b)
+    return out, {k: report.compile_metadata(v) for k, v in kernels.items()}
+
+
+def measure(entry: Entry, shape: BenchShape, b: BenchBatch, ref: torch.Tensor | None,
+            timers: Timers = UNTIMED) -> dict[str, Any]:
+    """One row: build the callable, run and check it against ``ref`` (float64, or None for
+    no check), then time it with ``timers``."""
     from pagedattn.testing import rel_l2_error, tolerance_for
 
-    row = base_row(shape, name, kind)
-    compiled = report.last_compiled() if kind == "ours" else {}
-    compiled.clear()  # so what is left after the call is this impl's kernels
+    row = base_row(shape, entry.name, entry.kind)
     try:
-        fn = make(shape, b, False)
-        out = fn()
+        fn = entry.make(shape, b, False)
+        out, compiled = _first_call(entry, fn, b)
         if b.query.is_cuda:
             torch.cuda.synchronize()
-    except PeerUnsupported as e:
-        return {**row, "status": "unsupported", "error": str(e)}
+    except (PeerUnsupported, NotImplementedError) as e:
+        return {**row, "status": "unsupported", "error": str(e) or type(e).__name__}
     except Exception as e:  # noqa: BLE001 - a failing impl or peer is a row, not a crash
         return {**row, "status": "error", "error": f"{type(e).__name__}: {e}"[:300]}
-    kernels = {k: report.compile_metadata(v) for k, v in compiled.items()}
-    row["kernels"] = report.format_kernels({k: v for k, v in kernels.items() if v})
+    row["_compiled"] = compiled  # every kernel launched; the interpreter leaves its facts empty
+    row["kernels"] = report.format_kernels({k: v for k, v in compiled.items() if v})
+    row["peer_info"] = getattr(fn, "info", "")
     row["tolerance"] = tolerance_for(shape.cache_dtype)
-    if ref is not None:
+    if ref is None:
+        row["status"] = "unchecked"
+    else:
         row["rel_l2_error"] = rel_l2_error(out, ref)
         row["status"] = "ok" if row["rel_l2_error"] <= row["tolerance"] else "FAIL"
-    else:
-        row["status"] = "unchecked"
     del out
-    for prefix, time_it, for_graph in (("", timer, False), ("graph_", graph_timer, True)):
+    for prefix, time_it, for_graph in (("", timers.eager, False), ("graph_", timers.graph, True)):
         if time_it is None:
             continue
         try:
-            call = make(shape, b, True) if for_graph else fn
-            _record_timing(row, prefix, time_it(call), shape.minimal_bytes)
+            t = time_it(entry.make(shape, b, True) if for_graph else fn)
+            row[f"{prefix}median_us"], row[f"{prefix}p20_us"], row[f"{prefix}p80_us"] = t[:3]
+            row[f"{prefix}gbps"] = gb_per_s(shape.minimal_bytes, t.median_us)
         except Exception as e:  # noqa: BLE001 - e.g. a peer that cannot be captured
             row["error"] += f"{prefix or 'eager_'}timing: {type(e).__name__}: {e}"[:300]
+    if timers.host is not None:
+        try:
+            row["host_us"] = timers.host(fn)
+        except Exception as e:  # noqa: BLE001
+            row["error"] += f"host timing: {type(e).__name__}: {e}"[:300]
     return row
 
 
-def bench_shape(shape: BenchShape, impls: list[str], peers: list[str], device, *,
-                timer: Timer | None, graph_timer: Timer | None = None, check: bool = True,
-                seed: int = 0, progress=None) -> list[dict[str, Any]]:
-    """All impls, then all peers, on one shape. Caches are not poisoned here (the naive peer
-    would read NaN tails); the test suite covers poisoning."""
+def measure_shape(shape: BenchShape, columns: list[Entry], device, *, timers: Timers = UNTIMED,
+                  check: bool = True, seed: int = 0, poison: bool = False,
+                  progress=None) -> list[dict[str, Any]]:
+    """Every entry on one shape's batch. ``bench`` leaves caches unpoisoned (the naive peer
+    would read NaN tails); ``run`` poisons them (the test suite always does)."""
     from pagedattn.reference import paged_decode_reference
 
-    b = build_batch(shape, device, seed, poison=False)
+    b = build_batch(shape, device, seed, poison=poison)
     ref = paged_decode_reference(*b.tensors, **b.scales).out if check else None
     rows = []
-    entries = [(i, "ours", impl_factory(i)) for i in impls]
-    entries += [(p, "peer", PEERS[p]) for p in peers]
-    for name, kind, make in entries:
+    for entry in columns:
         if progress is not None:
-            progress.set_description(f"{shape.name} / {name}")
-        rows.append(measure(shape, b, name, kind, make, ref, timer, graph_timer))
+            progress.set_description(f"{shape.name} / {entry.name}")
+        rows.append(measure(entry, shape, b, ref, timers))
         if progress is not None:
             progress.update(1)
     return rows
 
 
+def _fastest(peers: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[float, str] | None:
+    times = [(t, r["impl"]) for r in peers
+             if (t := next((r.get(k) for k in keys if r.get(k) is not None), None)) is not None]
+    return min(times, default=None)
+
+
+def add_to_beat(rows: list[dict[str, Any]]) -> None:
+    """Per shape, the fastest peer that passed its check (``ok`` or ``unchecked``) in this run,
+    eager and graph (a peer without a graph time counts with its eager time), and on our rows
+    whether the impl is at most ``TO_BEAT_SLACK`` x it (in place)."""
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == shape]
+        peers = [r for r in mine if r["kind"] == "peer" and r["status"] in ("ok", "unchecked")]
+        for prefix, keys in (("", ("median_us",)), ("graph_", ("graph_median_us", "median_us"))):
+            best = _fastest(peers, keys)
+            if best is None:
+                continue
+            for r in mine:
+                if r["kind"] != "ours":
+                    continue
+                r[f"{prefix}to_beat_us"], r[f"{prefix}to_beat_peer"] = best
+                own = r.get(f"{prefix}median_us")
+                if own is not None:
+                    r[f"{prefix}beats"] = "yes" if own <= TO_BEAT_SLACK * best[0] else "no"
+
+
 def finalize(rows: list[dict[str, Any]], meta: dict[str, Any], roofline: float | None) -> None:
-    """Add % of roofline and the run's environment to every row (in place)."""
+    """The run's environment, % of roofline and the to-beat columns on every row (in place)."""
+    from pagedattn.bench.timing import pct_of
+
+    add_to_beat(rows)
     for r in rows:
         r.update({k: meta[k] for k in report.META_KEYS if k in meta})
-        if roofline:
-            r["roofline_gbps"] = roofline
-            for p in ("", "graph_"):
-                if r.get(f"{p}gbps") is not None:
-                    r[f"{p}pct_roofline"] = 100.0 * r[f"{p}gbps"] / roofline
+        r["roofline_gbps"] = roofline
+        for p in ("", "graph_"):
+            r[f"{p}pct_roofline"] = pct_of(r.get(f"{p}gbps"), roofline)
 
 
-def write_reports(rows, meta, roofline, out_dir: str | Path) -> dict[str, Path]:
+def write_reports(rows, meta, roofline, out_dir: str | Path, *,
+                  stem: str = "bench") -> dict[str, Path]:
     """CSV, JSON, markdown and PNG under ``out_dir``; returns their paths."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     finalize(rows, meta, roofline)
-    md = out_dir / "bench.md"
-    md.write_text(report.markdown_report(rows, meta, roofline))
-    return {"csv": report.write_csv(rows, out_dir / "bench.csv"),
-            "json": report.write_json(rows, {**meta, "roofline_gbps": roofline},
-                                      out_dir / "bench.json"),
-            "md": md,
-            "png": report.plot_roofline(rows, out_dir / "bench_roofline.png", roofline,
-                                        title=f"paged decode on {meta.get('gpu', '?')}")}
+    paths = {"csv": report.write_csv(rows, out_dir / f"{stem}.csv"),
+             "json": report.write_json(rows, {**meta, "roofline_gbps": roofline},
+                                       out_dir / f"{stem}.json"),
+             "md": report.write_markdown(rows, meta, roofline, out_dir / f"{stem}.md"),
+             "png": report.plot_roofline(rows, out_dir / f"{stem}_roofline.png", roofline,
+                                         title=f"paged decode on {meta.get('gpu', '?')}")}
+    return {k: v for k, v in paths.items() if v is not None}
+
+
+def _gpu_timers(args, device) -> tuple[Timers, float | None, dict[str, Any]]:
+    """Timers, the start roofline and the environment, when a GPU is present."""
+    from pagedattn.bench.timing import host_us, measure_read_bandwidth, time_cold, time_graph
+
+    meta = report.environment_meta(device)
+    roofline = measure_read_bandwidth(device)
+    print(f"{meta['gpu']}: read roofline {roofline:,.0f} GB/s (streaming read, 2 GiB bf16)")
+    kw = dict(reps=args.reps, warmup=args.warmup, device=device)
+    graph = getattr(args, "graph", False)
+    timers = Timers(functools.partial(time_cold, **kw),
+                    functools.partial(time_graph, **kw) if graph else None,
+                    functools.partial(host_us, calls=args.host_calls))
+    return timers, roofline, meta
+
+
+def _failed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    failed = [r for r in rows if r["kind"] == "ours" and r["status"] in ("FAIL", "error")]
+    for r in failed:
+        print(f"FAILED {r['shape']} / {r['impl']}: {r['status']} {r.get('error', '')}")
+    return failed
+
+
+# --- pagedattn bench ---------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pagedattn bench``."""
+    parser.add_argument("--shapes", default=list(SHAPE_PRESETS["peers"]),
+                        type=name_list(SHAPES, what="shape", presets=SHAPE_PRESETS),
+                        help="'peers' (the peers table, default), 'all', or a comma list")
+    parser.add_argument("--impls", default=list(DEFAULT_IMPLS),
+                        type=name_list(_impl_names(), what="impl"),
+                        help=f"comma list of pagedattn impls (default: {','.join(DEFAULT_IMPLS)})")
+    parser.add_argument("--peers", default=list(DEFAULT_PEERS),
+                        type=name_list(PEERS, what="peer", allow_none=True),
+                        help=f"comma list of {', '.join(PEERS)}, or 'none' (default: "
+                             f"{','.join(DEFAULT_PEERS)}; absent packages report unsupported)")
+    parser.add_argument("--peer-file", action="append", default=[], type=peer_file,
+                        metavar="[NAME=]PATH[:FUNC]",
+                        help="a Python file whose FUNC (default make_runner) builds a runner; "
+                             "repeatable (see pagedattn.bench.peers)")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time CUDA-graph replays (FlashInfer with use_cuda_graph)")
+    parser.add_argument("--reps", type=positive_int, default=100,
+                        help="timed repetitions (default 100)")
+    parser.add_argument("--warmup", type=nonneg_int, default=10,
+                        help="untimed calls first (default 10)")
+    parser.add_argument("--host-calls", type=positive_int, default=50,
+                        help="back-to-back eager calls for the host-time column (default 50)")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the float64 oracle (faster; the error column stays empty)")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the K/V/q draws")
+    parser.add_argument("--out-dir", default="out/bench", help="where the reports go")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="shrunken shapes, checked and untimed (the CPU interpreter)")
+    parser.add_argument("--list", action="store_true", help="list the shapes and exit")
 
 
 def _list_shapes() -> int:
@@ -179,50 +310,123 @@ def _list_shapes() -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run ``pagedattn bench``; returns the exit status."""
     if args.list:
         return _list_shapes()
-    if not torch.cuda.is_available():
-        print("pagedattn bench needs a CUDA GPU (timing under the CPU interpreter is not "
-              "performance). Use `pagedattn run` for a correctness run on the CPU.")
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.dry_run:
+        print("pagedattn bench: nothing was measured: no CUDA GPU (timing under the CPU "
+              "interpreter is not performance). Use --dry-run to check impls and peers on "
+              "shrunken shapes, or `pagedattn run` for a correctness run.")
         return 2
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    shapes = [resolve_shape(n, small=args.dry_run) for n in args.shapes]
+    columns = entries(args.impls, args.peers, args.peer_file)
+    if args.dry_run:
+        timers, roof_start, meta = UNTIMED, None, report.environment_meta(None)
+        print("pagedattn bench --dry-run: shrunken shapes, outputs checked, nothing timed")
+    else:
+        timers, roof_start, meta = _gpu_timers(args, device)
     from tqdm import tqdm
 
-    from pagedattn.bench.timing import measure_read_bandwidth, time_cold, time_graph
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    try:
-        shapes = select_shapes(args.shapes)
-    except ValueError as e:
-        raise SystemExit(f"--shapes: {e}") from None
-    impls, peers = _split(args.impls), _split(args.peers)
-    unknown = [p for p in peers if p not in PEERS]
-    if unknown:
-        raise SystemExit(f"--peers: unknown {unknown}; known: {', '.join(PEERS)}")
-    meta: dict[str, Any] = report.environment_meta(device)
-    roof_start = measure_read_bandwidth(device)
-    print(f"{meta['gpu']}: read roofline {roof_start:,.0f} GB/s (streaming read, 2 GiB bf16)")
-    timer = functools.partial(time_cold, reps=args.reps, warmup=args.warmup, device=device)
-    graph_timer = (functools.partial(time_graph, reps=args.reps, warmup=args.warmup,
-                                     device=device) if args.graph else None)
     rows: list[dict[str, Any]] = []
-    progress = tqdm(total=len(shapes) * (len(impls) + len(peers)), unit="run", mininterval=5)
+    progress = tqdm(total=len(shapes) * len(columns), unit="run", mininterval=5)
     for shape in shapes:
         t0 = time.perf_counter()
-        rows += bench_shape(shape, impls, peers, device, timer=timer, graph_timer=graph_timer,
-                            check=not args.no_check, seed=args.seed, progress=progress)
+        rows += measure_shape(shape, columns, device, timers=timers, check=not args.no_check,
+                              seed=args.seed, progress=progress)
         write_reports(rows, meta, roof_start, args.out_dir)
         tqdm.write(f"{shape.describe()}  [{time.perf_counter() - t0:.0f} s]")
         gc.collect()
-        torch.cuda.empty_cache()
+        if on_gpu:
+            torch.cuda.empty_cache()
     progress.close()
-    roof_end = measure_read_bandwidth(device)
-    roofline = max(roof_start, roof_end)
-    meta["roofline_start_gbps"], meta["roofline_end_gbps"] = roof_start, roof_end
+    roofline = roof_start
+    if not args.dry_run:
+        from pagedattn.bench.timing import measure_read_bandwidth
+
+        roof_end = measure_read_bandwidth(device)
+        roofline = max(roof_start or 0.0, roof_end)
+        meta["roofline_start_gbps"], meta["roofline_end_gbps"] = roof_start, roof_end
     paths = write_reports(rows, meta, roofline, args.out_dir)
     print(report.terminal_table(rows))
-    print(f"roofline {roofline:,.0f} GB/s (start {roof_start:,.0f}, end {roof_end:,.0f}); "
-          + ", ".join(f"{k}: {v}" for k, v in paths.items()))
-    failed = [r for r in rows if r["kind"] == "ours" and r["status"] in ("FAIL", "error")]
-    for r in failed:
-        print(f"FAILED {r['shape']} / {r['impl']}: {r['status']} {r.get('error', '')}")
+    print(report.roofline_line(roofline) + "; " + ", ".join(f"{k}: {v}" for k, v in paths.items()))
+    return 1 if _failed(rows) else 0
+
+
+# --- pagedattn run -----------------------------------------------------------------------------
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pagedattn run``."""
+    parser.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
+                        help="model shape from the registry (default: %(default)s)")
+    parser.add_argument("--trace", default="azure", choices=sorted(TRACES),
+                        help="request trace the lengths come from (default: %(default)s)")
+    parser.add_argument("--batch", type=positive_int, default=None,
+                        help=f"sequences (default {GPU_BATCH} on a GPU, {CPU_BATCH} on the CPU)")
+    parser.add_argument("--max-context", type=positive_int, default=None,
+                        help="scale the lengths down so the longest is this many tokens "
+                             f"(default: none on a GPU, {CPU_MAX_CONTEXT} on the CPU)")
+    parser.add_argument("--impls", default=list(_impl_names()),
+                        type=name_list(_impl_names(), what="impl",
+                                       presets={"all": _impl_names()}),
+                        help="comma list of impls, or 'all' (default)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="query/cache dtype (default: the model's)")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="trace draw and K/V/q seed")
+    parser.add_argument("--reps", type=positive_int, default=50,
+                        help="timed repetitions on a GPU")
+    parser.add_argument("--warmup", type=nonneg_int, default=10, help="untimed calls on a GPU")
+    parser.add_argument("--host-calls", type=positive_int, default=50,
+                        help="back-to-back eager calls for the host-time column on a GPU")
+    parser.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """Run ``pagedattn run``; returns the exit status (1 if any impl fails)."""
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda") if on_gpu else torch.device("cpu")
+    model = MODELS[args.model]
+    batch = args.batch if args.batch is not None else (GPU_BATCH if on_gpu else CPU_BATCH)
+    drawn = sample_context_lens(args.trace, batch, args.seed)
+    max_context = args.max_context or (None if on_gpu else CPU_MAX_CONTEXT)
+    lens = shrink_lengths(drawn, max_context) if max_context else drawn
+    dtype = DTYPES[args.dtype] if args.dtype else model.dtype
+    shape = make_shape(f"{args.trace}-b{batch}-{model.name}", model, lens, dtype=dtype)
+    print(f"{args.trace} trace, seed {args.seed}: {batch} requests, "
+          f"{sum(drawn):,} KV tokens drawn (longest {max(drawn):,}).")
+    if lens != drawn:
+        print(f"Shrunk for {'the CPU interpreter' if not on_gpu else '--max-context'}: "
+              f"lengths scaled by {max_context}/{max(drawn)} to {sum(lens):,} tokens "
+              f"(longest {max(lens)}). Batch {batch}; heads {model.num_q_heads}/"
+              f"{model.num_kv_heads} and head_dim {model.head_dim} are {model.name}'s. "
+              "Use --batch/--max-context to change this.")
+    if on_gpu:
+        timers, roofline, meta = _gpu_timers(args, device)
+    else:
+        print("No GPU: the kernels run in Triton's interpreter on the CPU. This run checks "
+              "correctness only; interpreter times are not performance.")
+        timers, roofline, meta = UNTIMED, None, report.environment_meta(None)
+    print(shape.describe())
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    with tqdm(total=len(args.impls), unit="impl") as progress:
+        rows = measure_shape(shape, entries(args.impls, []), device, timers=timers,
+                             seed=args.seed, poison=True, progress=progress)
+    finalize(rows, meta, roofline)
+    print(report.terminal_table(rows))
+    tolerance = next((r["tolerance"] for r in rows if "tolerance" in r), "-")
+    print(f"tolerance (rel L2 vs the float64 oracle): {tolerance}; "
+          f"{len(rows)} impls in {time.perf_counter() - t0:.1f} s"
+          + ("" if on_gpu else " (interpreter: not performance)"))
+    if args.csv:
+        print(f"rows written to {report.write_csv(rows, args.csv)}")
+    failed = [r["impl"] for r in rows if r["status"] != "ok"]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
     return 1 if failed else 0
+
+
+#: ``pagedattn run``, for :mod:`pagedattn.cli` (``pagedattn.bench.harness:RUN``)
+RUN = SimpleNamespace(add_arguments=add_run_arguments, main=run_main)

@@ -18,13 +18,44 @@ index arrays and block masks) happens in the factory, outside the timing. A fact
   not a paged read (label it so).
 * ``flashinfer-tc``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` with
   ``use_tensor_cores=True`` on our NHD cache (``use_cuda_graph=True`` for graph timing), when
-  ``import flashinfer`` works.
+  ``import flashinfer`` works: 0.2.5 and 0.7.4 alike (the row's ``peer_info`` names the
+  version; to compare two versions, run ``bench`` once per version, or load one through
+  ``--peer-file``).
+* ``flashinfer-xqa``: FlashInfer >= 0.7's ``xqa_batch_decode_with_kv_cache`` (vLLM's Hopper
+  default) with a zeroed 256 MB workspace; fp8 scales fold into ``bmm1_scale``/``bmm2_scale``.
+
+Both FlashInfer peers need CUDA and the package; elsewhere they report ``unsupported``.
+
+**Peer files** (``pagedattn bench --peer-file [NAME=]PATH[:FUNC]``): any Python file that
+defines a runner factory runs as a peer in the same session::
+
+    def make_runner(query, key_cache, value_cache, block_tables, context_lens, scale,
+                    [k_scale=None, v_scale=None]):
+        ...                   # plan, allocate, tune: outside the timing
+        return run            # run() -> out [batch, num_q_heads, head_dim]; or (run, cfg)
+
+``FUNC`` defaults to ``make_runner``; the tensors are ``paged_decode``'s (NHD caches, int32
+tables and lengths) and ``scale`` is ``head_dim ** -0.5``. A factory may return
+``(runner, cfg)`` (as ``best_floor_runner`` of the plain floor does); ``cfg`` is recorded in the
+row. A factory without ``k_scale``/``v_scale`` parameters is ``unsupported`` on fp8 caches.
+A factory that raises ``NotImplementedError`` gives an ``unsupported`` cell, any other
+exception an ``error`` cell. The row is named ``NAME``, else the module's ``PEER_NAME``, else
+``<file stem>`` (``<file stem>.<FUNC>`` when ``FUNC`` is not ``make_runner``). The runner is
+built once per batch and reused for graph capture. The file's folder is on ``sys.path`` while
+it loads, so it may import its neighbours.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib.util
+import inspect
+import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +64,8 @@ from pagedattn.bench.shapes import BenchBatch, BenchShape
 
 PeerFn = Callable[[], torch.Tensor]
 FLASHINFER_WORKSPACE_BYTES = 128 * 2**20
+XQA_WORKSPACE_BYTES = 256 * 2**20
+DEFAULT_FACTORY = "make_runner"
 
 
 class PeerUnsupported(Exception):
@@ -160,14 +193,20 @@ def _flashinfer():
     return flashinfer
 
 
-def flashinfer_tc(shape: BenchShape, b: BenchBatch, for_graph: bool = False) -> PeerFn:
+def _need_flashinfer(peer: str, shape: BenchShape, b: BenchBatch):
+    """The flashinfer module, or :class:`PeerUnsupported` saying why not."""
+    if b.query.device.type != "cuda":
+        raise PeerUnsupported(f"{peer}: needs CUDA")
     fi = _flashinfer()
     if fi is None:
-        raise PeerUnsupported("flashinfer-tc: `import flashinfer` failed")
+        raise PeerUnsupported(f"{peer}: `import flashinfer` failed")
     if shape.dtype == torch.float32:
-        raise PeerUnsupported("flashinfer-tc: no fp32")
-    if b.query.device.type != "cuda":
-        raise PeerUnsupported("flashinfer-tc: needs CUDA")
+        raise PeerUnsupported(f"{peer}: no fp32")
+    return fi
+
+
+def flashinfer_tc(shape: BenchShape, b: BenchBatch, for_graph: bool = False) -> PeerFn:
+    fi = _need_flashinfer("flashinfer-tc", shape, b)
     m, ps, dev = shape.model, shape.page_size, b.query.device
     lens = b.context_lens.long()
     need = (lens + ps - 1) // ps
@@ -193,6 +232,28 @@ def flashinfer_tc(shape: BenchShape, b: BenchBatch, for_graph: bool = False) -> 
         return wrapper.run(b.query, paged_kv, **scales)
 
     run.keepalive = (workspace, graph_buffers, wrapper)  # type: ignore[attr-defined]
+    run.info = f"flashinfer {getattr(fi, '__version__', '?')}"  # type: ignore[attr-defined]
+    return run
+
+
+def flashinfer_xqa(shape: BenchShape, b: BenchBatch, for_graph: bool = False) -> PeerFn:
+    fi = _need_flashinfer("flashinfer-xqa", shape, b)
+    xqa = getattr(getattr(fi, "decode", None), "xqa_batch_decode_with_kv_cache", None)
+    if xqa is None:
+        raise PeerUnsupported(f"flashinfer-xqa: needs FlashInfer >= 0.7 (found "
+                              f"{getattr(fi, '__version__', '?')})")
+    workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=b.query.device)
+    max_seq_len = max(shape.context_lens, default=0)  # host value, known when planning
+    bmm1 = _scale(shape) * (b.k_scale if b.k_scale is not None else 1.0)
+    bmm2 = b.v_scale if b.v_scale is not None else 1.0
+    paged_kv = (b.key_cache, b.value_cache)
+
+    def run() -> torch.Tensor:
+        return xqa(b.query, paged_kv, workspace, b.block_tables, b.context_lens, max_seq_len,
+                   bmm1_scale=bmm1, bmm2_scale=bmm2, kv_layout="NHD")
+
+    run.keepalive = (workspace,)  # type: ignore[attr-defined]
+    run.info = f"flashinfer {getattr(fi, '__version__', '?')} xqa"  # type: ignore[attr-defined]
     return run
 
 
@@ -202,5 +263,89 @@ PEERS: dict[str, Callable[..., PeerFn]] = {
     "flex-paged": flex_paged,
     "flex-gathered": flex_gathered,
     "flashinfer-tc": flashinfer_tc,
+    "flashinfer-xqa": flashinfer_xqa,
 }
-DEFAULT_PEERS = ("naive", "flex-paged", "flashinfer-tc")
+DEFAULT_PEERS = ("naive", "flex-paged", "flashinfer-tc", "flashinfer-xqa")
+
+
+class PeerFile(NamedTuple):
+    """A peer loaded from a file: its row name and its factory (the ``PEERS`` signature)."""
+
+    name: str
+    factory: Callable[..., PeerFn]
+
+
+def _load_module(path: Path):
+    spec = importlib.util.spec_from_file_location(f"_pagedattn_peer_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"not a Python module: {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def _adapt(name: str, func: Callable) -> Callable[..., PeerFn]:
+    """A ``PEERS``-style factory around a file's runner factory (see the module docstring)."""
+    takes_scales = {"k_scale", "v_scale"} <= set(inspect.signature(func).parameters)
+    built: list = [None, None]  # (batch, runner): one runner per batch, reused for graphs
+
+    def factory(shape: BenchShape, b: BenchBatch, for_graph: bool = False) -> PeerFn:
+        if built[0] is b:
+            return built[1]
+        fp8 = b.k_scale is not None
+        if fp8 and not takes_scales:
+            raise PeerUnsupported(f"{name}: fp8 cache, and {func.__name__} takes no "
+                                  "k_scale/v_scale")
+        made = func(*b.tensors, _scale(shape), **(b.scales if fp8 else {}))
+        runner, cfg = made if isinstance(made, tuple) else (made, None)
+        if not callable(runner):
+            raise TypeError(f"{name}: {func.__name__} returned {type(runner).__name__}, "
+                            "not a callable (or a (callable, cfg) tuple)")
+
+        def run() -> torch.Tensor:
+            return runner()
+
+        run.info = "" if cfg is None else json.dumps(cfg, default=str)  # type: ignore[attr-defined]
+        built[:] = [b, run]
+        return run
+
+    return factory
+
+
+def load_peer_file(text: str) -> PeerFile:
+    """``[NAME=]PATH[:FUNC]`` -> :class:`PeerFile`. Raises ValueError naming what is wrong."""
+    name, sep, rest = text.partition("=")
+    if not sep or "/" in name or name.endswith(".py"):
+        name, rest = "", text
+    path_text, func_name = rest, DEFAULT_FACTORY
+    head, colon, tail = rest.rpartition(":")
+    if colon and tail.isidentifier():
+        path_text, func_name = head, tail
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"peer file: no such file {str(path)!r}")
+    try:
+        module = _load_module(path.resolve())
+    except Exception as e:  # noqa: BLE001 - the user's file: report, do not crash
+        raise ValueError(f"peer file {path}: import failed: {type(e).__name__}: {e}") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        found = [n for n, v in vars(module).items() if inspect.isfunction(v)
+                 and v.__module__ == module.__name__ and not n.startswith("_")]
+        raise ValueError(f"peer file {path}: no function {func_name!r}; it defines "
+                         f"{', '.join(found) or 'no public function'} (use PATH:FUNC)")
+    default = path.stem if func_name == DEFAULT_FACTORY else f"{path.stem}.{func_name}"
+    name = name or str(getattr(module, "PEER_NAME", "") or default)
+    return PeerFile(name, _adapt(name, func))
+
+
+def peer_file(text: str) -> PeerFile:
+    """argparse type of ``--peer-file``: :func:`load_peer_file`, errors as usage errors."""
+    try:
+        return load_peer_file(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -1,10 +1,13 @@
 """Benchmark reporting: tidy rows to CSV/JSON/markdown/terminal tables, a roofline plot, the
-run's environment, and Triton compile metadata.
+run's environment (with the commit measured), Triton compile metadata, and the number formats
+every page of the bench package uses.
 
 A row is a flat dict (one per shape and impl) whose keys carry their units: ``*_us``
 microseconds, ``*_bytes`` bytes, ``*_gbps`` GB/s (1e9 bytes/s), ``pct_*`` percent of the read
 roofline measured in the same run. Every CSV/JSON row also carries the run's environment (GPU,
-torch/triton versions, git SHA, date) so rows from different files can be concatenated.
+torch/triton versions, git commit and whether ``src/`` had uncommitted changes, date) and the
+roofline, so rows from different files can be concatenated. Keys starting with ``_`` are
+in-memory only (never written).
 """
 
 from __future__ import annotations
@@ -26,11 +29,37 @@ COLUMNS = (
     "shape", "impl", "kind", "batch", "num_q_heads", "num_kv_heads", "head_dim", "dtype",
     "cache_dtype", "num_tokens", "kv_bytes", "minimal_bytes",
     "median_us", "p20_us", "p80_us", "graph_median_us", "graph_p20_us", "graph_p80_us",
-    "gbps", "graph_gbps", "pct_roofline", "graph_pct_roofline", "roofline_gbps",
-    "rel_l2_error", "tolerance", "status", "error", "kernels",
-    "gpu", "torch", "triton", "git_sha", "date",
+    "gbps", "graph_gbps", "pct_roofline", "graph_pct_roofline", "roofline_gbps", "host_us",
+    "to_beat_us", "to_beat_peer", "beats", "graph_to_beat_us", "graph_to_beat_peer",
+    "graph_beats", "rel_l2_error", "tolerance", "status", "error", "kernels", "peer_info",
+    "gpu", "torch", "triton", "git_commit", "src_dirty", "date",
 )
-META_KEYS = ("gpu", "torch", "triton", "git_sha", "date")
+META_KEYS = ("gpu", "torch", "triton", "git_commit", "src_dirty", "date")
+NA = "n/a"
+#: the contract's "at least as fast": an impl beats a peer at <= 1.02 x its median
+TO_BEAT_SLACK = 1.02
+
+
+def fmt_time(us: float | None) -> str:
+    if us is None:
+        return NA
+    return f"{us / 1e3:.2f} ms" if us >= 1e3 else f"{us:.2f} us"
+
+
+def fmt_pct(v: float | None) -> str:
+    return NA if v is None else f"{v:.2f} %"
+
+
+def fmt_count(v: float | None) -> str:
+    if v is None:
+        return NA
+    return f"{int(v)}" if float(v).is_integer() else f"{v:.2f}"
+
+
+def fmt_bytes(v: float | None) -> str:
+    if v is None:
+        return NA
+    return f"{v / 1024:.1f} KiB" if v >= 1024 else f"{int(v)} B"
 
 
 def compile_metadata(compiled_kernel: Any) -> dict[str, Any]:
@@ -55,15 +84,6 @@ def compile_metadata(compiled_kernel: Any) -> dict[str, Any]:
             "num_warps": meta("num_warps"), "num_stages": meta("num_stages")}
 
 
-def last_compiled() -> dict[str, Any]:
-    """``pagedattn.launch.LAST_COMPILED`` (launcher name -> last compiled kernel) if the
-    launchers record it, else ``{}``. The caller may ``.clear()`` it before a run."""
-    import pagedattn.launch as launch
-
-    table = getattr(launch, "LAST_COMPILED", None)
-    return table if isinstance(table, dict) else {}
-
-
 def format_kernels(kernels: dict[str, dict[str, Any]]) -> str:
     """``{name: compile_metadata}`` -> one line: ``name: regs=.. spills=.. smem=..B ...``."""
     parts = []
@@ -74,20 +94,25 @@ def format_kernels(kernels: dict[str, dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def git_sha() -> str:
-    """``$PAGEDATTN_GIT_SHA`` if set, else ``git rev-parse`` of this checkout (``+dirty`` when
-    the tree has changes), else ``"unknown"`` (e.g. a copied tree without ``.git``)."""
-    if os.environ.get("PAGEDATTN_GIT_SHA"):
-        return os.environ["PAGEDATTN_GIT_SHA"]
+def _git(*args: str) -> str:
     here = Path(__file__).resolve().parent
+    return subprocess.run(["git", *args], cwd=here, check=True, capture_output=True, text=True,
+                          timeout=10).stdout.strip()
+
+
+def git_state() -> dict[str, str]:
+    """``{"git_commit": sha, "src_dirty": "yes"/"no"}`` of this checkout: ``src_dirty`` says
+    whether ``src/`` differs from the commit (what was measured is then not that commit).
+    ``$PAGEDATTN_GIT_SHA`` overrides the commit of a copied tree without ``.git``; without
+    either, both say ``unknown``."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, check=True,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, check=True,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = _git("rev-parse", "HEAD")
+        top = _git("rev-parse", "--show-toplevel")
+        dirty = _git("status", "--porcelain", "--", str(Path(top) / "src"))
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return sha + ("+dirty" if dirty else "")
+        sha = os.environ.get("PAGEDATTN_GIT_SHA", "unknown")
+        return {"git_commit": sha, "src_dirty": "unknown"}
+    return {"git_commit": sha, "src_dirty": "yes" if dirty else "no"}
 
 
 def _version(dist: str) -> str:
@@ -98,15 +123,15 @@ def _version(dist: str) -> str:
 
 
 def environment_meta(device=None) -> dict[str, str]:
-    """GPU name (or the CPU), torch and triton versions, git SHA and the UTC date/time."""
+    """GPU name (or the CPU), torch and triton versions, git commit (and whether ``src/`` was
+    dirty), the UTC date/time and the Python version."""
     import torch
 
     if device is not None and torch.device(device).type == "cuda":
         gpu = torch.cuda.get_device_name(torch.device(device))
     else:
         gpu = f"cpu ({platform.processor() or platform.machine()})"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": _version("triton"),
-            "git_sha": git_sha(),
+    return {"gpu": gpu, "torch": torch.__version__, "triton": _version("triton"), **git_state(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": sys.version.split()[0]}
 
@@ -115,9 +140,10 @@ def write_csv(rows: list[dict[str, Any]], path: str | Path) -> Path:
     """Rows to CSV with the :data:`COLUMNS` header (extra keys are appended)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    extra = sorted({k for r in rows for k in r} - set(COLUMNS))
+    extra = sorted({k for r in rows for k in r if not k.startswith("_")} - set(COLUMNS))
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra], restval="")
+        writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra], restval="",
+                                extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     return path
@@ -133,7 +159,7 @@ def write_json(rows: list[dict[str, Any]], meta: dict[str, Any], path: str | Pat
     units = {"*_us": "microseconds", "*_bytes": "bytes", "*gbps": "GB/s (1e9 bytes/s)",
              "pct_*": "percent of roofline_gbps, the read bandwidth measured in this run"}
     doc = {"meta": meta, "units": units,
-           "rows": [{k: clean(v) for k, v in r.items()} for r in rows]}
+           "rows": [{k: clean(v) for k, v in r.items() if not k.startswith("_")} for r in rows]}
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return path
 
@@ -155,8 +181,13 @@ def display_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
             "graph µs": _fmt(r.get("graph_median_us"), ".1f"),
             "GB/s": _fmt(r.get("gbps"), ",.0f"), "% roof": _fmt(r.get("pct_roofline"), ".1f"),
             "graph % roof": _fmt(r.get("graph_pct_roofline"), ".1f"),
+            "host µs": _fmt(r.get("host_us"), ".1f"),
+            "to beat µs": _fmt(r.get("to_beat_us"), ".1f"),
+            "≤ to beat": r.get("beats") or "—",
+            "graph ≤ to beat": r.get("graph_beats") or "—",
             "rel L2 err": _fmt(r.get("rel_l2_error"), ".2e"),
             "status": (r.get("status", "") + (f": {r['error']}" if r.get("error") else ""))[:72],
+            "peer info": (r.get("peer_info") or "—")[:40],
         })
     return out
 
@@ -173,31 +204,62 @@ def terminal_table(rows: list[dict[str, Any]]) -> str:
                     disable_numparse=True)
 
 
-def markdown_report(rows: list[dict[str, Any]], meta: dict[str, Any],
-                    roofline_gbps: float | None) -> str:
-    """A markdown page: the run's environment and roofline, the results table, and the Triton
-    compile metadata of our kernels."""
+def roofline_line(roofline_gbps: float | None) -> str:
+    """The read roofline of this run, in words (or that it was not measured)."""
+    if not roofline_gbps:
+        return "read roofline: not measured in this run (no CUDA GPU)"
+    return f"read roofline (streaming-read kernel, this run): {roofline_gbps:,.0f} GB/s"
+
+
+def header_lines(meta: dict[str, Any], roofline_gbps: float | None) -> list[str]:
+    """Markdown bullets that open every results page: the environment, the commit measured
+    (with a warning when ``src/`` was dirty) and the roofline of this run."""
+    lines = [f"- {k}: {v}" for k, v in meta.items() if k != "src_dirty"]
+    if meta.get("src_dirty") == "yes":
+        lines.append("- **src/ had uncommitted changes**: the figures are not those of "
+                     f"commit {meta.get('git_commit', '?')}")
+    elif meta.get("src_dirty") == "no":
+        lines.append("- src/: as committed (no uncommitted changes)")
+    lines.append(f"- {roofline_line(roofline_gbps)}")
+    return lines
+
+
+def write_markdown(rows: list[dict[str, Any]], meta: dict[str, Any],
+                   roofline_gbps: float | None, path: str | Path) -> Path:
+    """A markdown page: the run's environment and roofline, the results table (with the host
+    time and the to-beat columns), and the Triton compile metadata of our kernels."""
     from tabulate import tabulate
 
-    lines = ["# pagedattn benchmark", ""]
-    lines += [f"- {k}: {meta[k]}" for k in meta]
-    if roofline_gbps:
-        lines.append(f"- roofline (streaming read, this run): {roofline_gbps:,.0f} GB/s")
-    lines += ["- times: median over cold-L2 repetitions; GB/s counts the minimal bytes "
-              "(valid K/V, q, out, used block-table entries)", ""]
+    lines = ["# pagedattn benchmark", "", *header_lines(meta, roofline_gbps)]
+    if any(r.get("median_us") is not None for r in rows):
+        lines.append("- times: median over cold-L2 repetitions; GB/s counts the minimal bytes "
+                     "(valid K/V, q, out, used block-table entries); host µs: one eager call's "
+                     "submission time (n/a under the interpreter); to beat: the fastest peer "
+                     f"that passed its check in this run, beaten at <= {TO_BEAT_SLACK}x")
+    else:
+        lines.append("- **nothing was timed** (dry run or no GPU): outputs were checked against "
+                     "the float64 oracle only")
+    lines.append("")
     lines.append(tabulate(_drop_empty_columns(display_rows(rows)), headers="keys",
                           tablefmt="github", disable_numparse=True))
     compiled = [(r["shape"], r["impl"], r["kernels"]) for r in rows if r.get("kernels")]
     if compiled:
         lines += ["", "## Triton compile metadata", ""]
         lines.append(tabulate(compiled, headers=["shape", "impl", "kernels"], tablefmt="github"))
-    return "\n".join(lines) + "\n"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
 
 
 def plot_roofline(rows: list[dict[str, Any]], path: str | Path,
-                  roofline_gbps: float | None, title: str = "") -> Path:
+                  roofline_gbps: float | None, title: str = "") -> Path | None:
     """Grouped bars of % of roofline per shape and impl (eager); graph-replay results as
-    markers; a line at 100 % (the read bandwidth measured in the same run). Agg backend."""
+    markers; a line at 100 % (the read bandwidth measured in the same run). Agg backend.
+    Nothing is written (``None``) when no row holds a % of roofline: no chart without data."""
+    if not any(r.get(k) is not None for r in rows for k in ("pct_roofline",
+                                                            "graph_pct_roofline")):
+        return None
     import matplotlib
 
     matplotlib.use("Agg")

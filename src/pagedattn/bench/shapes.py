@@ -1,4 +1,5 @@
-"""Model shapes and benchmark shapes (every row of ``shared/peers/README.md``), and a builder.
+"""Model shapes, benchmark shapes (every row of the peers table), the packaged request traces,
+and the builder of a shape's decode batch.
 
 A :class:`BenchShape` is one decode batch: a model's head layout, a dtype, a cache dtype and
 the KV length of every sequence. ``page_size`` is 16 throughout. Names follow the peers table,
@@ -8,23 +9,101 @@ out and the used block-table entries (int32).
 
 Context lengths are computed lazily (the trace shapes read a CSV): :func:`get_shape` builds a
 shape on first use; importing this module does no I/O.
+
+Two public production traces live in ``pagedattn/data`` (attribution and licenses in
+``data/TRACES.md``):
+
+* ``azure``: Azure LLM inference trace 2023, conversation service (CC BY 4.0), 19,366 rows;
+  columns ``ContextTokens``, ``GeneratedTokens`` (CRLF line endings).
+* ``mooncake``: Mooncake (Kimi) FAST'25 conversation trace (Apache-2.0), 12,031 rows;
+  columns ``input_length``, ``output_length``.
+
+A request with ``context`` prompt tokens and ``generated`` output tokens has, at decode step
+``i`` (``0 <= i < generated``), a KV length of ``context + i``. A batch is drawn with the recipe
+of ``API.md`` (see :func:`sample_context_lens`).
+
+To add a benchmark shape, add one entry to ``_SPECS`` (a model of :data:`MODELS` and a
+function giving the lengths); ``pagedattn bench --shapes NAME`` then runs it.
 """
 
 from __future__ import annotations
 
+import csv
 import functools
+import io
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from importlib import resources
 from typing import Any, NamedTuple
 
 import torch
 
-from pagedattn.bench.traces import sample_context_lens
+from pagedattn.testing import make_paged_inputs
 
 FP8_E4M3 = torch.float8_e4m3fn
 #: fp8 caches store ``value / scale``; this spread fills the e4m3 grid (max 448) with N(0, 1) data.
 FP8_K_SCALE, FP8_V_SCALE = 1.0 / 64.0, 1.0 / 32.0
+
+
+class TraceSpec(NamedTuple):
+    file: str  # file name inside the ``pagedattn.data`` folder
+    context_column: str  # prompt/context tokens per request
+    generated_column: str  # generated (output) tokens per request
+
+
+TRACES: dict[str, TraceSpec] = {
+    "azure": TraceSpec("azure_llm_2023_conv.csv", "ContextTokens", "GeneratedTokens"),
+    "mooncake": TraceSpec("mooncake_fast25_conversation.csv", "input_length", "output_length"),
+}
+
+
+@functools.cache
+def load_trace(trace: str) -> tuple[tuple[int, int], ...]:
+    """All rows of a packaged trace as ``(context_tokens, generated_tokens)`` pairs, in file
+    order. Read once through ``importlib.resources`` and cached.
+
+    Raises:
+        ValueError: an unknown trace name.
+    """
+    if trace not in TRACES:
+        raise ValueError(f"trace: expected one of {', '.join(map(repr, TRACES))}, got {trace!r}")
+    spec = TRACES[trace]
+    text = (resources.files("pagedattn") / "data" / spec.file).read_text(encoding="utf-8")
+    reader = csv.DictReader(io.StringIO(text, newline=""))  # handles CRLF and a last row sans \n
+    return tuple((int(r[spec.context_column]), int(r[spec.generated_column])) for r in reader)
+
+
+def sample_context_lens(
+    trace: str, batch: int, seed: int = 0, *, generator: torch.Generator | None = None
+) -> list[int]:
+    """KV lengths (tokens) of ``batch`` requests drawn from a trace, by ``API.md``'s recipe.
+
+    ``g = torch.Generator().manual_seed(seed)``; row indices are
+    ``torch.randint(0, num_rows, (batch,), generator=g)`` (with replacement); then, in row
+    order, each context is ``context_tokens + int(torch.randint(0, max(generated_tokens, 1),
+    (1,), generator=g))``: a uniform decode step of the request.
+
+    Args:
+        trace: ``"azure"`` or ``"mooncake"``.
+        batch: number of requests.
+        seed: the generator's seed (ignored when ``generator`` is given).
+        generator: continue drawing from this CPU generator instead of a fresh one.
+
+    Returns:
+        ``batch`` ints. Seed 0: azure b64 totals 81,465 tokens (max 6,791); mooncake b16
+        totals 180,464 (max 35,355). (``shared/peers/README.md`` quotes 190,524 / 62,572 for
+        mooncake b16: that is a draw continued after azure b64 on one generator, but its
+        measured GB/s match the 180,464-token batch of this recipe.)
+    """
+    rows = load_trace(trace)
+    g = torch.Generator().manual_seed(seed) if generator is None else generator
+    picks = torch.randint(0, len(rows), (batch,), generator=g).tolist()
+    lens = []
+    for i in picks:
+        context, generated = rows[i]
+        lens.append(context + int(torch.randint(0, max(generated, 1), (1,), generator=g)))
+    return lens
 
 
 @dataclass(frozen=True)
@@ -169,11 +248,47 @@ def get_shape(name: str) -> BenchShape:
     return make_shape(name, spec.model, spec.lens(), fp8=spec.fp8)
 
 
-def select_shapes(selection: str) -> list[BenchShape]:
-    """``"all"``, ``"peers"`` or a comma list of names -> shapes, in that order."""
-    presets = {"all": SHAPES, "peers": PEER_SHAPES}
-    names = presets.get(selection) or [s.strip() for s in selection.split(",") if s.strip()]
-    return [get_shape(n) for n in names]
+#: the words ``--shapes`` accepts besides names
+SHAPE_PRESETS: dict[str, tuple[str, ...]] = {"all": SHAPES, "peers": PEER_SHAPES}
+
+
+def select_shapes(selection: str | list[str]) -> list[BenchShape]:
+    """``"all"``, ``"peers"``, a comma list of names or a list of names -> shapes, in order."""
+    if isinstance(selection, str):
+        selection = list(SHAPE_PRESETS.get(selection.strip())
+                         or [s.strip() for s in selection.split(",") if s.strip()])
+    return [get_shape(n) for n in selection]
+
+
+def shrink_lengths(lens, max_context: int) -> list[int]:
+    """Scale lengths by ``max_context / max(lens)`` (never up), rounding up: a non-empty
+    sequence keeps at least 1 token, an empty one stays empty, ragged stays ragged. The one
+    length shrinker of the bench package (the CPU interpreter runs only small batches)."""
+    lens = [int(n) for n in lens]
+    top = max(lens, default=0)
+    if top <= max_context:
+        return lens
+    return [-(-n * max_context // top) for n in lens]
+
+
+def shrink(shape: BenchShape, *, max_batch: int = 2, max_kv_heads: int = 1,
+           max_context: int = 17) -> BenchShape:
+    """An interpreter-sized copy of ``shape`` named ``<name>-small``: the same group size,
+    head_dim, page_size and dtypes; at most ``max_batch`` sequences and ``max_kv_heads`` kv
+    heads; lengths through :func:`shrink_lengths` (by default the longest is one page plus one
+    token: a page boundary)."""
+    m = shape.model
+    kv = min(m.num_kv_heads, max_kv_heads)
+    model = ModelShape(f"{m.name}-small", m.num_q_heads // m.num_kv_heads * kv, kv,
+                       m.head_dim, m.dtype)
+    lens = shrink_lengths(shape.context_lens[:max_batch] or (1,), max_context)
+    return replace(shape, name=f"{shape.name}-small", model=model, context_lens=tuple(lens))
+
+
+def resolve_shape(name: str, small: bool = False) -> BenchShape:
+    """A registered shape, shrunk with ``small``. Raises ValueError if unknown."""
+    shape = get_shape(name)
+    return shrink(shape) if small else shape
 
 
 class BenchBatch(NamedTuple):
@@ -199,46 +314,21 @@ class BenchBatch(NamedTuple):
 
 def build_batch(shape: BenchShape, device: str | torch.device = "cpu", seed: int = 0, *,
                 poison: bool = True, extra_pages: int = 2) -> BenchBatch:
-    """Allocate a shape's decode batch on ``device``, the way a serving engine leaves it.
-
-    Physical pages are a random permutation of ``[0, num_pages)`` (fragmented order), with
-    ``extra_pages`` unused pages. K/V/q are drawn with ``torch.randn`` on the device itself (no
-    host-side cache, no Python loop over tokens or pages). With ``poison``, unused slots (whole
-    unused pages and the tails of last pages) hold NaN and block-table padding holds -1 and
-    out-of-range ids, so a kernel that reads past a length fails loudly. fp8 caches hold
-    ``N(0, 1) / scale`` so that ``stored * scale`` is standard normal.
-    """
-    device = torch.device(device)
-    m, ps = shape.model, shape.page_size
-    need = torch.tensor(shape.pages_per_seq, dtype=torch.int64).reshape(-1)  # [batch]
-    num_pages = int(need.sum()) + extra_pages
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(num_pages, generator=g)
-    max_pages = max(int(need.max()) if need.numel() else 0, 1)
-    cols = torch.arange(max_pages)
-    valid = cols[None, :] < need[:, None]  # [batch, max_pages]
-    idx = ((torch.cumsum(need, 0) - need)[:, None] + cols[None, :]).clamp(max=num_pages - 1)
-    pad = torch.where(cols % 2 == 0, -1, num_pages + 7 + cols) if poison else torch.tensor(-1)
-    tables = torch.where(valid, perm[idx], pad.expand(valid.shape)).to(torch.int32)
-    lens = torch.tensor(shape.context_lens, dtype=torch.int64).reshape(-1)
-    fill = (lens[:, None] - cols[None, :] * ps).clamp(0, ps)  # tokens in each used page
-    tokens_in_page = torch.zeros(num_pages, dtype=torch.int64)
-    tokens_in_page[perm[idx][valid]] = fill[valid]
-
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """A shape's decode batch on ``device``, from :func:`pagedattn.testing.make_paged_inputs`
+    (the tests' builder, so one poison rule holds everywhere): pages in shuffled order,
+    ``extra_pages`` unused pages, and with ``poison`` NaN in every unused cache slot and -1 or
+    out-of-range ids in block-table padding. fp8 caches hold ``N(0, 1) / scale`` so that
+    ``stored * scale`` is standard normal."""
+    m = shape.model
     fp8 = shape.cache_dtype != shape.dtype
-    draw = torch.bfloat16 if fp8 else shape.cache_dtype
-    cache_shape = (num_pages, ps, m.num_kv_heads, m.head_dim)
-    caches = []
-    for s in (shape.k_scale, shape.v_scale):
-        x = torch.randn(cache_shape, generator=gen, device=device, dtype=draw)
-        if fp8 and s is not None:
-            x.mul_(1.0 / s)
-        if poison:
-            used = torch.arange(ps, device=device)[None, :] < tokens_in_page.to(device)[:, None]
-            x.masked_fill_(~used[:, :, None, None], float("nan"))
-        caches.append(x.to(shape.cache_dtype))
-    query = torch.randn(shape.batch, m.num_q_heads, m.head_dim, generator=gen, device=device,
-                        dtype=shape.dtype)
-    return BenchBatch(query, caches[0], caches[1], tables.to(device),
-                      lens.to(torch.int32).to(device), shape.k_scale, shape.v_scale)
+    inputs = make_paged_inputs(
+        list(shape.context_lens), num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim, page_size=shape.page_size, dtype=shape.dtype,
+        cache_dtype=torch.float32 if fp8 else shape.cache_dtype, extra_pages=extra_pages,
+        poison=poison, seed=seed, device=device)
+    k, v = inputs.key_cache, inputs.value_cache
+    if fp8:
+        k = (k / shape.k_scale).to(shape.cache_dtype)
+        v = (v / shape.v_scale).to(shape.cache_dtype)
+    return BenchBatch(inputs.query, k, v, inputs.block_tables, inputs.context_lens,
+                      shape.k_scale, shape.v_scale)

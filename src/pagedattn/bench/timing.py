@@ -1,4 +1,5 @@
-"""Cold-L2 timing of CUDA work, eager and as CUDA-graph replays, and the read roofline.
+"""Cold-L2 timing of CUDA work (eager and CUDA-graph replays), host time per call, the read
+roofline, and the one GB/s formula every report uses.
 
 Every repetition first overwrites a flush buffer of at least twice the L2 (the H200's L2 is
 60 MB; the size is read from the device when torch exposes it), so each timed call starts with
@@ -10,6 +11,12 @@ ten calls of a 60 µs kernel left the first timed calls of small shapes at the i
 (eager medians of small shapes 1.3-2.7x their graph medians in the same run; see
 ``docs/perf-notes.md``, step 6). The host never syncs between repetitions (one sync at the
 end), so Python launch overhead overlaps the flush, as in ``triton.testing.do_bench``.
+
+Host time (:func:`host_us`) is the submission cost of one eager call: ``calls`` back-to-back
+calls with no sync between them, after a warm-up and a sync, divided by ``calls``. ``calls``
+stays far below CUDA's launch queue (about a thousand launches), so the host never waits for
+the GPU and the figure is Python + launch overhead, not kernel time. Under the CPU interpreter a
+call runs the kernel itself, so host time is not measured there (reports say n/a).
 
 CUDA only: timing never happens in pytest, and interpreter times are not performance.
 """
@@ -122,14 +129,48 @@ def time_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 10,
         del graph
 
 
+def host_us(fn: Callable[[], object], *, calls: int = 50, warmup: int = 5) -> float:
+    """Mean host microseconds per eager call of ``fn`` (see the module docstring); CUDA only."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+#: (chunk, block, num_warps) tried by the roofline; the fastest counts (a roofline must not
+#: under-read the card because one tile shape suits it poorly)
+READ_CONFIGS: tuple[tuple[int, int, int], ...] = (
+    (65536, 4096, 4), (131072, 8192, 8), (262144, 8192, 8), (32768, 2048, 4),
+)
+
+
+def stream_read(x: torch.Tensor, partial: torch.Tensor | None = None, *, chunk: int = 65536,
+                block: int = 4096, num_warps: int = 4) -> torch.Tensor:
+    """Launch the streaming read (:mod:`pagedattn.kernels.readbw`) over contiguous ``x`` (any
+    float dtype); returns the ``[ceil(numel / chunk)]`` float32 partial sums (their total is
+    ``x.sum()``)."""
+    from pagedattn.kernels.readbw import _stream_read_kernel  # lazy: Triton
+
+    n = x.numel()
+    num_programs = -(-n // chunk)
+    if partial is None:
+        partial = torch.empty(num_programs, dtype=torch.float32, device=x.device)
+    _stream_read_kernel[(num_programs,)](x, partial, n, CHUNK=chunk, BLOCK=block,
+                                         num_warps=num_warps)
+    return partial
+
+
 def measure_read_bandwidth(device: torch.device | str | None = None, *, nbytes: int = 2**31,
                            reps: int = 30, warmup: int = 5) -> float:
     """Read roofline in GB/s (1e9 bytes/s): a streaming-read Triton kernel summing ``nbytes``
     (default 2 GiB) of bf16, timed like the decode calls (median, cold L2), the fastest of its
-    tile shapes (``readbw_kernel.READ_CONFIGS``). Measure it in the same run as the kernels it
-    is compared with (``API.md``)."""
-    from pagedattn.bench.readbw_kernel import READ_CONFIGS, stream_read  # lazy: Triton
-
+    tile shapes (:data:`READ_CONFIGS`). Measure it in the same run as the kernels it is
+    compared with (``API.md``)."""
     device = torch.device("cuda") if device is None else torch.device(device)
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     best = 0.0
@@ -146,6 +187,12 @@ def measure_read_bandwidth(device: torch.device | str | None = None, *, nbytes: 
     return best
 
 
-def gb_per_s(nbytes: int, time_us: float) -> float:
-    """``nbytes`` moved in ``time_us`` microseconds, in GB/s (1e9 bytes per second)."""
-    return nbytes / (time_us * 1e-6) / 1e9
+def gb_per_s(nbytes: int, time_us: float | None) -> float | None:
+    """``nbytes`` moved in ``time_us`` microseconds, in GB/s (1e9 bytes per second); ``None``
+    when nothing was timed. The one GB/s formula of the bench package."""
+    return nbytes / (time_us * 1e-6) / 1e9 if time_us else None
+
+
+def pct_of(value: float | None, roofline: float | None) -> float | None:
+    """``value`` as a percentage of ``roofline`` (``None`` when either is unknown)."""
+    return 100.0 * value / roofline if value is not None and roofline else None

@@ -1,0 +1,90 @@
+"""argparse type functions and the parser class shared by every ``pagedattn`` subcommand.
+
+A type function turns one command-line string into a checked value or raises
+``argparse.ArgumentTypeError``; argparse then reports ``argument --batch: expected a positive
+integer, got '-3'`` and exits with status 2. :class:`OneLineParser` prints that report as one
+line (no usage block, no traceback), so every user mistake reads the same way::
+
+    pagedattn run: error: argument --batch: expected a positive integer, got '-3' (see --help)
+
+Subparsers created from a :class:`OneLineParser` are of the same class, so a subcommand module
+(``bench``, ``serving.generate``, ...) only needs ``type=positive_int`` and friends.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NoReturn
+
+__all__ = ["OneLineParser", "name_list", "nonneg_float", "nonneg_int", "positive_float",
+           "positive_int"]
+
+
+def _number(text: str, kind: type, what: str, ok: Callable[[float], bool]):
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")) or not ok(value):  # NaN, inf
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a batch, a count of repetitions)."""
+    return _number(text, int, "a positive integer", lambda v: v >= 1)
+
+
+def nonneg_int(text: str) -> int:
+    """An integer >= 0 (a seed, a number of warm-up calls)."""
+    return _number(text, int, "a non-negative integer", lambda v: v >= 0)
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    return _number(text, float, "a positive number", lambda v: v > 0)
+
+
+def nonneg_float(text: str) -> float:
+    """A finite float >= 0."""
+    return _number(text, float, "a non-negative number", lambda v: v >= 0)
+
+
+def name_list(known: Iterable[str], *, what: str,
+              presets: Mapping[str, Sequence[str]] | None = None,
+              allow_none: bool = False) -> Callable[[str], list[str]]:
+    """A type function for a comma list of names out of ``known`` (in the order given).
+
+    ``presets`` maps a single word (``"all"``) to its list; with ``allow_none`` the word
+    ``"none"`` gives ``[]``. An unknown name, or an empty list otherwise, is an error that
+    lists the known names.
+    """
+    known = tuple(known)
+    presets = dict(presets or {})
+
+    def parse(text: str) -> list[str]:
+        word = text.strip()
+        if word in presets:
+            return list(presets[word])
+        if allow_none and word == "none":
+            return []
+        names = [s.strip() for s in text.split(",") if s.strip()]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            choices = ", ".join([*presets, *(["none"] if allow_none else []), *known])
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(map(repr, unknown)) or repr(text)}; "
+                f"expected a comma list of: {choices}")
+        return names
+
+    parse.__name__ = f"{what}_list"  # argparse names the type in some messages
+    return parse
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        first = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {first} (see --help)\n")
