@@ -103,9 +103,11 @@ def paged_decode_reference(
         if n <= 0:
             continue
         num_used = -(-n // page_size)
-        pages = block_tables[b, :num_used].long()
-        k = key_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[first:n]
-        v = value_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[first:n]
+        p0 = first // page_size  # pages before the window are never read
+        pages = block_tables[b, p0:num_used].long()
+        lo, hi = first - p0 * page_size, n - p0 * page_size
+        k = key_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[lo:hi]
+        v = value_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[lo:hi]
         k = k * ks[None, :, None]
         v = v * vs[None, :, None]
         k = k.repeat_interleave(group, dim=1)  # [n, num_q_heads, head_dim]
