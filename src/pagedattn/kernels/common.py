@@ -35,8 +35,10 @@ Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634  # log2(e): natural-log scores -> exp2 domain
-LN2: tl.constexpr = 0.6931471805599453  # ln(2): exp2-domain LSE -> natural log
+# constexpr *instances*: Triton 3.6's code generator rejects a global that is only annotated
+# ``x: tl.constexpr = 1.0`` ("Cannot access global variable"); the interpreter does not check
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): natural-log scores -> exp2 domain
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): exp2-domain LSE -> natural log
 
 
 @triton.jit

@@ -80,7 +80,8 @@ def _visible_tokens(n, window_left, Q_LEN: tl.constexpr):
 @triton.jit
 def _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity, window_left,
                           BLOCK_B: tl.constexpr, Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Σ clamped visible lengths (the window's tokens only, so the split work scales with it) (64-bit: with shared, prefix-cached pages the batch's tokens are not
+    """Σ clamped lengths (with a window, the visible tokens only: the split work scales with
+    the window) (64-bit: with shared, prefix-cached pages the batch's tokens are not
     bounded by the cache size, and 1,024 sequences of 256 k tokens pass 2^31) and the longest
     clamped length. ``BLOCK_B`` lengths per vector load: the batch is a runtime value."""
     total = tl.full([], 0, tl.int64)
@@ -222,17 +223,13 @@ def _paged_decode_kernel(
     if Q_LEN > 1:  # Q_LEN x group rows: K/V are read once for every query token
         q_tok, heads, mask_h = _token_rows(offs_h, kv_head, group, Q_LEN)
         q_pos = ctx - Q_LEN + q_tok  # [BLOCK_H] each row's position (< 0: sees no key)
-        q_row = b.to(tl.int64) * stride_q_b + q_tok * stride_q_t + heads * stride_q_h
-        o_row = b.to(tl.int64) * stride_o_b + q_tok * stride_o_t + heads * stride_o_h
-        lse_row = (b.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
-        part_row = (r.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
+        q_ptrs = query_ptr + (b.to(tl.int64) * stride_q_b + q_tok * stride_q_t
+                              + heads * stride_q_h)[:, None] + offs_d[None, :] * stride_q_d
     else:
         mask_h = offs_h < group
         heads = kv_head * group + offs_h  # [BLOCK_H]
-        q_row = b.to(tl.int64) * stride_q_b + heads * stride_q_h
-        o_row = b.to(tl.int64) * stride_o_b + heads * stride_o_h
-        lse_row = b.to(tl.int64) * num_q_heads + heads
-        part_row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H]
+        q_ptrs = (query_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
+                  + offs_d[None, :] * stride_q_d)
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_hd = mask_h[:, None] & mask_d[None, :]
 
@@ -242,8 +239,7 @@ def _paged_decode_kernel(
     else:
         k_scale = k_scale_val
         v_scale = v_scale_val
-    q = tl.load(query_ptr + q_row[:, None] + offs_d[None, :] * stride_q_d, mask=mask_hd,
-                other=0.0).to(tl.float32)
+    q = tl.load(q_ptrs, mask=mask_hd, other=0.0).to(tl.float32)
     qk_scale = tl.zeros([BLOCK_H], tl.float32) + scale_log2 * k_scale  # per query row
     if Q_POW2_SCALE:
         # fp8 caches dot in fp16: a bf16/fp32 query may exceed fp16's range (65,504), so each
@@ -310,14 +306,22 @@ def _paged_decode_kernel(
             acc = acc * alpha[:, None]
         if Q_LEN > 1:  # a token before the sequence's start saw no key: out 0
             out = acc * tl.where(l > 0, v_scale / l, 0.0)[:, None]
+            o_row = b.to(tl.int64) * stride_o_b + q_tok * stride_o_t + heads * stride_o_h
+            o_ptrs = out_ptr + o_row[:, None] + offs_d[None, :] * stride_o_d
+            lse_ptrs = lse_ptr + (b.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
         else:
             out = acc * (v_scale / l)[:, None]
-        tl.store(out_ptr + o_row[:, None] + offs_d[None, :] * stride_o_d,
-                 out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+            o_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
+                      + offs_d[None, :] * stride_o_d)
+            lse_ptrs = lse_ptr + b.to(tl.int64) * num_q_heads + heads
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
         if HAS_LSE:
-            tl.store(lse_ptr + lse_row, _natural_lse(m, l), mask=mask_h)
+            tl.store(lse_ptrs, _natural_lse(m, l), mask=mask_h)
     else:
-        row = part_row
+        if Q_LEN > 1:  # partials per (row, query token, head)
+            row = (r.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
+        else:
+            row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H]
         tl.store(part_ml_ptr + row * 2, m, mask=mask_h)
         tl.store(part_ml_ptr + row * 2 + 1, l, mask=mask_h)
         tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc * v_scale,
@@ -394,10 +398,8 @@ def _merge_per_group_kernel(
                             mask=mask_h[:, None], other=0.0)  # [BLOCK_H, BLOCK_D]
             m_new = tl.maximum(m, m_r)  # finite from the first row on (one query token)
             alpha = _rescale(m, m_new)
-            if Q_LEN > 1:  # a token's row may have seen no key of this split (m_r = -inf)
-                w = _rescale(m_r, m_new)
-            else:
-                w = tl.exp2(m_r - m_new)
+            # several tokens: a row may have seen no key of this split (m_r = -inf)
+            w = _rescale(m_r, m_new) if Q_LEN > 1 else tl.exp2(m_r - m_new)
             l = l * alpha + l_r * w
             acc = acc * alpha[:, None] + acc_r * w[:, None]
             m = m_new
@@ -405,10 +407,8 @@ def _merge_per_group_kernel(
             m, l, alpha = _fold_sink(m, l, tl.load(sinks_ptr + heads, mask=mask_h, other=0.0)
                                      * LOG2E)
             acc = acc * alpha[:, None]
-        if Q_LEN > 1:  # padding rows and tokens that saw no key: out 0
-            l = tl.where(mask_h & (l > 0), l, 1.0)
-        else:
-            l = tl.where(mask_h, l, 1.0)  # padding rows of the tile stay finite (never stored)
+        # padding rows of the tile stay finite (never stored); a token that saw no key: 0
+        l = tl.where(mask_h & (l > 0), l, 1.0) if Q_LEN > 1 else tl.where(mask_h, l, 1.0)
         tl.store(out_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd)
         if HAS_LSE:
             tl.store(lse_ptrs, _natural_lse(m, l), mask=mask_h)
