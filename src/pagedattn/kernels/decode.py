@@ -47,8 +47,33 @@ was tried and measured slower (``docs/perf-notes.md``, step 5). Rows are exactly
 the non-empty splits, so no empty split is ever formed or read. Lengths are clamped to the
 table's capacity; block-table entries past ``ceil(len / page_size)`` are never read.
 
-Feature flags are ``constexpr`` so that later features (sliding window, soft-capping, sinks,
-ALiBi, multi-token queries) are branches of this kernel, not forks.
+**Variants** are ``constexpr`` flags of this one kernel; with every flag off the compiled code
+is the plain kernel's, instruction for instruction (the new runtime arguments are read under
+their flag only):
+
+* ``HAS_WINDOW`` (``window_left``): the ``Q_LEN`` query tokens together see keys ``[first,
+  len)`` with ``first = max(0, len - Q_LEN - window_left)``. The planner splits only those
+  visible tokens (``_visible_tokens`` in both scans), each unit's tile loop starts at
+  ``first`` and block-table entries before ``first // PAGE_SIZE`` are never read, so bytes
+  and time scale with the window. With one query token the unit's range *is* the window (no
+  per-token mask); with several, each row also masks ``p < i - window_left``.
+* ``HAS_SOFTCAP`` (``softcap``): ``cap·tanh(s / cap)`` on the natural-domain logit
+  (``_soft_cap`` converts from and back to the exp2 domain), before any bias.
+* ``HAS_ALIBI`` (``alibi_ptr``): ``+ slope_h·(p - i)`` (times ``log2 e``) after the soft-cap.
+* ``HAS_SINKS`` (``sinks_ptr``): the sink joins the denominator exactly once, in the final
+  normalization: by the unit itself when the sequence has one split row (it writes the
+  result), else by the merge kernel after it has combined the rows (and by the merge for an
+  empty sequence: out 0, LSE = sink). Partials in the workspace never hold it.
+* ``Q_LEN`` > 1 (multi-token queries): the tile's rows are ``Q_LEN × group`` (token-major,
+  ``BLOCK_H = next_pow2(Q_LEN·group)``), so K/V are read once for every query token; row
+  ``(j, h)`` sits at position ``len - Q_LEN + j`` and masks keys after it (causal,
+  bottom-right aligned). Partials are indexed by (split row, query token, query head); such
+  a row may see no key of a split (``m = -inf``), so the merge weighs rows with
+  ``_rescale`` and a token that saw no key at all gets 0 (LSE ``-inf``, or the sink).
+  Multi-token plans always merge per group.
+* ``BATCH_INVARIANT``: ``chunk`` is the launcher's fixed ``min_chunk`` (a multiple of
+  ``BLOCK_N``) instead of a batch-wide target, so a sequence's splits, tiles and merge order
+  depend on its own length only; the launcher also fixes the merge kernel (per group).
 """
 
 import triton

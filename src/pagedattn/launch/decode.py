@@ -20,7 +20,10 @@ compiles or finds the binary. On Triton 3.6, where the call signature of a compi
 ``run`` is known, later launches of that binding call ``CompiledKernel.run`` directly (the
 host path of ``kernel[grid]`` re-derives the specialization from every argument each call);
 on any other Triton version, under the interpreter, or with launch hooks installed
-(profilers), every launch goes through ``kernel[grid]``. The cache of bindings lives in the
+(profilers), every launch goes through ``kernel[grid]``. The plan-time variants (``q_len``,
+``window_left``, ``softcap``, ``batch_invariant``) are part of the binding's key
+(``_select``); a call with ``sinks`` or ``alibi_slopes`` (per-layer tensors) always launches
+through ``kernel[grid]`` and is never recorded. The cache of bindings lives in the
 launcher object, not in the module.
 """
 
