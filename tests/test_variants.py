@@ -92,6 +92,29 @@ def test_window_ending_mid_page_reads_no_page_before_it(device, num_splits):
     assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float32)
 
 
+def test_window_splits_count_visible_tokens(device):
+    """The planner cuts the window's tokens, not the context: 1,000 keys with a window of 41
+    make one split row by default (under the interpreter's 128-token minimum), and two
+    32-token rows when three splits are forced (the whole context would make three)."""
+    inp = _inputs([1000], device, seed=16)
+    for num_splits, rows in ((None, 1), (3, 2)):
+        plan = plan_decode(inp.block_tables, inp.context_lens, q_dtype=torch.float32,
+                           window_left=40, num_splits=num_splits, **SHAPE)
+        out = plan.run(*inp[:3])
+        assert int(plan._launcher.seq_rows[1]) == rows
+        ref = paged_decode_reference(*inp, window_left=40)
+        assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float32)
+
+
+def test_fp8_hnd_cache_with_variants(device):
+    inp = _inputs([0, 9, 70], device, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+                  kv_layout="HND", seed=17)
+    query = _multi_query(inp, 2, seed=17)
+    for num_splits in SPLITS:
+        _check(inp, query, num_splits=num_splits, kv_layout="HND", k_scale=0.5, v_scale=2.0,
+               window_left=30, logits_soft_cap=4.0, sinks=_heads(device, 17))
+
+
 def test_window_larger_than_the_context_is_no_window(device):
     inp = _inputs([0, 7, 45], device, dtype=torch.float16, seed=3)
     res, _ = _check(inp, window_left=1000)
