@@ -11,6 +11,7 @@ on the three batches of the peers' host-time table. Usage (repo root, GPU machin
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -53,16 +54,17 @@ def main() -> int:
         plan = pagedattn.plan_decode(x.block_tables, x.context_lens, num_q_heads=hq,
                                      num_kv_heads=hkv, head_dim=hd, page_size=16, q_dtype=dtype)
         out = torch.empty_like(x.query)
-        r = dict(batch=name,
-                 plan_run_us=per_call_us(lambda: plan.run(*x[:3]), args.calls),
-                 plan_run_out_us=per_call_us(lambda: plan.run(*x[:3], out=out), args.calls),
-                 paged_decode_us=per_call_us(lambda: pagedattn.paged_decode(*x), args.calls))
+        run = functools.partial(plan.run, *x[:3])
+        run_out = functools.partial(plan.run, *x[:3], out=out)
+        one_shot = functools.partial(pagedattn.paged_decode, *x)
+        r = dict(batch=name, plan_run_us=per_call_us(run, args.calls),
+                 plan_run_out_us=per_call_us(run_out, args.calls),
+                 paged_decode_us=per_call_us(one_shot, args.calls))
         results.append(r)
         if args.profile and name == BATCHES[0][0]:
             import cProfile
             import pstats
-            for label, fn in (("plan.run", lambda: plan.run(*x[:3])),
-                              ("paged_decode", lambda: pagedattn.paged_decode(*x))):
+            for label, fn in (("plan.run", run), ("paged_decode", one_shot)):
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(500):

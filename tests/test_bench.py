@@ -314,7 +314,7 @@ def test_bench_shape_reports_failures_and_unsupported(monkeypatch):
     import pagedattn.api as api
 
     shape = make_shape("tiny8", "llama-3-8b", [3, 20], fp8=True)
-    monkeypatch.setattr(api, "paged_decode", lambda *a, **k: torch.zeros_like(a[0]))
+    monkeypatch.setattr(api, "_decode", lambda *a, **k: (torch.zeros_like(a[0]), {}))
     rows = harness.measure_shape(shape, harness.entries(["auto", "split_kv_v4"], ["naive"]),
                                  "cpu")
     by = {r["impl"]: r for r in rows}

@@ -104,8 +104,8 @@ def test_an_unwritable_output_is_one_line(tmp_path, capsys, monkeypatch):
     import pagedattn.api as api
     from pagedattn.reference import paged_decode_reference
 
-    monkeypatch.setattr(api, "paged_decode",
-                        lambda *a, impl="auto", **k: paged_decode_reference(*a).out.to(a[0].dtype))
+    monkeypatch.setattr(api, "_decode", lambda *a, impl="auto", **k: (
+        paged_decode_reference(*a).out.to(a[0].dtype), {}))
     rc = cli.main(["run", "--batch", "1", "--max-context", "3", "--impls", "auto",
                    "--csv", str(blocker / "x.csv")])
     assert rc == 1

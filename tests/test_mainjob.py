@@ -34,7 +34,7 @@ def _oracle_decode(query, key_cache, value_cache, block_tables, context_lens, *,
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's shrinking and wording")
 def test_main_with_the_oracle_as_every_impl(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(api, "paged_decode", _oracle_decode)
+    monkeypatch.setattr(api, "_decode", lambda *a, **k: (_oracle_decode(*a, **k), {}))
     out_csv = tmp_path / "run.csv"
     rc = harness.run_main(_args("--model", "smollm2-135m", "--trace", "mooncake", "--batch",
                                 "3", "--csv", str(out_csv)))
@@ -57,10 +57,10 @@ def test_failing_or_raising_impls_exit_nonzero(monkeypatch, capsys):
         if impl == "baseline":
             raise RuntimeError("boom")
         if impl == "fused_v1":
-            return torch.zeros_like(query)
-        return _oracle_decode(query, *args, **kw)
+            return torch.zeros_like(query), {}
+        return _oracle_decode(query, *args, **kw), {}
 
-    monkeypatch.setattr(api, "paged_decode", broken)
+    monkeypatch.setattr(api, "_decode", broken)  # under paged_decode and compiled_kernels
     rc = harness.run_main(_args("--model", "smollm2-135m", "--batch", "2", "--max-context",
                                 "20", "--impls", "baseline,fused_v1,auto"))
     text = capsys.readouterr().out

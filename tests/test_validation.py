@@ -83,7 +83,8 @@ META = torch.device("meta")
 # id -> (mutation, exception, regex the message must match: the argument's name)
 ERRORS = {
     "query-rank2": (_arg(Q, lambda t: t[:, 0]), ValueError, "query"),
-    "query-rank4": (_arg(Q, lambda t: t[None]), ValueError, "query"),
+    # (rank 4 is a multi-token query: tests/test_variants.py)
+    "query-rank5": (_arg(Q, lambda t: t[None, None]), ValueError, "query"),
     "query-not-tensor": (_arg(Q, lambda t: t.tolist()), TypeError, "query"),
     "query-int": (_arg(Q, lambda t: t.int()), TypeError, "query"),
     "query-fp8": (_arg(Q, lambda t: t.to(FP8)), TypeError, "query"),

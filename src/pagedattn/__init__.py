@@ -1,7 +1,8 @@
 """pagedattn: paged-attention decode kernels for LLM serving, written in Triton.
 
 ``paged_decode`` is the entry point, ``plan_decode`` its plan/run form for serving;
-``paged_decode_reference`` is the float64 oracle.
+``merge_states`` merges attention states (cascade serving); ``paged_decode_reference`` is
+the float64 oracle.
 Importing this package does not import Triton (the launchers load on first use).
 """
 
@@ -13,11 +14,13 @@ from pagedattn.api import (
     ImplSpec,
     append_kv,
     compiled_kernels,
+    merge_states,
     paged_decode,
     plan_decode,
 )
 from pagedattn.reference import paged_decode_reference
 
 __all__ = ["IMPLS", "STAGES", "DecodeOutput", "DecodePlan", "ImplSpec", "append_kv",
-           "compiled_kernels", "paged_decode", "paged_decode_reference", "plan_decode"]
+           "compiled_kernels", "merge_states", "paged_decode", "paged_decode_reference",
+           "plan_decode"]
 __version__ = "0.1.0"

@@ -124,16 +124,48 @@ def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) 
         _fail(ValueError, name, f"a tensor on the inputs' device {device}", s.device)
 
 
+def check_variant_options(*, window_left, logits_soft_cap, batch_invariant, q_len=1) -> None:
+    """The plan-time variants: ``window_left`` an int >= -1, ``logits_soft_cap`` None or a
+    finite float > 0, ``batch_invariant`` a bool, ``q_len`` an int >= 1."""
+    _check_int("window_left", window_left, -1)
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
+            _fail(TypeError, "logits_soft_cap", "a float or None",
+                  type(logits_soft_cap).__name__)
+        if not (math.isfinite(float(logits_soft_cap)) and logits_soft_cap > 0):
+            _fail(ValueError, "logits_soft_cap", "a finite float > 0", logits_soft_cap)
+    if not isinstance(batch_invariant, bool):
+        _fail(TypeError, "batch_invariant", "a bool", type(batch_invariant).__name__)
+    _check_int("q_len", q_len, 1)
+
+
+def check_head_tensor(name: str, t: Any, num_q_heads: int, device: torch.device) -> None:
+    """``sinks`` / ``alibi_slopes``: None or a float32 ``[num_q_heads]`` tensor on ``device``."""
+    if t is None:
+        return
+    _check_tensor(name, t, 1, (torch.float32,), "float32")
+    if t.shape[0] != num_q_heads:
+        _fail(ValueError, name, f"shape ({num_q_heads},) (num_q_heads)", f"{tuple(t.shape)}")
+    if t.device != device:
+        _fail(ValueError, name, f"a tensor on the query's device {device}", t.device)
+
+
 def check_metadata(
     query, key_cache, value_cache, block_tables, context_lens, *, scale, impl, impls,
-    num_splits, out, kv_layout, k_scale, v_scale, return_lse, validate,
+    num_splits, out, kv_layout, k_scale, v_scale, return_lse, validate, window_left=-1,
+    logits_soft_cap=None, sinks=None, alibi_slopes=None, batch_invariant=False,
 ) -> None:
-    """Metadata checks: no data is read, so no host sync. Raises TypeError/ValueError."""
+    """Metadata checks: no data is read, so no host sync. Raises TypeError/ValueError.
+    ``query`` is 3-D, or 4-D ``[batch, q_len, num_q_heads, head_dim]`` (multi-token)."""
     if not isinstance(impl, str) or impl not in impls:
         _fail(ValueError, "impl", f"one of {', '.join(repr(i) for i in impls)}", repr(impl))
     if kv_layout not in KV_LAYOUTS:
         _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
-    _check_tensor("query", query, 3, FLOAT_DTYPES, "float32, float16 or bfloat16")
+    multi = isinstance(query, torch.Tensor) and query.dim() == 4
+    _check_tensor("query", query, 4 if multi else 3, FLOAT_DTYPES,
+                  "float32, float16 or bfloat16")
+    if multi and query.shape[1] < 1:
+        _fail(ValueError, "query", "q_len >= 1 (dim 1 of a 4-D query)", query.shape[1])
     cache_dtypes = FLOAT_DTYPES + FP8_DTYPES
     words = "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"
     _check_tensor("key_cache", key_cache, 4, cache_dtypes, words)
@@ -149,7 +181,7 @@ def check_metadata(
         ("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables),
         ("context_lens", context_lens)))
 
-    batch, num_q_heads, head_dim = query.shape
+    batch, num_q_heads, head_dim = query.shape[0], query.shape[-2], query.shape[-1]
     num_pages, page_size, num_kv_heads, cache_head_dim = cache_dims(key_cache, kv_layout)
     if cache_head_dim != head_dim:
         _fail(ValueError, "key_cache", f"head_dim {head_dim} (the query's) in the last dim",
@@ -190,6 +222,10 @@ def check_metadata(
         _fail(TypeError, "return_lse", "a bool", type(return_lse).__name__)
     if validate is not None and not isinstance(validate, bool):
         _fail(TypeError, "validate", "None, True or False", type(validate).__name__)
+    check_variant_options(window_left=window_left, logits_soft_cap=logits_soft_cap,
+                          batch_invariant=batch_invariant)
+    check_head_tensor("sinks", sinks, num_q_heads, query.device)
+    check_head_tensor("alibi_slopes", alibi_slopes, num_q_heads, query.device)
     check_device_runnable("query", query)
 
 
@@ -262,10 +298,13 @@ def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_di
 def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, out,
               return_lse, validate) -> None:
     """:meth:`DecodePlan.run`'s checks: the tensors match the plan (metadata only)."""
-    _check_tensor("query", query, 3, (plan.q_dtype,), f"{plan.q_dtype} (the plan's q_dtype)")
-    if tuple(query.shape) != (plan.batch, plan.num_q_heads, plan.head_dim):
-        _fail(ValueError, "query", f"shape {(plan.batch, plan.num_q_heads, plan.head_dim)} "
-              "(the plan's batch, num_q_heads, head_dim)", tuple(query.shape))
+    q_shape = tuple(plan._q_shape)
+    _check_tensor("query", query, len(q_shape), (plan.q_dtype,),
+                  f"{plan.q_dtype} (the plan's q_dtype)")
+    if tuple(query.shape) != q_shape:
+        _fail(ValueError, "query", f"shape {q_shape} (the plan's batch, "
+              f"{'q_len, ' if len(q_shape) == 4 else ''}num_q_heads, head_dim)",
+              tuple(query.shape))
     words = f"{plan.kv_dtype} (the plan's kv_dtype)"
     _check_tensor("key_cache", key_cache, 4, (plan.kv_dtype,), words)
     _check_tensor("value_cache", value_cache, 4, (plan.kv_dtype,), words)
@@ -374,3 +413,22 @@ def check_host_context_lens(lens: Any, batch: int) -> list[int]:
     if len(values) != batch:
         _fail(ValueError, "host_context_lens", f"{batch} entries (the batch)", len(values))
     return values
+
+
+def check_merge_states(outs: Any, lses: Any) -> None:
+    """:func:`pagedattn.merge_states`' checks: ``outs [S, ..., H, D]`` and ``lses [S, ..., H]``
+    float tensors on one device, ``S >= 1``."""
+    for name, t in (("outs", outs), ("lses", lses)):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+        if not t.is_floating_point():
+            _fail(TypeError, name, "a floating-point tensor", t.dtype)
+    if outs.dim() < 3:
+        _fail(ValueError, "outs", "a tensor [S, ..., num_heads, head_dim] of rank >= 3",
+              f"shape {tuple(outs.shape)}")
+    if lses.shape != outs.shape[:-1]:
+        _fail(ValueError, "lses", f"shape {tuple(outs.shape[:-1])} (outs without head_dim)",
+              f"shape {tuple(lses.shape)}")
+    if outs.shape[0] < 1:
+        _fail(ValueError, "outs", "at least one state (S >= 1 along dim 0)", outs.shape[0])
+    check_same_device("outs", outs.device, (("lses", lses),))

@@ -58,6 +58,8 @@ class ImplSpec:
     hnd: bool = False  # the HND cache layout
     lse: bool = False  # return_lse=True
     splits: bool = False  # honours num_splits (the others have no context split)
+    # window_left, logits_soft_cap, sinks, alibi_slopes, batch_invariant, 4-D queries
+    variants: bool = False
 
 
 #: impl name -> spec: the five study stages in ladder order, then the production kernel
@@ -67,22 +69,38 @@ IMPLS: dict[str, ImplSpec] = {
     "vectorized_v2": ImplSpec("vectorized_v2", 2, lambda: _stages().vectorized_v2),
     "gqa_reuse_v3": ImplSpec("gqa_reuse_v3", 3, lambda: _stages().gqa_reuse_v3),
     "split_kv_v4": ImplSpec("split_kv_v4", 4, lambda: _stages().split_kv_v4, splits=True),
-    "auto": ImplSpec("auto", None, planned=True, fp8=True, hnd=True, lse=True, splits=True),
+    "auto": ImplSpec("auto", None, planned=True, fp8=True, hnd=True, lse=True, splits=True,
+                     variants=True),
 }
 STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
+#: the variant arguments at their "off" values
+_VARIANT_DEFAULTS = {"window_left": -1, "logits_soft_cap": None, "sinks": None,
+                     "alibi_slopes": None, "batch_invariant": False}
 
 
 class DecodeOutput(NamedTuple):
     """``paged_decode(..., return_lse=True)`` result."""
 
-    out: torch.Tensor  # [batch, num_q_heads, head_dim], the query's dtype
-    lse: torch.Tensor  # [batch, num_q_heads] float32, natural log; -inf where context_len == 0
+    out: torch.Tensor  # the query's shape and dtype
+    # [batch, num_q_heads] (or [batch, q_len, num_q_heads]) float32, natural log; -inf for
+    # a row that saw no key (the sink with sinks)
+    lse: torch.Tensor
 
 
 def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
-                        return_lse) -> None:
-    """What the spec cannot honour is a ValueError naming the argument and the impl."""
+                        return_lse, query=None, variants=None) -> None:
+    """What the spec cannot honour is a ValueError naming the argument and the impl.
+    ``variants``: ``{name: value}`` of the variant arguments, refused unless at default."""
     impl = spec.name
+    if not spec.variants:
+        if query is not None and query.dim() == 4:
+            raise ValueError(f"query: impl={impl!r} takes a 3-D query [batch, num_q_heads, "
+                             "head_dim]; multi-token (4-D) queries need impl='auto'")
+        for name, value in (variants or {}).items():
+            default = _VARIANT_DEFAULTS[name]
+            if not (value is None if default is None else value == default):
+                raise ValueError(f"{name}: impl={impl!r} does not support attention "
+                                 "variants; use impl='auto'")
     if key_cache.dtype in V.FP8_DTYPES and not spec.fp8:
         raise ValueError(f"key_cache: impl={impl!r} supports float32/float16/bfloat16 caches, "
                          f"got {key_cache.dtype}; use impl='auto' for fp8")
@@ -134,16 +152,21 @@ class DecodePlan:
     """
 
     def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,
-                 page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False):
+                 page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
+                 window_left=-1, logits_soft_cap=None, batch_invariant=False):
         self.block_tables, self.context_lens = block_tables, context_lens
         self.ragged = ragged
+        self.q_len, self.window_left = q_len, window_left
+        self.logits_soft_cap, self.batch_invariant = logits_soft_cap, batch_invariant
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
         self.head_dim, self.page_size = head_dim, page_size
         self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
         self.num_splits = num_splits
         self.batch = block_tables.shape[0]
         self.device = block_tables.device
-        self._q_shape = torch.Size((self.batch, num_q_heads, head_dim))
+        # a multi-token plan takes 4-D queries [batch, q_len, num_q_heads, head_dim]
+        self._q_shape = torch.Size((self.batch, num_q_heads, head_dim) if q_len == 1
+                                   else (self.batch, q_len, num_q_heads, head_dim))
         self._cache_tail = torch.Size((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
                                       else (num_kv_heads, page_size, head_dim))
         self._launcher = None  # built on first use: importing Triton waits for a real launch
@@ -157,18 +180,23 @@ class DecodePlan:
                     num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
                     kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
-                    ragged=self.ragged)
+                    ragged=self.ragged, q_len=self.q_len, window_left=self.window_left,
+                    softcap=self.logits_soft_cap, batch_invariant=self.batch_invariant)
         return self._launcher
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
-            out=None, return_lse=False, validate=None):
-        """One layer's decode: ``softmax(q·Kᵀ·scale)·V`` over each sequence's tokens.
+            out=None, return_lse=False, validate=None, sinks=None, alibi_slopes=None):
+        """One layer's decode: ``softmax(q·Kᵀ·scale)·V`` over each sequence's tokens (with
+        the plan's window, soft-cap and query length).
 
         Args:
-            query: ``[batch, num_q_heads, head_dim]`` of the plan's ``q_dtype``; any strides.
+            query: ``[batch, num_q_heads, head_dim]`` of the plan's ``q_dtype`` (``[batch,
+                q_len, num_q_heads, head_dim]`` for a plan with ``q_len > 1``); any strides.
             key_cache, value_cache: the plan's layout and ``kv_dtype``, ``num_kv_heads``,
                 ``page_size`` and ``head_dim`` (see :func:`paged_decode`).
             scale, k_scale, v_scale, out, return_lse, validate: as in :func:`paged_decode`.
+            sinks, alibi_slopes: per-layer ``[num_q_heads]`` float32 tensors on the plan's
+                device, or ``None``; as in :func:`paged_decode`.
 
         Returns:
             ``out`` or ``DecodeOutput(out, lse)`` as :func:`paged_decode`.
@@ -178,14 +206,17 @@ class DecodePlan:
                 the argument), or what :func:`paged_decode` refuses.
         """
         if not self._common_call(query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                                 return_lse, validate):
+                                 return_lse, validate) or sinks is not None \
+                or alibi_slopes is not None:
             V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
                         v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
+            V.check_head_tensor("sinks", sinks, self.num_q_heads, self.device)
+            V.check_head_tensor("alibi_slopes", alibi_slopes, self.num_q_heads, self.device)
         if query.device.type == "cpu" or validate:
             _run_value_checks(query, self.block_tables, self.context_lens,
                               key_cache.shape[0], self.page_size, validate)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                            return_lse)
+                            return_lse, sinks, alibi_slopes)
 
     def _common_call(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
                      return_lse, validate) -> bool:
@@ -209,12 +240,12 @@ class DecodePlan:
                 and (return_lse is False or return_lse is True) and validate is None)
 
     def _launch(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                return_lse):
+                return_lse, sinks=None, alibi_slopes=None):
         """The run after validation (``paged_decode`` validates once and comes here)."""
         if out is None:
             out = torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device)
-        lse = (torch.empty(self.batch, self.num_q_heads, dtype=torch.float32,
-                           device=query.device) if return_lse else None)
+        lse = (torch.empty(self._q_shape[:-1], dtype=torch.float32, device=query.device)
+               if return_lse else None)
         if self.batch > 0 and self.num_q_heads > 0:
             key_cache, value_cache = _nhd(key_cache, value_cache, self.kv_layout)
             sm_scale = self.head_dim**-0.5 if scale is None else float(scale)
@@ -222,7 +253,8 @@ class DecodePlan:
             with _on_device(self.device):
                 self.last_compiled = engine.launch(
                     query, key_cache, value_cache, self.block_tables, self.context_lens, out,
-                    lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+                    lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                    alibi_slopes=alibi_slopes)
         return DecodeOutput(out, lse) if lse is not None else out
 
 
@@ -230,7 +262,9 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                 num_kv_heads: int, head_dim: int, page_size: int, q_dtype: torch.dtype,
                 kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD",
                 num_splits: int | None = None,
-                host_context_lens=None) -> DecodePlan:
+                host_context_lens=None, q_len: int = 1, window_left: int = -1,
+                logits_soft_cap: float | None = None,
+                batch_invariant: bool = False) -> DecodePlan:
     """Plan one decode step of the production kernel (``impl="auto"``) for every layer.
 
     Args:
@@ -246,6 +280,11 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
             tensor; schedulers have one). It only refines the tile choice (a ragged batch,
             mean under half the longest, pipelines deeper); the kernel still reads
             ``context_lens`` on the device, so a later in-place update stays correct.
+        q_len: query tokens per sequence (≥ 1); with ``q_len > 1`` :meth:`DecodePlan.run`
+            takes ``[batch, q_len, num_q_heads, head_dim]`` queries (speculative decoding).
+        window_left, logits_soft_cap, batch_invariant: as in :func:`paged_decode`; they
+            are compile-time specializations of the plan's kernel. (``sinks`` and
+            ``alibi_slopes`` are per layer: pass them to :meth:`DecodePlan.run`.)
 
     Returns:
         A :class:`DecodePlan`. Nothing is read from the device (no host sync).
@@ -258,6 +297,8 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                  num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                  q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=kv_layout,
                  num_splits=num_splits)
+    V.check_variant_options(window_left=window_left, logits_soft_cap=logits_soft_cap,
+                            batch_invariant=batch_invariant, q_len=q_len)
     ragged = False
     if host_context_lens is not None:
         lens = V.check_host_context_lens(host_context_lens, block_tables.shape[0])
@@ -265,7 +306,10 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
     return DecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                       q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,
-                      kv_layout=kv_layout, num_splits=num_splits, ragged=ragged)
+                      kv_layout=kv_layout, num_splits=num_splits, ragged=ragged, q_len=q_len,
+                      window_left=window_left,
+                      logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                      batch_invariant=batch_invariant)
 
 
 def paged_decode(
@@ -284,6 +328,11 @@ def paged_decode(
     v_scale: float | torch.Tensor | None = None,
     return_lse: bool = False,
     validate: bool | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor | DecodeOutput:
     """One decode step of paged attention: ``softmax(q·Kᵀ·scale)·V`` per sequence and head.
 
@@ -296,6 +345,12 @@ def paged_decode(
 
     Args:
         query: ``[batch, num_q_heads, head_dim]``, float32/float16/bfloat16. Any strides.
+            ``impl="auto"`` also takes ``[batch, q_len, num_q_heads, head_dim]`` (multi-token
+            queries, as in speculative decoding): token ``j`` sits at position
+            ``context_lens[b] - q_len + j`` (the ``q_len`` new keys are already in the cache,
+            counted by ``context_lens``) and attends causally; a token at a position below 0
+            gets 0 (and LSE ``-inf``, or the sink). The tokens' rows share one tile, so the
+            cache is read once for all of them.
         key_cache: ``[num_pages, page_size, num_kv_heads, head_dim]`` ("NHD") or
             ``[num_pages, num_kv_heads, page_size, head_dim]`` ("HND"). The query's dtype, or
             float8_e4m3fn/float8_e5m2 (``impl="auto"`` only). Any strides: a combined
@@ -321,60 +376,102 @@ def paged_decode(
         validate: ``None`` (default) runs the value checks (lengths and used page ids in
             range) only for CPU tensors; ``True`` runs them on any device (one host sync;
             refused under CUDA-graph capture); ``False`` skips them.
+        window_left: sliding window (Mistral; Gemma 2/3's local layers): the query token at
+            position ``i`` sees keys ``p`` with ``i - window_left <= p <= i``; ``-1`` (default)
+            is no window. Pages wholly before the window are never read, and the splits
+            balance the visible tokens, so time scales with the window, not the context.
+        logits_soft_cap: a float > 0 (Gemma 2: 50.0 for attention): the logits
+            ``s = scale·q·k`` become ``cap·tanh(s / cap)`` before any bias and the softmax.
+        sinks: ``[num_q_heads]`` float32 on the query's device, one logit per head added to
+            the softmax denominator only (gpt-oss's attention sinks):
+            ``out = Σ exp(s_p)·v_p / (exp(sink) + Σ exp(s_p))``; the LSE is the log of that
+            whole denominator (a row with no key: out 0, LSE = sink).
+        alibi_slopes: ``[num_q_heads]`` float32 on the query's device: ALiBi (Press et al.,
+            ICLR 2022; BLOOM, MPT, Falcon) adds ``slope_h · (p - i)`` to the logit of key
+            ``p`` for the query at ``i``, after the soft-cap.
+        batch_invariant: ``True`` makes each sequence's output bitwise identical whatever
+            else is in the batch and whatever the batch size (a fixed split size in tokens;
+            the vLLM batch-invariant / SGLang deterministic modes). Costs some speed on
+            batches that a batch-wide split count would balance better.
 
     Returns:
-        ``out`` ``[batch, num_q_heads, head_dim]`` in the query's dtype (a row with context
-        length 0 is all zeros), or ``DecodeOutput(out, lse)`` with ``return_lse=True``.
+        ``out`` in the query's shape and dtype (a row that saw no key is all zeros), or
+        ``DecodeOutput(out, lse)`` with ``return_lse=True`` (``lse`` is the query's shape
+        without ``head_dim``).
 
     Raises:
         TypeError: a non-tensor argument, or a wrong dtype (mixed query/cache dtypes, non-integer
             ``block_tables``/``context_lens``, an fp8 query).
         ValueError: a wrong rank or shape, mixed devices, ``num_q_heads % num_kv_heads != 0``,
             ``head_dim`` outside [16, 256], an unknown ``impl``/``kv_layout``, ``num_splits < 1``,
-            a bad scale shape, an option the impl cannot honour, or (when value checks run)
+            a bad scale shape, ``window_left < -1``, ``logits_soft_cap`` not a finite float
+            > 0, ``sinks``/``alibi_slopes`` not ``[num_q_heads]`` float32 on the query's
+            device (TypeError for a wrong dtype), an option the impl cannot honour (every
+            variant and 4-D queries are ``impl="auto"`` only), or (when value checks run)
             a length outside ``[0, max_pages * page_size]`` or a used page id outside
             ``[0, num_pages)``. The message names the argument.
 
     Sources: split-KV with a log-sum-exp merge as in Flash-Decoding (Dao et al., 2023); paging
-    as in vLLM (Kwon et al., SOSP 2023); the plan/run split as in FlashInfer (Ye et al., 2025).
+    as in vLLM (Kwon et al., SOSP 2023); the plan/run split as in FlashInfer (Ye et al., 2025);
+    soft-cap from Gemma 2 (Gemma Team, 2024); sliding window from Mistral 7B (Jiang et al.,
+    2023); sinks from gpt-oss (OpenAI, 2025); ALiBi from Press et al. (ICLR 2022).
     """
     result, _ = _decode(query, key_cache, value_cache, block_tables, context_lens, scale=scale,
                         impl=impl, num_splits=num_splits, out=out, kv_layout=kv_layout,
                         k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-                        validate=validate)
+                        validate=validate, window_left=window_left,
+                        logits_soft_cap=logits_soft_cap, sinks=sinks,
+                        alibi_slopes=alibi_slopes, batch_invariant=batch_invariant)
     return result
 
 
 def compiled_kernels(query, key_cache, value_cache, block_tables, context_lens, *,
-                     impl: str = "auto", **kwargs) -> dict[str, object]:
-    """Run :func:`paged_decode` once and return the compiled kernels it launched, by name
-    (Triton's ``CompiledKernel``: ``n_regs``, ``n_spills``, ``metadata``); for the profiling
-    tools. Takes the same arguments as :func:`paged_decode`."""
-    _, compiled = _decode(query, key_cache, value_cache, block_tables, context_lens, impl=impl,
-                          **kwargs)
-    return compiled
+                     impl: str = "auto", **kwargs) -> tuple[object, dict[str, object]]:
+    """Run :func:`paged_decode` once; return its result and the compiled kernels that call
+    launched, by name (Triton's ``CompiledKernel``: ``n_regs``, ``n_spills``, ``metadata``;
+    ``None`` values under the interpreter), for the profiling tools. Takes the same arguments
+    as :func:`paged_decode`."""
+    return _decode(query, key_cache, value_cache, block_tables, context_lens, impl=impl,
+                   **kwargs)
 
 
 def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
             impl="auto", num_splits=None, out=None, kv_layout="NHD", k_scale=None, v_scale=None,
-            return_lse=False, validate=None):
+            return_lse=False, validate=None, window_left=-1, logits_soft_cap=None, sinks=None,
+            alibi_slopes=None, batch_invariant=False):
+    variants = dict(window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                    alibi_slopes=alibi_slopes, batch_invariant=batch_invariant)
     V.check_metadata(
         query, key_cache, value_cache, block_tables, context_lens, scale=scale, impl=impl,
         impls=tuple(IMPLS), num_splits=num_splits, out=out, kv_layout=kv_layout,
         k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, validate=validate,
+        **variants,
     )
     spec = IMPLS[impl]
-    _check_capabilities(spec, key_cache, kv_layout, k_scale, v_scale, return_lse)
+    _check_capabilities(spec, key_cache, kv_layout, k_scale, v_scale, return_lse, query,
+                        variants)
     num_pages, page_size, num_kv_heads, head_dim = V.cache_dims(key_cache, kv_layout)
     _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate)
-    batch, num_q_heads, _ = query.shape
+    batch, num_q_heads = query.shape[0], query.shape[-2]
     if spec.planned:
+        q_len = query.shape[1] if query.dim() == 4 else 1
+        squeeze = query.dim() == 4 and q_len == 1  # a one-token plan on 3-D views
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
         plan = DecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
                           num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                           q_dtype=query.dtype, kv_dtype=key_cache.dtype, kv_layout=kv_layout,
-                          num_splits=num_splits)
-        result = plan._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                              return_lse)
+                          num_splits=num_splits, q_len=q_len, window_left=window_left,
+                          logits_soft_cap=(None if logits_soft_cap is None
+                                           else float(logits_soft_cap)),
+                          batch_invariant=batch_invariant)
+        result = plan._launch(query[:, 0] if squeeze else query, key_cache, value_cache,
+                              scale, k_scale, v_scale, out[:, 0] if squeeze else out,
+                              return_lse, sinks, alibi_slopes)
+        if return_lse:
+            result = DecodeOutput(out, result.lse.unsqueeze(1) if squeeze else result.lse)
+        else:
+            result = out
         return result, plan.last_compiled
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -418,3 +515,44 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     _append_kv_launcher()(key, value, key_cache, value_cache, slot_mapping,
                           kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
                           validate=validate)
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:
+    """Merge attention states computed over disjoint key sets into the state over their union.
+
+    ``out = Σ_s exp(lse_s - L) · out_s`` with ``L = log Σ_s exp(lse_s)``: the log-sum-exp merge
+    of split-KV decoding, exposed for cascade / shared-prefix serving (FlashInfer's
+    ``merge_state`` / ``merge_states``, Ye et al., 2025): attend a shared prefix once for many
+    requests (``return_lse=True``), each request's own suffix separately, then merge.
+
+    Args:
+        outs: ``[S, ..., num_heads, head_dim]`` float32/float16/bfloat16, the ``S`` states'
+            normalized outputs (e.g. ``paged_decode`` results stacked on a new dim 0).
+        lses: ``[S, ..., num_heads]`` float, their natural-log LSEs (``-inf`` for a state
+            that saw no key).
+
+    Returns:
+        ``DecodeOutput(out, lse)``: ``out`` ``[..., num_heads, head_dim]`` in ``outs``'
+        dtype, ``lse`` ``[..., num_heads]`` float32, natural log. Computed in float32 with
+        the maximum LSE factored out; ``-inf``-safe: where every state is empty, out is 0 and
+        LSE ``-inf``.
+
+    An attention sink (``sinks=``) is one more term of the whole denominator: apply it to
+    exactly one of the merged parts (e.g. the shared prefix), never to several.
+
+    Raises:
+        TypeError, ValueError: non-tensors, a non-float dtype, mismatched shapes
+            (``lses.shape != outs.shape[:-1]``), ``S == 0`` or mixed devices; the message
+            names the argument.
+    """
+    V.check_merge_states(outs, lses)
+    lse32 = lses.to(torch.float32)
+    top = lse32.amax(dim=0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all-empty: 0
+    w = torch.exp(lse32 - top)  # [S, ..., H], 0 for an empty state
+    total = w.sum(dim=0)
+    merged = (w.unsqueeze(-1) * outs.to(torch.float32)).sum(dim=0)
+    nonempty = total > 0
+    merged = merged / torch.where(nonempty, total, torch.ones_like(total)).unsqueeze(-1)
+    lse = torch.where(nonempty, torch.log(total) + top, torch.full_like(total, -math.inf))
+    return DecodeOutput(merged.to(outs.dtype), lse)

@@ -6,6 +6,11 @@ first ``ceil(context_len / page_size)`` pages through ``block_tables``, keeps th
 ``softmax(q·Kᵀ·scale)·V`` per query head in float64 with grouped-query attention
 (query head ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)``).
 
+The variants, straight from their definitions: a query token at position ``i`` sees keys
+``p <= i`` (and ``p >= i - window_left`` with a window); its logits are ``s = scale·q·k``,
+then ``cap·tanh(s / cap)``, then ``+ slope_h·(p - i)``; a sink adds ``exp(sink_h)`` to the
+denominator only. A 4-D query puts token ``j`` at position ``context_len - q_len + j``.
+
 Nothing else in the package is imported here: the oracle depends on torch only.
 """
 
@@ -18,8 +23,10 @@ import torch
 
 
 class ReferenceOutput(NamedTuple):
-    out: torch.Tensor  # [batch, num_q_heads, head_dim] float64
-    lse: torch.Tensor  # [batch, num_q_heads] float64, natural log, -inf for an empty row
+    out: torch.Tensor  # the query's shape, float64
+    # the query's shape without head_dim, float64, natural log; -inf for a row that saw no
+    # key (the sink with sinks)
+    lse: torch.Tensor
 
 
 def _per_head_scale(scale, num_kv_heads: int) -> torch.Tensor:
@@ -40,11 +47,16 @@ def paged_decode_reference(
     kv_layout: str = "NHD",
     k_scale=None,
     v_scale=None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> ReferenceOutput:
     """Float64 paged decode attention.
 
     Args:
-        query: ``[batch, num_q_heads, head_dim]``, any float dtype.
+        query: ``[batch, num_q_heads, head_dim]`` or ``[batch, q_len, num_q_heads,
+            head_dim]``, any float dtype.
         key_cache, value_cache: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
             ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND); any float dtype, fp8 too.
         block_tables: ``[batch, max_pages]`` integer physical page ids; entries past
@@ -54,11 +66,22 @@ def paged_decode_reference(
         kv_layout: ``"NHD"`` or ``"HND"``.
         k_scale, v_scale: fp8 dequantization scales (float, 0-d, or ``[num_kv_heads]``); the
             cache value is ``stored * scale``.
+        window_left, logits_soft_cap, sinks, alibi_slopes: the variants (module docstring);
+            ``sinks`` and ``alibi_slopes`` are ``[num_q_heads]``.
 
     Returns:
-        ``ReferenceOutput(out, lse)`` in float64; a row with context length 0 has ``out == 0``
-        and ``lse == -inf``.
+        ``ReferenceOutput(out, lse)`` in float64; a row that sees no key has ``out == 0``
+        and ``lse == -inf`` (``lse == sink`` with sinks).
     """
+    if query.dim() == 4:  # token by token: each is a one-token query at its own position
+        q_len = query.shape[1]
+        parts = [paged_decode_reference(
+            query[:, j], key_cache, value_cache, block_tables, context_lens - (q_len - 1 - j),
+            scale=scale, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
+            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            alibi_slopes=alibi_slopes) for j in range(q_len)]
+        return ReferenceOutput(torch.stack([p.out for p in parts], 1),
+                               torch.stack([p.lse for p in parts], 1))
     if kv_layout == "HND":
         key_cache = key_cache.transpose(1, 2)
         value_cache = value_cache.transpose(1, 2)
@@ -70,21 +93,35 @@ def paged_decode_reference(
     vs = _per_head_scale(v_scale, num_kv_heads).to(query.device)
     out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64, device=query.device)
     lse = torch.full((batch, num_q_heads), -math.inf, dtype=torch.float64, device=query.device)
+    sink = None if sinks is None else sinks.detach().to(torch.float64).to(query.device)
+    if sink is not None:
+        lse[:] = sink  # a row that sees no key: the denominator is the sink alone
     lens = context_lens.detach().cpu().tolist()
     for b, n in enumerate(lens):
-        n = int(n)
+        n = int(n)  # the query sits at position n - 1 and sees keys [first, n)
+        first = 0 if window_left < 0 else max(0, n - 1 - window_left)
         if n <= 0:
             continue
         num_used = -(-n // page_size)
-        pages = block_tables[b, :num_used].long()
-        k = key_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[:n]
-        v = value_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[:n]
+        p0 = first // page_size  # pages before the window are never read
+        pages = block_tables[b, p0:num_used].long()
+        lo, hi = first - p0 * page_size, n - p0 * page_size
+        k = key_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[lo:hi]
+        v = value_cache[pages].to(torch.float64).reshape(-1, num_kv_heads, head_dim)[lo:hi]
         k = k * ks[None, :, None]
         v = v * vs[None, :, None]
         k = k.repeat_interleave(group, dim=1)  # [n, num_q_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         q = query[b].to(torch.float64)  # [num_q_heads, head_dim]
         scores = torch.einsum("hd,nhd->hn", q, k) * sm_scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        if alibi_slopes is not None:
+            dist = torch.arange(first - (n - 1), 1, dtype=torch.float64, device=q.device)
+            scores = scores + alibi_slopes.to(torch.float64)[:, None] * dist[None, :]
+        if sink is not None:  # one more column in the denominator, none in the numerator
+            scores = torch.cat([scores, sink[:, None]], dim=1)
+            v = torch.cat([v, torch.zeros_like(v[:1])], dim=0)
         lse[b] = torch.logsumexp(scores, dim=-1)
         out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
     return ReferenceOutput(out, lse)

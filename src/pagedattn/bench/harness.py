@@ -94,8 +94,16 @@ def impl_entry(impl: str) -> Entry:
     import pagedattn.api as api
 
     def make(shape: BenchShape, b: BenchBatch, for_graph: bool = False):
-        if impl in api.STAGES and shape.cache_dtype != shape.dtype:
-            raise PeerUnsupported(f"{impl}: the study's stages take no fp8 cache")
+        if not api.IMPLS[impl].fp8 and shape.cache_dtype != shape.dtype:
+            raise PeerUnsupported(f"{impl}: {impl!r} takes no fp8 cache")
+        if api.IMPLS[impl].planned:  # planned once per batch, like the peers' plan() calls
+            m = shape.model
+            plan = api.plan_decode(b.block_tables, b.context_lens, num_q_heads=m.num_q_heads,
+                                   num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                   page_size=shape.page_size, q_dtype=shape.dtype,
+                                   kv_dtype=shape.cache_dtype,
+                                   host_context_lens=list(shape.context_lens))
+            return lambda: plan.run(*b.tensors[:3], **b.scales)
         return lambda: api.paged_decode(*b.tensors, impl=impl, **b.scales)
 
     return Entry(impl, "ours", make)

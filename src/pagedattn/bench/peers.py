@@ -193,6 +193,17 @@ def _flashinfer():
     return flashinfer
 
 
+def flashinfer_page_table(b: BenchBatch, page_size: int):
+    """FlashInfer's CSR page table of a batch: ``(indptr, indices, last_page_len)`` int32."""
+    lens = b.context_lens.long()
+    need = (lens + page_size - 1) // page_size
+    indptr = torch.cat([need.new_zeros(1), need.cumsum(0)]).to(torch.int32)
+    used = torch.arange(b.block_tables.shape[1], device=lens.device)[None, :] < need[:, None]
+    indices = b.block_tables[used].to(torch.int32)  # row-major: each sequence's pages in order
+    last_page_len = ((lens - 1).clamp(min=0) % page_size + 1).to(torch.int32)
+    return indptr, indices, last_page_len
+
+
 def _need_flashinfer(peer: str, shape: BenchShape, b: BenchBatch):
     """The flashinfer module, or :class:`PeerUnsupported` saying why not."""
     if b.query.device.type != "cuda":
@@ -208,12 +219,7 @@ def _need_flashinfer(peer: str, shape: BenchShape, b: BenchBatch):
 def flashinfer_tc(shape: BenchShape, b: BenchBatch, for_graph: bool = False) -> PeerFn:
     fi = _need_flashinfer("flashinfer-tc", shape, b)
     m, ps, dev = shape.model, shape.page_size, b.query.device
-    lens = b.context_lens.long()
-    need = (lens + ps - 1) // ps
-    indptr = torch.cat([need.new_zeros(1), need.cumsum(0)]).to(torch.int32)
-    used = torch.arange(b.block_tables.shape[1], device=dev)[None, :] < need[:, None]
-    indices = b.block_tables[used].to(torch.int32)  # row-major: each sequence's pages in order
-    last_page_len = ((lens - 1).clamp(min=0) % ps + 1).to(torch.int32)
+    indptr, indices, last_page_len = flashinfer_page_table(b, ps)
     workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
     graph_buffers = {}
     if for_graph:

@@ -71,18 +71,11 @@ def compiled_kernels(impl: str, inputs: BenchBatch, **kwargs) -> tuple[torch.Ten
     """Run ``paged_decode(*inputs.tensors, impl=impl, **kwargs)`` once; return its output and
     ``{kernel name: compiled kernel}`` of every kernel that call launched.
 
-    The one place in the bench package that reads ``pagedattn.launch.LAST_COMPILED`` (cleared
-    first, so only this call's kernels are attributed to it). When the API returns compile
-    metadata on request, only this function changes.
+    The API returns the compile records on request (``pagedattn.compiled_kernels``).
     """
-    import pagedattn.api as api
-    import pagedattn.launch as launch
+    import pagedattn
 
-    table = getattr(launch, "LAST_COMPILED", None)
-    table = table if isinstance(table, dict) else {}
-    table.clear()
-    out = api.paged_decode(*inputs.tensors, impl=impl, **inputs.scales, **kwargs)
-    return out, dict(table)
+    return pagedattn.compiled_kernels(*inputs.tensors, impl=impl, **inputs.scales, **kwargs)
 
 
 def _as_counters(name: str, md: dict) -> KernelCounters:

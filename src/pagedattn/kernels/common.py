@@ -25,6 +25,9 @@ Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN
 * ``_softmax_token_step``: one token (or one element-wise row of tokens) folded into the state.
 * ``_softmax_block_step``: a ``[rows, BLOCK_N]`` tile of scores; returns the new max, the
   rescale factor and the tile's probabilities (the caller forms ``P·V`` its own way).
+* ``_soft_cap``: Gemma 2's logit soft-cap ``cap · tanh(s / cap)`` on exp2-domain scores.
+* ``_fold_sink``: an attention sink (gpt-oss) folded into a final state: one more term of the
+  denominator, none of the numerator.
 * ``_merge_partials``: fold one partial state ``(m_s, l_s, acc_s)`` (a split of the context)
   into a running one; the log-sum-exp merge of Flash-Decoding (Dao et al., 2023).
 """
@@ -32,8 +35,10 @@ Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634  # log2(e): natural-log scores -> exp2 domain
-LN2: tl.constexpr = 0.6931471805599453  # ln(2): exp2-domain LSE -> natural log
+# constexpr *instances*: Triton 3.6's code generator rejects a global that is only annotated
+# ``x: tl.constexpr = 1.0`` ("Cannot access global variable"); the interpreter does not check
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): natural-log scores -> exp2 domain
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): exp2-domain LSE -> natural log
 
 
 @triton.jit
@@ -152,6 +157,28 @@ def _attend_tokens(
         s = tl.sum(q * k, axis=0)  # the one reduction per token
         m, l, acc = _softmax_token_step(m, l, acc, s, v)
     return m, l, acc
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    """Gemma 2's soft-cap on exp2-domain scores ``s = s_nat · log2 e``: returns
+    ``cap · tanh(s_nat / cap) · log2 e``. ``tanh`` as ``(1 - e) / (1 + e)`` with
+    ``e = exp(-2|x|)`` (no overflow for any ``|x|``: huge logits give exactly ±cap)."""
+    x = s * (LN2 / cap)  # s_nat / cap
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t) * (cap * LOG2E)
+
+
+@triton.jit
+def _fold_sink(m, l, sink2):
+    """Fold a sink logit ``sink2`` (exp2 domain) into a final state ``(m, l)``: the
+    denominator gains ``2^sink2``, the numerator nothing. Returns ``(m_new, l_new, alpha)``;
+    the caller scales its accumulator by ``alpha``. A row that saw no key (``m = -inf``,
+    ``l = 0``) gets ``m_new = sink2, l_new = 1``: out 0 and LSE = the sink."""
+    m_new = tl.maximum(m, sink2)
+    alpha = _rescale(m, m_new)
+    return m_new, l * alpha + tl.exp2(sink2 - m_new), alpha
 
 
 @triton.jit

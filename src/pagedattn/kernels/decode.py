@@ -47,26 +47,66 @@ was tried and measured slower (``docs/perf-notes.md``, step 5). Rows are exactly
 the non-empty splits, so no empty split is ever formed or read. Lengths are clamped to the
 table's capacity; block-table entries past ``ceil(len / page_size)`` are never read.
 
-Feature flags are ``constexpr`` so that later features (sliding window, soft-capping, sinks,
-ALiBi, multi-token queries) are branches of this kernel, not forks.
+**Variants** are ``constexpr`` flags of this one kernel; with every flag off the compiled code
+is the plain kernel's, instruction for instruction (the new runtime arguments are read under
+their flag only):
+
+* ``HAS_WINDOW`` (``window_left``): the ``Q_LEN`` query tokens together see keys ``[first,
+  len)`` with ``first = max(0, len - Q_LEN - window_left)``. The planner splits only those
+  visible tokens (``_visible_tokens`` in both scans), each unit's tile loop starts at
+  ``first`` and block-table entries before ``first // PAGE_SIZE`` are never read, so bytes
+  and time scale with the window. With one query token the unit's range *is* the window (no
+  per-token mask); with several, each row also masks ``p < i - window_left``.
+* ``HAS_SOFTCAP`` (``softcap``): ``cap·tanh(s / cap)`` on the natural-domain logit
+  (``_soft_cap`` converts from and back to the exp2 domain), before any bias.
+* ``HAS_ALIBI`` (``alibi_ptr``): ``+ slope_h·(p - i)`` (times ``log2 e``) after the soft-cap.
+* ``HAS_SINKS`` (``sinks_ptr``): the sink joins the denominator exactly once, in the final
+  normalization: by the unit itself when the sequence has one split row (it writes the
+  result), else by the merge kernel after it has combined the rows (and by the merge for an
+  empty sequence: out 0, LSE = sink). Partials in the workspace never hold it.
+* ``Q_LEN`` > 1 (multi-token queries): the tile's rows are ``Q_LEN × group`` (token-major,
+  ``BLOCK_H = next_pow2(Q_LEN·group)``), so K/V are read once for every query token; row
+  ``(j, h)`` sits at position ``len - Q_LEN + j`` and masks keys after it (causal,
+  bottom-right aligned). Partials are indexed by (split row, query token, query head); such
+  a row may see no key of a split (``m = -inf``), so the merge weighs rows with
+  ``_rescale`` and a token that saw no key at all gets 0 (LSE ``-inf``, or the sink).
+  Multi-token plans always merge per group.
+* ``BATCH_INVARIANT``: ``chunk`` is the launcher's fixed ``min_chunk`` (a multiple of
+  ``BLOCK_N``) instead of a batch-wide target, so a sequence's splits, tiles and merge order
+  depend on its own length only; the launcher also fixes the merge kernel (per group).
 """
 
 import triton
 import triton.language as tl
 
 from pagedattn.kernels.common import (
+    LOG2E,
     _clamped_context_len,
     _dim_mask,
+    _fold_sink,
     _natural_lse,
     _page_ids,
     _rescale,
+    _soft_cap,
     _softmax_block_step,
 )
 
 
 @triton.jit
-def _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B: tl.constexpr):
-    """Σ clamped lengths (64-bit: with shared, prefix-cached pages the batch's tokens are not
+def _visible_tokens(n, window_left, Q_LEN: tl.constexpr):
+    """``(first, count)``: with a sliding window, the key range ``[first, n)`` that the
+    ``Q_LEN`` query tokens of a sequence of ``n`` keys see together (vector or scalar ``n``).
+    The first token sits at ``n - Q_LEN`` and its window starts ``window_left`` keys before
+    it; causality ends every window at or before ``n - 1``. (Without a window: ``[0, n)``.)"""
+    first = tl.maximum(n - Q_LEN - window_left, 0)
+    return first, n - first
+
+
+@triton.jit
+def _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity, window_left,
+                          BLOCK_B: tl.constexpr, Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Σ clamped lengths (with a window, the visible tokens only: the split work scales with
+    the window) (64-bit: with shared, prefix-cached pages the batch's tokens are not
     bounded by the cache size, and 1,024 sequences of 256 k tokens pass 2^31) and the longest
     clamped length. ``BLOCK_B`` lengths per vector load: the batch is a runtime value."""
     total = tl.full([], 0, tl.int64)
@@ -75,6 +115,8 @@ def _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity, BLOCK_B
         offs_b = b0 + tl.arange(0, BLOCK_B)
         n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
         n = tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity)
+        if HAS_WINDOW:
+            _, n = _visible_tokens(n, window_left, Q_LEN)
         total += tl.sum(n.to(tl.int64))
         longest = tl.maximum(longest, tl.max(n))
     return total, longest
@@ -93,7 +135,8 @@ def _chunk_of(n, chunk, forced_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_splits,
-                BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+                window_left, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Sequence ``b`` owning split row ``r`` and the first row ``start_b`` it owns."""
     b = 0
     start = 0
@@ -102,6 +145,8 @@ def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_
         offs_b = b0 + tl.arange(0, BLOCK_B)
         n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
         n = tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity)
+        if HAS_WINDOW:  # split the visible tokens only
+            _, n = _visible_tokens(n, window_left, Q_LEN)
         rows = tl.cdiv(n, _chunk_of(n, chunk, forced_splits, BLOCK_N))
         ends = running + tl.cumsum(rows, axis=0)
         before = (ends <= r) & (offs_b < batch)
@@ -111,10 +156,18 @@ def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_
     return b, start
 
 
+@triton.jit
+def _token_rows(offs_h, kv_head, group, Q_LEN: tl.constexpr):
+    """Multi-token tiles (``Q_LEN > 1``): row ``i`` is query token ``i // group`` of query
+    head ``kv_head * group + i % group``. Returns ``(q_tok, heads, mask_h)`` ``[BLOCK_H]``."""
+    return offs_h // group, kv_head * group + offs_h % group, offs_h < Q_LEN * group
+
+
 # runtime values that change from call to call: never specialized (no recompiles for a new
 # batch size, table width or split policy)
 _RUNTIME_ARGS = ["batch", "max_pages", "forced_splits", "min_chunk", "target_units",
-                 "target_units_ragged", "stride_q_b", "stride_bt_b", "stride_o_b"]
+                 "target_units_ragged", "stride_q_b", "stride_bt_b", "stride_o_b",
+                 "window_left", "stride_q_t", "stride_o_t"]
 
 @triton.jit(do_not_specialize=_RUNTIME_ARGS)
 def _paged_decode_kernel(
@@ -126,6 +179,9 @@ def _paged_decode_kernel(
     k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # [num_kv_heads] or 0-d
     k_scale_val, v_scale_val,  # Python-float scales (used when not SCALE_FROM_PTR)
     scale_log2,
+    sinks_ptr, alibi_ptr,  # [num_q_heads] fp32 each (read under HAS_SINKS / HAS_ALIBI only)
+    window_left, softcap,  # read under HAS_WINDOW / HAS_SOFTCAP only
+    stride_q_t, stride_o_t,  # the query token's stride in a 4-D query / out (Q_LEN > 1 only)
     batch, num_kv_heads, group, max_pages, forced_splits,
     min_chunk, target_units, target_units_ragged,  # split sizing (runtime: never recompiles)
     stride_q_b, stride_q_h, stride_q_d,
@@ -143,6 +199,12 @@ def _paged_decode_kernel(
     Q_POW2_SCALE: tl.constexpr,  # rescale each query row by a power of two into DOT_DTYPE's range
     SCALE_FROM_PTR: tl.constexpr,  # scales come as tensors (graph-safe), not floats
     HAS_LSE: tl.constexpr,
+    Q_LEN: tl.constexpr = 1,  # query tokens per sequence; rows = Q_LEN x group (token-major)
+    HAS_WINDOW: tl.constexpr = False,  # sliding window of window_left keys
+    HAS_SOFTCAP: tl.constexpr = False,  # softcap * tanh(s / softcap)
+    HAS_SINKS: tl.constexpr = False,  # one sink logit per query head
+    HAS_ALIBI: tl.constexpr = False,  # + slope_h * (p - i)
+    BATCH_INVARIANT: tl.constexpr = False,  # chunk = min_chunk, whatever the batch
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
@@ -155,41 +217,66 @@ def _paged_decode_kernel(
         offs_b = tl.arange(0, BLOCK_B)
         n_all = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
         n_all = tl.minimum(tl.maximum(n_all.to(tl.int32), 0), capacity)
-        total = tl.sum(n_all.to(tl.int64))
-        longest = tl.max(n_all)
+        vis_all = n_all
+        if HAS_WINDOW:  # split the visible tokens only
+            _, vis_all = _visible_tokens(n_all, window_left, Q_LEN)
+    if BATCH_INVARIANT:
+        # a fixed split size in tokens (the launcher passes a multiple of BLOCK_N): a
+        # sequence's splits, and so its arithmetic, never depend on the rest of the batch
+        chunk = min_chunk.to(tl.int32)
     else:
-        total, longest = _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity,
-                                               BLOCK_B)
-    work = total * num_kv_heads  # int64
-    # a ragged batch (mean length under half the longest) is cut finer: whole-sequence units
-    # of unequal lengths leave a tail that smaller units fill
-    ragged = total * 2 < longest.to(tl.int64) * batch
-    target = tl.where(ragged, target_units_ragged, target_units)
-    # a multiple of BLOCK_N, so the near-equal pieces of _chunk_of are never more than
-    # ceil(len / chunk) per sequence (the workspace bound of the launcher)
-    chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target), min_chunk), BLOCK_N) * BLOCK_N
-    chunk = tl.minimum(chunk, capacity + BLOCK_N).to(tl.int32)  # no sequence is longer
+        if BATCH_FITS:
+            total = tl.sum(vis_all.to(tl.int64))
+            longest = tl.max(vis_all)
+        else:
+            total, longest = _total_and_max_tokens(context_lens_ptr, batch, stride_ctx,
+                                                   capacity, window_left, BLOCK_B, Q_LEN,
+                                                   HAS_WINDOW)
+        work = total * num_kv_heads  # int64
+        # a ragged batch (mean length under half the longest) is cut finer: whole-sequence
+        # units of unequal lengths leave a tail that smaller units fill
+        ragged = total * 2 < longest.to(tl.int64) * batch
+        target = tl.where(ragged, target_units_ragged, target_units)
+        # a multiple of BLOCK_N, so the near-equal pieces of _chunk_of are never more than
+        # ceil(len / chunk) per sequence (the workspace bound of the launcher)
+        chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target), min_chunk), BLOCK_N) * BLOCK_N
+        chunk = tl.minimum(chunk, capacity + BLOCK_N).to(tl.int32)  # no sequence is longer
     if BATCH_FITS:
-        ends = tl.cumsum(tl.cdiv(n_all, _chunk_of(n_all, chunk, forced_splits, BLOCK_N)), 0)
+        ends = tl.cumsum(tl.cdiv(vis_all, _chunk_of(vis_all, chunk, forced_splits, BLOCK_N)), 0)
         before = (ends <= r) & (offs_b < batch)
         b = tl.sum(before.to(tl.int32))
         start_b = tl.max(tl.where(before, ends, 0))
         ctx = tl.sum(tl.where(offs_b == b, n_all, 0))
     else:
         b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
-                                 forced_splits, BLOCK_B, BLOCK_N)
+                                 forced_splits, window_left, BLOCK_B, BLOCK_N, Q_LEN,
+                                 HAS_WINDOW)
         ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
     if b >= batch:  # past the last real row: the grid is sized from shapes, not lengths
         return
-    chunk_b = _chunk_of(ctx, chunk, forced_splits, BLOCK_N)
-    n_rows = tl.cdiv(ctx, chunk_b)
+    n_vis = ctx
+    if HAS_WINDOW:  # the window's keys only: splits cut [first, ctx), no page before is read
+        first, n_vis = _visible_tokens(ctx, window_left, Q_LEN)
+    chunk_b = _chunk_of(n_vis, chunk, forced_splits, BLOCK_N)
+    n_rows = tl.cdiv(n_vis, chunk_b)
     tok_start = (r - start_b) * chunk_b
+    if HAS_WINDOW:
+        tok_start += first
     tok_end = tl.minimum(tok_start + chunk_b, ctx)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_h = offs_h < group
+    if Q_LEN > 1:  # Q_LEN x group rows: K/V are read once for every query token
+        q_tok, heads, mask_h = _token_rows(offs_h, kv_head, group, Q_LEN)
+        q_pos = ctx - Q_LEN + q_tok  # [BLOCK_H] each row's position (< 0: sees no key)
+        q_ptrs = query_ptr + (b.to(tl.int64) * stride_q_b + q_tok * stride_q_t
+                              + heads * stride_q_h)[:, None] + offs_d[None, :] * stride_q_d
+    else:
+        mask_h = offs_h < group
+        heads = kv_head * group + offs_h  # [BLOCK_H]
+        q_ptrs = (query_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
+                  + offs_d[None, :] * stride_q_d)
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_hd = mask_h[:, None] & mask_d[None, :]
 
@@ -199,9 +286,7 @@ def _paged_decode_kernel(
     else:
         k_scale = k_scale_val
         v_scale = v_scale_val
-    heads = kv_head * group + offs_h  # [BLOCK_H]
-    q = tl.load(query_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
-                + offs_d[None, :] * stride_q_d, mask=mask_hd, other=0.0).to(tl.float32)
+    q = tl.load(q_ptrs, mask=mask_hd, other=0.0).to(tl.float32)
     qk_scale = tl.zeros([BLOCK_H], tl.float32) + scale_log2 * k_scale  # per query row
     if Q_POW2_SCALE:
         # fp8 caches dot in fp16: a bf16/fp32 query may exceed fp16's range (65,504), so each
@@ -215,6 +300,8 @@ def _paged_decode_kernel(
     # 64-bit: a head-major cache view can put heads more than 2^31 elements apart
     k_head = kv_head.to(tl.int64) * stride_k_head
     v_head = kv_head.to(tl.int64) * stride_v_head
+    if HAS_ALIBI:  # slopes in the exp2 domain, per row
+        alibi2 = tl.load(alibi_ptr + heads, mask=mask_h, other=0.0) * LOG2E
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -241,21 +328,47 @@ def _paged_decode_kernel(
                             tok_next // PAGE_SIZE, tok_next < tok_end)
         s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)),
                    input_precision=DOT_PRECISION) * qk_scale[:, None]  # [BLOCK_H, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
+        if HAS_SOFTCAP:  # Gemma 2, on scale·q·k (natural domain) before any bias
+            s = _soft_cap(s, softcap)
+        if HAS_ALIBI:  # + slope_h · (p - i), after the soft-cap
+            if Q_LEN > 1:
+                s += alibi2[:, None] * (tok[None, :] - q_pos[:, None]).to(tl.float32)
+            else:
+                s += alibi2[:, None] * (tok - (ctx - 1)).to(tl.float32)[None, :]
+        if Q_LEN > 1:  # per row: causal, and the row's own window ([first, ctx) is the union)
+            seen = mask_n[None, :] & (tok[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                seen = seen & (tok[None, :] >= q_pos[:, None] - window_left)
+            s = tl.where(seen, s, float("-inf"))
+        else:  # one token: the unit's range is exactly its window
+            s = tl.where(mask_n[None, :], s, float("-inf"))
         m, alpha, p, l = _softmax_block_step(m, l, s)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                             input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_D]
 
     if n_rows == 1:
-        out = acc * (v_scale / l)[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
-                 + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
-                 mask=mask_hd)
+        if HAS_SINKS:  # the sequence's only unit: the sink is added here, once
+            sink2 = tl.load(sinks_ptr + heads, mask=mask_h, other=0.0) * LOG2E
+            m, l, alpha = _fold_sink(m, l, sink2)
+            acc = acc * alpha[:, None]
+        if Q_LEN > 1:  # a token before the sequence's start saw no key: out 0
+            out = acc * tl.where(l > 0, v_scale / l, 0.0)[:, None]
+            o_row = b.to(tl.int64) * stride_o_b + q_tok * stride_o_t + heads * stride_o_h
+            o_ptrs = out_ptr + o_row[:, None] + offs_d[None, :] * stride_o_d
+            lse_ptrs = lse_ptr + (b.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
+        else:
+            out = acc * (v_scale / l)[:, None]
+            o_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
+                      + offs_d[None, :] * stride_o_d)
+            lse_ptrs = lse_ptr + b.to(tl.int64) * num_q_heads + heads
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
         if HAS_LSE:
-            tl.store(lse_ptr + b.to(tl.int64) * num_q_heads + heads, _natural_lse(m, l),
-                     mask=mask_h)
+            tl.store(lse_ptrs, _natural_lse(m, l), mask=mask_h)
     else:
-        row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H]
+        if Q_LEN > 1:  # partials per (row, query token, head)
+            row = (r.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
+        else:
+            row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H]
         tl.store(part_ml_ptr + row * 2, m, mask=mask_h)
         tl.store(part_ml_ptr + row * 2 + 1, l, mask=mask_h)
         tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc * v_scale,
@@ -265,13 +378,16 @@ def _paged_decode_kernel(
         tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
 
 
-@triton.jit(do_not_specialize=["max_pages", "stride_o_b"])
+@triton.jit(do_not_specialize=["max_pages", "stride_o_b", "stride_o_t"])
 def _merge_per_group_kernel(
     context_lens_ptr, part_ml_ptr, part_acc_ptr, seq_rows_ptr, out_ptr, lse_ptr,
+    sinks_ptr,  # [num_q_heads] fp32 (HAS_SINKS only)
     num_q_heads, group, page_size, max_pages,
-    stride_ctx, stride_o_b, stride_o_h, stride_o_d,
+    stride_ctx, stride_o_b, stride_o_h, stride_o_d, stride_o_t,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    Q_LEN: tl.constexpr = 1,  # rows are Q_LEN x group, as in the main kernel
+    HAS_SINKS: tl.constexpr = False,  # the sink is folded in here once, after the rows
 ):
     """Grid ``(batch, num_kv_heads)``: merge the split rows of one sequence for the query
     heads of one kv head (the group, ``BLOCK_H`` rows as in the main kernel).
@@ -293,46 +409,68 @@ def _merge_per_group_kernel(
     n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < group
+    if Q_LEN > 1:
+        q_tok, heads, mask_h = _token_rows(offs_h, kv_head, group, Q_LEN)
+        out_ptrs = (out_ptr + (b.to(tl.int64) * stride_o_b + q_tok * stride_o_t
+                               + heads * stride_o_h)[:, None] + offs_d[None, :] * stride_o_d)
+        lse_ptrs = lse_ptr + (b.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
+    else:
+        mask_h = offs_h < group
+        heads = kv_head * group + offs_h  # [BLOCK_H]
+        out_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
+                    + offs_d[None, :] * stride_o_d)
+        lse_ptrs = lse_ptr + b.to(tl.int64) * num_q_heads + heads
     mask_hd = mask_h[:, None] & _dim_mask(offs_d, HEAD_DIM, BLOCK_D)[None, :]
-    heads = kv_head * group + offs_h  # [BLOCK_H]
-    out_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
-                + offs_d[None, :] * stride_o_d)
-    lse_ptrs = lse_ptr + b.to(tl.int64) * num_q_heads + heads
     if ctx == 0:  # seq_rows is stale for an empty sequence: never read past here
         tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
                  mask=mask_hd)
         if HAS_LSE:
-            tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+            if HAS_SINKS:  # no key at all: the denominator is the sink alone
+                tl.store(lse_ptrs, tl.load(sinks_ptr + heads, mask=mask_h, other=0.0),
+                         mask=mask_h)
+            else:
+                tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
     elif n_rows > 1:
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for r in range(start, start + n_rows):
-            row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H], 64-bit
+            if Q_LEN > 1:
+                row = (q_tok + r * Q_LEN).to(tl.int64) * num_q_heads + heads
+            else:
+                row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H], 64-bit
             m_r = tl.load(part_ml_ptr + row * 2, mask=mask_h, other=0.0)
             l_r = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_h, other=0.0)
             acc_r = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
                             mask=mask_h[:, None], other=0.0)  # [BLOCK_H, BLOCK_D]
-            m_new = tl.maximum(m, m_r)  # finite from the first row on
+            m_new = tl.maximum(m, m_r)  # finite from the first row on (one query token)
             alpha = _rescale(m, m_new)
-            w = tl.exp2(m_r - m_new)
+            # several tokens: a row may have seen no key of this split (m_r = -inf)
+            w = _rescale(m_r, m_new) if Q_LEN > 1 else tl.exp2(m_r - m_new)
             l = l * alpha + l_r * w
             acc = acc * alpha[:, None] + acc_r * w[:, None]
             m = m_new
-        l = tl.where(mask_h, l, 1.0)  # padding rows of the tile stay finite (never stored)
+        if HAS_SINKS:  # the sequence's rows are merged: the sink is added here, once
+            m, l, alpha = _fold_sink(m, l, tl.load(sinks_ptr + heads, mask=mask_h, other=0.0)
+                                     * LOG2E)
+            acc = acc * alpha[:, None]
+        # padding rows of the tile stay finite (never stored); a token that saw no key: 0
+        l = tl.where(mask_h & (l > 0), l, 1.0) if Q_LEN > 1 else tl.where(mask_h, l, 1.0)
         tl.store(out_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd)
         if HAS_LSE:
             tl.store(lse_ptrs, _natural_lse(m, l), mask=mask_h)
 
 
-@triton.jit(do_not_specialize=["max_pages", "stride_o_b"])
+@triton.jit(do_not_specialize=["max_pages", "stride_o_b", "stride_o_t"])
 def _merge_per_head_kernel(
     context_lens_ptr, part_ml_ptr, part_acc_ptr, seq_rows_ptr, out_ptr, lse_ptr,
+    sinks_ptr,  # [num_q_heads] fp32 (HAS_SINKS only)
     num_q_heads, group, page_size, max_pages,  # group: unused (the per-group kernel's args)
     stride_ctx, stride_o_b, stride_o_h, stride_o_d,
+    stride_o_t,  # unused: multi-token queries merge per group
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,  # the sink is folded in here once, after the rows
 ):
     """Grid ``(batch, num_q_heads)``: merge one head's split rows of one sequence. Used when
     ``batch · num_kv_heads`` is below the SM count (few sequences, many splits each: batch 1
@@ -355,7 +493,10 @@ def _merge_per_head_kernel(
         tl.store(out_ptrs, tl.zeros([BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
                  mask=mask_d)
         if HAS_LSE:
-            tl.store(lse_out, float("-inf"))
+            if HAS_SINKS:  # no key at all: the denominator is the sink alone
+                tl.store(lse_out, tl.load(sinks_ptr + h))
+            else:
+                tl.store(lse_out, float("-inf"))
     else:
         start = tl.load(seq_rows_ptr + b * 2)
         n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
@@ -376,6 +517,9 @@ def _merge_per_head_kernel(
                 l = l * alpha + tl.sum(l_r * w, axis=0)
                 acc = acc * alpha + tl.sum(acc_r * w[:, None], axis=0)
                 m = m_new
+            if HAS_SINKS:  # the sequence's rows are merged: the sink is added here, once
+                m, l, alpha = _fold_sink(m, l, tl.load(sinks_ptr + h) * LOG2E)
+                acc = acc * alpha
             tl.store(out_ptrs, (acc / l).to(out_ptr.dtype.element_ty), mask=mask_d)
             if HAS_LSE:
                 tl.store(lse_out, _natural_lse(m, l))

@@ -1,8 +1,6 @@
 """Host launchers: take shapes, choose tiles, splits and the grid, allocate, launch.
 
-``LAST_COMPILED`` maps a kernel name to the object its last launch returned (on a GPU it
-carries ``n_regs``, ``n_spills`` and ``metadata``); the benchmark and profiling tools read it
-for Triton's compile metadata.
+Each launcher returns ``{kernel name: what its launch returned}`` (on a GPU, Triton's
+``CompiledKernel``: ``n_regs``, ``n_spills``, ``metadata``); ``pagedattn.compiled_kernels``
+hands that to the profiling tools.
 """
-
-LAST_COMPILED: dict[str, object] = {}

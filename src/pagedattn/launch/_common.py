@@ -11,16 +11,9 @@ from typing import TypeVar
 import torch
 import triton
 
-from pagedattn.launch import LAST_COMPILED
-
 LOG2E = 1.0 / math.log(2.0)
 
 F = TypeVar("F", bound=Callable)
-
-
-def record(name: str, compiled: object) -> None:
-    """Keep the last compiled kernel handle for the profiling tools."""
-    LAST_COMPILED[name] = compiled
 
 
 def block_d(head_dim: int) -> int:

@@ -13,7 +13,7 @@ import triton
 from pagedattn import _validation as V
 from pagedattn._env import is_interpreter
 from pagedattn.kernels.append_kv import _append_kv_kernel
-from pagedattn.launch._common import named_strides, on_tensor_device, record
+from pagedattn.launch._common import named_strides, on_tensor_device
 
 # a whole token row ([num_kv_heads * head_dim]) per program up to this many columns
 _MAX_BLOCK_C = 1024
@@ -140,5 +140,4 @@ def append_kv(
         FP8_MANTISSA_BITS=mantissa_bits, FP8_MIN_NORMAL=min_normal, FP8_SUBNORMAL_MAGIC=magic,
         num_warps=4,
     )
-    record("append_kv", compiled)
     return {"append_kv": compiled}

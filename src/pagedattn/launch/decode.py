@@ -20,7 +20,10 @@ compiles or finds the binary. On Triton 3.6, where the call signature of a compi
 ``run`` is known, later launches of that binding call ``CompiledKernel.run`` directly (the
 host path of ``kernel[grid]`` re-derives the specialization from every argument each call);
 on any other Triton version, under the interpreter, or with launch hooks installed
-(profilers), every launch goes through ``kernel[grid]``. The cache of bindings lives in the
+(profilers), every launch goes through ``kernel[grid]``. The plan-time variants (``q_len``,
+``window_left``, ``softcap``, ``batch_invariant``) are part of the binding's key
+(``_select``); a call with ``sinks`` or ``alibi_slopes`` (per-layer tensors) always launches
+through ``kernel[grid]`` and is never recorded. The cache of bindings lives in the
 launcher object, not in the module.
 """
 
@@ -64,6 +67,9 @@ class DecodeConfig:
     ctas_per_sm: int  # split target: SMs x this many units (about one wave when resident)
     min_chunk: int  # fewest tokens per split
     ragged_ctas_per_sm: int = 8  # the target for a ragged batch (mean length < max / 2)
+    # batch_invariant=True: the fixed split size in tokens (a multiple of block_n), never
+    # derived from the batch; 512 keeps b1-c4k at 64 units and b1-c32k at 512
+    invariant_chunk: int = 512
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -124,7 +130,7 @@ def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size
         cfg = replace(cfg, num_stages=3, ctas_per_sm=cfg.ragged_ctas_per_sm)
     if interpret:  # the interpreter runs programs one by one: fewer, smaller is faster
         return replace(cfg, ctas_per_sm=1, ragged_ctas_per_sm=2, num_stages=1,
-                       block_n=min(cfg.block_n, 32), min_chunk=128)
+                       block_n=min(cfg.block_n, 32), min_chunk=128, invariant_chunk=64)
     tuned = tuned_table(device_name).get(config_key(head_dim, group, cache_dtype, page_size)) \
         if device_name else None
     if tuned:
@@ -190,9 +196,9 @@ BINARIES = BinaryCache()
 _MAIN_SLOTS = ("query_ptr", "key_cache_ptr", "value_cache_ptr", "block_tables_ptr",
                "context_lens_ptr", "out_ptr", "lse_ptr", "part_ml_ptr", "part_acc_ptr",
                "seq_rows_ptr", "k_scale_ptr", "v_scale_ptr", "scale_log2", "k_scale_val",
-               "v_scale_val")
+               "v_scale_val", "sinks_ptr", "alibi_ptr")
 _MERGE_SLOTS = ("context_lens_ptr", "part_ml_ptr", "part_acc_ptr", "seq_rows_ptr", "out_ptr",
-                "lse_ptr")
+                "lse_ptr", "sinks_ptr")
 
 
 def _launch_compiled(compiled, grid: tuple[int, int, int], stream: int, args: list) -> None:
@@ -229,18 +235,24 @@ class AutoLauncher:
         num_splits: forced splits per sequence, or ``None`` (token-balanced on the device).
         config: a :class:`DecodeConfig` to use instead of :func:`choose_config` (tuning).
         ragged: the caller knows the batch is ragged (from a host copy of the lengths).
+        q_len, window_left, softcap, batch_invariant: the plan-time variants (see
+            :func:`pagedattn.plan_decode`); each is a constexpr of the kernels, off by default.
     """
 
     def __init__(self, *, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                  device: torch.device, num_splits: int | None,
-                 config: DecodeConfig | None = None, ragged: bool = False):
+                 config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
+                 window_left: int = -1, softcap: float | None = None,
+                 batch_invariant: bool = False):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         group = num_q_heads // num_kv_heads
         self.config = cfg = config or choose_config(
             head_dim, group, kv_dtype, page_size, interpret,
-            device_name_for(device) if on_gpu else None, ragged)
+            device_name_for(device) if on_gpu else None, ragged and not batch_invariant)
+        self.q_len, self.window_left, self.softcap = q_len, window_left, softcap
+        self.batch_invariant = batch_invariant
         self.batch, self.num_q_heads, self.num_kv_heads = batch, num_q_heads, num_kv_heads
         self.group, self.page_size, self.max_pages = group, page_size, max_pages
         self.device = device
@@ -255,37 +267,54 @@ class AutoLauncher:
         # and each sequence has at most ceil(capacity / min_chunk) rows (chunks are never
         # shorter than min_chunk): a small table needs few programs
         capacity = max_pages * page_size
-        self.rows_max = (batch * self.forced_splits if self.forced_splits
-                         else min(batch + triton.cdiv(max(self.target_units,
-                                                          self.target_units_ragged),
-                                                      num_kv_heads),
-                                  batch * triton.cdiv(capacity, cfg.min_chunk)))
+        # batch_invariant: every split is invariant_chunk tokens (rounded to whole tiles), so
+        # a sequence has at most ceil(capacity / chunk) rows, whatever the others hold
+        self.min_chunk = (triton.cdiv(cfg.invariant_chunk, cfg.block_n) * cfg.block_n
+                          if batch_invariant else cfg.min_chunk)
+        if self.forced_splits:
+            self.rows_max = batch * self.forced_splits
+        elif batch_invariant:
+            self.rows_max = batch * triton.cdiv(capacity, self.min_chunk)
+        else:
+            self.rows_max = min(batch + triton.cdiv(max(self.target_units,
+                                                        self.target_units_ragged),
+                                                    num_kv_heads),
+                                batch * triton.cdiv(capacity, cfg.min_chunk))
         self.grid = (self.rows_max * num_kv_heads, 1, 1)
         self.main_constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n,
-            BLOCK_B=min(_MAX_BLOCK_B, max(16, triton.next_power_of_2(batch))),
-            BATCH_FITS=batch <= _MAX_BLOCK_B,
-            # the query group is the tile's rows: tl.dot needs >= 16 (padding rows masked)
-            BLOCK_H=max(16, triton.next_power_of_2(group)),
+            # batch invariance keeps one binary whatever the batch: the scan-loop planner
+            BLOCK_B=(_MAX_BLOCK_B if batch_invariant
+                     else min(_MAX_BLOCK_B, max(16, triton.next_power_of_2(batch)))),
+            BATCH_FITS=batch <= _MAX_BLOCK_B and not batch_invariant,
+            # the query group (x q_len tokens) is the tile's rows: tl.dot needs >= 16
+            # (padding rows masked)
+            BLOCK_H=max(16, triton.next_power_of_2(q_len * group)),
             PAGE_SIZE=page_size, DOT_DTYPE=_dot_dtype(kv_dtype, interpret),
             DOT_PRECISION=_dot_precision(kv_dtype),
             Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
+            Q_LEN=q_len, HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap is not None,
+            BATCH_INVARIANT=batch_invariant,
         )
         # merge: one program per (sequence, kv head) when those fill the SMs (H200, batch 64:
         # 5 µs faster than 2,048 mostly idle per-head programs), else one per (sequence, query
         # head) with split rows vectorized (batch 1: 12 µs faster than the per-group row loop)
-        per_group = merge_per_group(batch, num_kv_heads, sms)
+        # multi-token rows merge per group only; batch invariance needs one merge whatever
+        # the batch size (the per-group row loop: a fixed order per sequence)
+        per_group = merge_per_group(batch, num_kv_heads, sms) or q_len > 1 or batch_invariant
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd)
         if per_group:
-            self.merge_constexprs["BLOCK_H"] = max(2, triton.next_power_of_2(group))
+            self.merge_constexprs["BLOCK_H"] = max(2, triton.next_power_of_2(q_len * group))
+            self.merge_constexprs["Q_LEN"] = q_len
         else:
             self.merge_constexprs["BLOCK_R"] = _MERGE_BLOCK_R
         # the workspace, one allocation owned by the launcher: per split row and query head
-        # (m, l) then acc (fp32), then the [batch, 2] int32 (start_b, n_b) of each sequence
-        n_ml = -(-self.rows_max * num_q_heads * 2 // 4) * 4  # acc starts 16-byte aligned
-        n_acc = self.rows_max * num_q_heads * bd
+        # and query token (m, l) then acc (fp32), then the [batch, 2] int32 (start_b, n_b)
+        part_rows = self.rows_max * q_len * num_q_heads
+        n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
+        n_acc = part_rows * bd
         work = torch.empty(n_ml + n_acc + 2 * batch, dtype=torch.float32, device=device)
         self.part_ml = work[:n_ml]
         self.part_acc = work[n_ml:n_ml + n_acc]
@@ -298,16 +327,20 @@ class AutoLauncher:
         # unspecialized ones i32 or i64 by size)
         self._select = (device.index, cfg, num_kv_heads, group, num_q_heads, head_dim,
                         page_size, q_dtype, kv_dtype, batch, max_pages, self.forced_splits,
-                        per_group)
+                        per_group, q_len, window_left, softcap, batch_invariant)
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
-               scale: float, k_scale=None, v_scale=None) -> dict[str, object]:
+               scale: float, k_scale=None, v_scale=None, sinks=None,
+               alibi_slopes=None) -> dict[str, object]:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
-        Returns the compiled kernels launched, by name (compile metadata for the tools)."""
+        ``query``/``out`` are ``[batch, q_len, num_q_heads, head_dim]`` when ``q_len > 1``.
+        Calls with ``sinks`` or ``alibi_slopes`` (per-call tensors) launch through
+        ``kernel[grid]`` (never recorded). Returns the compiled kernels launched, by name
+        (compile metadata for the tools)."""
         tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
         key = None
-        if self._direct and not tensor_scales:
+        if self._direct and not tensor_scales and sinks is None and alibi_slopes is None:
             tensors = (query, key_cache, value_cache, block_tables, context_lens, out)
             key = (self._select, lse is None,
                    tuple((t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in tensors))
@@ -322,17 +355,19 @@ class AutoLauncher:
                         lse_ptr, self._ml_ptr, self._acc_ptr, self._rows_ptr,
                         self._ml_ptr, self._ml_ptr, scale * LOG2E,
                         1.0 if k_scale is None else float(k_scale),
-                        1.0 if v_scale is None else float(v_scale)), strict=True):
+                        1.0 if v_scale is None else float(v_scale), self._ml_ptr,
+                        self._ml_ptr), strict=True):
                     args[i] = v
                 stream = driver.active.get_current_stream(self.device.index)
                 _launch_compiled(main, self.grid, stream, args)
                 args = list(merge_args)
                 for i, v in zip(merge_slots, (context_lens.data_ptr(), self._ml_ptr,
                                               self._acc_ptr, self._rows_ptr, out.data_ptr(),
-                                              lse_ptr), strict=True):
+                                              lse_ptr, self._ml_ptr), strict=True):
                     args[i] = v
                 _launch_compiled(merge, self.merge_grid, stream, args)
                 return {"paged_decode": main, "paged_decode_merge": merge}
+        multi = self.q_len > 1  # a 4-D query and out
         k_t = v_t = None
         if tensor_scales:  # both as tensors: one specialization for the pair
             k_t, v_t = (s if isinstance(s, torch.Tensor) else torch.full(
@@ -350,28 +385,39 @@ class AutoLauncher:
             k_scale_val=1.0 if tensor_scales or k_scale is None else float(k_scale),
             v_scale_val=1.0 if tensor_scales or v_scale is None else float(v_scale),
             scale_log2=scale * LOG2E,
+            sinks_ptr=self.part_ml if sinks is None else sinks,
+            alibi_ptr=self.part_ml if alibi_slopes is None else alibi_slopes,
+            window_left=max(self.window_left, 0),
+            softcap=1.0 if self.softcap is None else float(self.softcap),
+            stride_q_t=query.stride(1) if multi else 0,
+            stride_o_t=out.stride(1) if multi else 0,
             batch=self.batch, num_kv_heads=self.num_kv_heads, group=self.group,
             max_pages=self.max_pages, forced_splits=self.forced_splits,
-            min_chunk=self.config.min_chunk, target_units=self.target_units,
+            min_chunk=self.min_chunk, target_units=self.target_units,
             target_units_ragged=self.target_units_ragged,
-            stride_q_b=query.stride(0), stride_q_h=query.stride(1), stride_q_d=query.stride(2),
+            stride_q_b=query.stride(0), stride_q_h=query.stride(-2),
+            stride_q_d=query.stride(-1),
             stride_k_page=key_cache.stride(0), stride_k_tok=key_cache.stride(1),
             stride_k_head=key_cache.stride(2), stride_k_d=key_cache.stride(3),
             stride_v_page=value_cache.stride(0), stride_v_tok=value_cache.stride(1),
             stride_v_head=value_cache.stride(2), stride_v_d=value_cache.stride(3),
             stride_bt_b=block_tables.stride(0), stride_bt_p=block_tables.stride(1),
             stride_ctx=context_lens.stride(0),
-            stride_o_b=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-            SCALE_FROM_PTR=tensor_scales, HAS_LSE=lse is not None, **self.main_constexprs,
+            stride_o_b=out.stride(0), stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
+            SCALE_FROM_PTR=tensor_scales, HAS_LSE=lse is not None,
+            HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None,
+            **self.main_constexprs,
         )
         merge_args = dict(
             context_lens_ptr=context_lens, part_ml_ptr=self.part_ml,
             part_acc_ptr=self.part_acc, seq_rows_ptr=self.seq_rows, out_ptr=out,
-            lse_ptr=main_args["lse_ptr"], num_q_heads=self.num_q_heads, group=self.group,
+            lse_ptr=main_args["lse_ptr"], sinks_ptr=main_args["sinks_ptr"],
+            num_q_heads=self.num_q_heads, group=self.group,
             page_size=self.page_size, max_pages=self.max_pages,
             stride_ctx=context_lens.stride(0), stride_o_b=out.stride(0),
-            stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-            HAS_LSE=lse is not None, **self.merge_constexprs,
+            stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
+            stride_o_t=main_args["stride_o_t"],
+            HAS_LSE=lse is not None, HAS_SINKS=sinks is not None, **self.merge_constexprs,
         )
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,

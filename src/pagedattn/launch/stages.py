@@ -36,7 +36,7 @@ from pagedattn.kernels.baseline import _baseline_kernel
 from pagedattn.kernels.fused_v1 import _single_head_kernel
 from pagedattn.kernels.gqa_reuse_v3 import _gqa_reuse_v3_kernel
 from pagedattn.kernels.split_kv_v4 import _split_kv_v4_kernel, _split_kv_v4_merge_kernel
-from pagedattn.launch._common import LOG2E, block_d, named_strides, on_tensor_device, record
+from pagedattn.launch._common import LOG2E, block_d, named_strides, on_tensor_device
 
 # gqa_reuse_v3 computes [BLOCK_G, BLOCK_N, BLOCK_D] products in registers; this many elements
 # per slice keeps it at about 64 fp32 values per thread with 4 warps.
@@ -79,7 +79,6 @@ def _single_head(name, num_warps, kernel, query, key_cache, value_cache, block_t
         **_inputs(query, key_cache, value_cache, block_tables, context_lens, scale),
         out_ptr=out, **named_strides("o", out, "b h d"), num_warps=num_warps,
     )
-    record(name, compiled)
     return {name: compiled}
 
 
@@ -125,7 +124,6 @@ def gqa_reuse_v3(query, key_cache, value_cache, block_tables, context_lens, out,
         out_ptr=out, **named_strides("o", out, "b h d"),
         BLOCK_G=bg, BLOCK_N=bn, num_warps=4,
     )
-    record("gqa_reuse_v3", compiled)
     return {"gqa_reuse_v3": compiled}
 
 
@@ -155,12 +153,10 @@ def split_kv_v4(query, key_cache, value_cache, block_tables, context_lens, out, 
     split = _split_kv_v4_kernel[(batch, num_q_heads, splits)](
         **args, part_ml_ptr=part_ml, part_acc_ptr=part_acc, num_splits=splits, num_warps=1,
     )
-    record("split_kv_v4", split)
     merge = _split_kv_v4_merge_kernel[(batch, num_q_heads)](
         context_lens_ptr=context_lens, part_ml_ptr=part_ml, part_acc_ptr=part_acc,
         out_ptr=out, page_size=page_size, max_pages=args["max_pages"], num_splits=splits,
         stride_ctx=args["stride_ctx"], **named_strides("o", out, "b h d"),
         HEAD_DIM=head_dim, BLOCK_D=bd, num_warps=1,
     )
-    record("split_kv_v4_merge", merge)
     return {"split_kv_v4": split, "split_kv_v4_merge": merge}

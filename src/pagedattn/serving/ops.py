@@ -26,11 +26,11 @@ from pagedattn import api
 
 
 def _check(query, key_cache, value_cache, block_tables, context_lens, scale, impl, num_splits,
-           kv_layout, k_scale, v_scale, return_lse) -> None:
+           kv_layout, k_scale, v_scale, return_lse, variants: dict) -> None:
     V.check_metadata(query, key_cache, value_cache, block_tables, context_lens, scale=scale,
                      impl=impl, impls=tuple(api.IMPLS), num_splits=num_splits, out=None,
                      kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
-                     return_lse=return_lse, validate=None)
+                     return_lse=return_lse, validate=None, **variants)
 
 
 @torch.library.custom_op("pagedattn::paged_decode", mutates_args=())
@@ -39,18 +39,26 @@ def _paged_decode_op(
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
     impl: str = "auto", num_splits: int | None = None, kv_layout: str = "NHD",
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    window_left: int = -1, logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     out = api.paged_decode(query, key_cache, value_cache, block_tables, context_lens,
                            scale=scale, impl=impl, num_splits=num_splits, kv_layout=kv_layout,
-                           k_scale=k_scale, v_scale=v_scale)
+                           k_scale=k_scale, v_scale=v_scale, window_left=window_left,
+                           logits_soft_cap=logits_soft_cap, sinks=sinks,
+                           alibi_slopes=alibi_slopes, batch_invariant=batch_invariant)
     return cast(torch.Tensor, out)
 
 
 @_paged_decode_op.register_fake
 def _(query, key_cache, value_cache, block_tables, context_lens, scale=None, impl="auto",
-      num_splits=None, kv_layout="NHD", k_scale=None, v_scale=None):
+      num_splits=None, kv_layout="NHD", k_scale=None, v_scale=None, window_left=-1,
+      logits_soft_cap=None, sinks=None, alibi_slopes=None, batch_invariant=False):
     _check(query, key_cache, value_cache, block_tables, context_lens, scale, impl, num_splits,
-           kv_layout, k_scale, v_scale, False)
+           kv_layout, k_scale, v_scale, False, dict(
+               window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+               alibi_slopes=alibi_slopes, batch_invariant=batch_invariant))
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -60,21 +68,29 @@ def _paged_decode_lse_op(
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
     impl: str = "auto", num_splits: int | None = None, kv_layout: str = "NHD",
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    window_left: int = -1, logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = api.paged_decode(query, key_cache, value_cache, block_tables, context_lens,
                                 scale=scale, impl=impl, num_splits=num_splits,
                                 kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
-                                return_lse=True)
+                                return_lse=True, window_left=window_left,
+                                logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                alibi_slopes=alibi_slopes, batch_invariant=batch_invariant)
     return out, lse
 
 
 @_paged_decode_lse_op.register_fake
 def _(query, key_cache, value_cache, block_tables, context_lens, scale=None, impl="auto",
-      num_splits=None, kv_layout="NHD", k_scale=None, v_scale=None):
+      num_splits=None, kv_layout="NHD", k_scale=None, v_scale=None, window_left=-1,
+      logits_soft_cap=None, sinks=None, alibi_slopes=None, batch_invariant=False):
     _check(query, key_cache, value_cache, block_tables, context_lens, scale, impl, num_splits,
-           kv_layout, k_scale, v_scale, True)
+           kv_layout, k_scale, v_scale, True, dict(
+               window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+               alibi_slopes=alibi_slopes, batch_invariant=batch_invariant))
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    lse = query.new_empty(query.shape[:2], dtype=torch.float32)
+    lse = query.new_empty(query.shape[:-1], dtype=torch.float32)  # 4-D query: [b, q_len, H]
     return out, lse
 
 
@@ -103,17 +119,21 @@ def _scale_tensor(s, device: torch.device) -> torch.Tensor | None:
 
 def paged_decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
                  impl="auto", num_splits=None, kv_layout="NHD", k_scale=None, v_scale=None,
-                 return_lse=False):
+                 return_lse=False, window_left=-1, logits_soft_cap=None, sinks=None,
+                 alibi_slopes=None, batch_invariant=False):
     """:func:`pagedattn.paged_decode` through the custom op (traceable by ``torch.compile``).
 
-    Same arguments, shapes, dtypes and errors as the eager API, without ``out=`` and
-    ``validate=`` (CPU inputs are value-checked; CUDA inputs are not). Float scales become
-    0-d device tensors. Returns ``out`` ``[batch, num_q_heads, head_dim]``, or
-    ``(out, lse)`` with ``return_lse=True`` (``lse`` ``[batch, num_q_heads]`` fp32, natural log).
+    Same arguments, shapes, dtypes and errors as the eager API (the variants
+    ``window_left``, ``logits_soft_cap``, ``sinks``, ``alibi_slopes``, ``batch_invariant``
+    and 4-D multi-token queries included), without ``out=`` and ``validate=`` (CPU inputs
+    are value-checked; CUDA inputs are not). Float scales become 0-d device tensors.
+    Returns ``out`` in the query's shape, or ``(out, lse)`` with ``return_lse=True``
+    (``lse`` the query's shape without ``head_dim``, fp32, natural log).
     """
     args = (query, key_cache, value_cache, block_tables, context_lens, scale, impl,
             num_splits, kv_layout, _scale_tensor(k_scale, query.device),
-            _scale_tensor(v_scale, query.device))
+            _scale_tensor(v_scale, query.device), window_left, logits_soft_cap, sinks,
+            alibi_slopes, batch_invariant)
     if return_lse:
         return torch.ops.pagedattn.paged_decode_lse(*args)
     return torch.ops.pagedattn.paged_decode(*args)

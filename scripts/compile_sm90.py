@@ -1,0 +1,116 @@
+"""Compile ``impl="auto"``'s kernels for an H100/H200 (sm_90) on a machine without a GPU.
+
+Triton's interpreter never runs the code generator, so a kernel that passes every CPU test
+may still fail to compile for a GPU (a non-constexpr global, a branch whose types differ).
+This drives :class:`~pagedattn.launch.decode.AutoLauncher` with its kernels swapped for a
+stand-in that compiles ``kernel[grid](**kwargs)`` with ``triton.compile`` for ``cuda:90``
+(Triton's front end, its GPU passes and the bundled ``ptxas``) instead of launching, for each
+variant combination below. ``--ptx-dir`` writes each binary's PTX (to compare the plain
+kernel's code before and after a change). Run without ``TRITON_INTERPRET``::
+
+    PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("compile_sm90: unset TRITON_INTERPRET (the interpreter does not compile)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import pagedattn.launch.decode as L  # noqa: E402
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+          torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+          torch.float8_e5m2: "fp8e5"}
+TARGET = GPUTarget("cuda", 90, 32)
+
+#: name -> (AutoLauncher options, per-call tensors, dtype, cache dtype, batch, kv heads)
+CASES = {
+    "plain-bf16": ({}, (), torch.bfloat16, None, 64, 8),
+    "plain-fp32": ({}, (), torch.float32, None, 64, 8),
+    "plain-fp8": ({}, (), torch.bfloat16, torch.float8_e4m3fn, 64, 8),
+    "plain-per-head-merge": ({}, (), torch.bfloat16, None, 1, 2),
+    "window": (dict(window_left=100), (), torch.bfloat16, None, 2, 8),
+    "softcap": (dict(softcap=30.0), (), torch.bfloat16, None, 2, 8),
+    "sinks": ({}, ("sinks",), torch.bfloat16, None, 2, 8),
+    "sinks-per-head-merge": ({}, ("sinks",), torch.bfloat16, None, 1, 2),
+    "alibi": ({}, ("alibi_slopes",), torch.bfloat16, None, 2, 8),
+    "invariant": (dict(batch_invariant=True), (), torch.bfloat16, None, 2, 8),
+    "q_len4": (dict(q_len=4), (), torch.bfloat16, None, 2, 8),
+    "everything": (dict(q_len=3, window_left=50, softcap=5.0, batch_invariant=True),
+                   ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
+    "q_len2-fp8-sinks": (dict(q_len=2), ("sinks",), torch.bfloat16, torch.float8_e4m3fn, 2, 8),
+    "fp32-window-sinks": (dict(window_left=7), ("sinks",), torch.float32, None, 2, 8),
+}
+
+
+class _Compile:
+    """Stands in for a ``@triton.jit`` kernel: ``[grid](**kwargs)`` compiles for sm_90."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def compile_(num_warps=4, num_stages=1, **kwargs):
+            signature, constexprs = {}, {}
+            for p in self.kernel.params:
+                v = kwargs[p.name]
+                if p.is_constexpr:
+                    signature[p.name], constexprs[p.name] = "constexpr", v
+                elif isinstance(v, torch.Tensor):
+                    signature[p.name] = "*" + _TYPES[v.dtype]
+                else:
+                    signature[p.name] = "i32" if isinstance(v, int) else "fp32"
+            return triton.compile(ASTSource(self.kernel, signature, constexprs), target=TARGET,
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+        return compile_
+
+
+def compile_case(name: str) -> dict:
+    """Compile one case's main and merge kernels; returns them by name."""
+    options, per_call, dtype, kv_dtype, batch, kv_heads = CASES[name]
+    kv_dtype = kv_dtype or dtype
+    q_len = options.get("q_len", 1)
+    launcher = L.AutoLauncher(batch=batch, max_pages=8, num_q_heads=32, num_kv_heads=kv_heads,
+                              head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
+                              device=torch.device("cpu"), num_splits=None, **options)
+    query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
+                        dtype=dtype)
+    cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
+    tables = torch.zeros(batch, 8, dtype=torch.int32)
+    lens = torch.zeros(batch, dtype=torch.int32)
+    tensors = {k: torch.zeros(32) for k in per_call}
+    return launcher.launch(query, cache, cache, tables, lens, torch.empty_like(query),
+                           torch.empty(query.shape[:-1]), scale=0.1, **tensors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(CASES), help="comma list (default: all)")
+    p.add_argument("--ptx-dir", help="write each compiled kernel's PTX here")
+    args = p.parse_args(argv)
+    for name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
+        setattr(L, name, _Compile(getattr(L, name)))
+    L._direct_launch_supported = lambda: False
+    for case in args.cases.split(","):
+        compiled = compile_case(case)
+        for kind, c in compiled.items():
+            print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines",
+                  flush=True)
+            if args.ptx_dir:
+                Path(args.ptx_dir).mkdir(parents=True, exist_ok=True)
+                Path(args.ptx_dir, f"{case}.{kind}.ptx").write_text(c.asm["ptx"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

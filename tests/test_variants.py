@@ -1,0 +1,428 @@
+"""Attention variants of ``impl="auto"`` against the float64 oracle: sliding window, logit
+soft-cap, sinks, ALiBi, multi-token queries, ``merge_states`` and batch invariance.
+
+Every case draws fresh random inputs, poisons the outputs (and unused cache slots) with NaN,
+and runs both the device-planned splits and forced splits, so the single-unit path (the
+sink added by the unit) and the merge path (the sink added by the merge) are both checked.
+"""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pagedattn
+from pagedattn import merge_states, paged_decode, paged_decode_reference, plan_decode
+from pagedattn.serving import ops
+from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
+
+SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+H = SHAPE["num_q_heads"]
+
+
+def _inputs(lens, device, dtype=torch.float32, seed=0, **kw):
+    return make_paged_inputs(lens, dtype=dtype, seed=seed, device=device, **{**SHAPE, **kw})
+
+
+def _multi_query(inputs, q_len, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, dim = inputs.query.shape
+    q = torch.randn(batch, q_len, heads, dim, generator=g)
+    return q.to(inputs.query.dtype).to(inputs.query.device)
+
+
+def _heads(device, seed, low=-1.0, high=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(H, generator=g) * (high - low) + low).to(device)
+
+
+def _check(inputs, query=None, num_splits=None, **kw):
+    """paged_decode (NaN-poisoned out) against the oracle: out within the dtype's tolerance,
+    LSE within 1e-3 where finite and -inf exactly where the oracle's is."""
+    query = inputs.query if query is None else query
+    out = torch.full_like(query, float("nan"))
+    res = paged_decode(query, *inputs[1:], out=out, return_lse=True, num_splits=num_splits,
+                       **kw)
+    ref = paged_decode_reference(query, *inputs[1:], **kw)
+    assert res.out is out
+    err = rel_l2_error(out, ref.out)
+    assert err <= tolerance_for(inputs.key_cache.dtype), err
+    lse, ref_lse = res.lse.double().cpu(), ref.lse.cpu()
+    assert lse.shape == ref_lse.shape
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+    return res, ref
+
+
+SPLITS = [None, 3]
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+def test_window_zero_sees_only_the_last_token(device, num_splits):
+    inp = _inputs([1, 9, 30], device, seed=1)
+    res, _ = _check(inp, num_splits=num_splits, window_left=0)
+    # one key: out is that key's value, for every head of its group
+    for b, n in enumerate((1, 9, 30)):
+        page = int(inp.block_tables[b, (n - 1) // 4])
+        v = inp.value_cache[page, (n - 1) % 4].repeat_interleave(2, dim=0)
+        assert torch.allclose(res.out[b], v, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+def test_window_ending_mid_page_reads_no_page_before_it(device, num_splits):
+    """Window of 70 keys over contexts of 101 and 90: the window starts mid-page (positions
+    31 and 20). Keys before it are NaN and the table entries of whole pages before it are
+    garbage ids: a kernel that read outside the window would give NaN or fault."""
+    lens, window = [101, 90, 0, 3], 69
+    inp = _inputs(lens, device, seed=2)
+    kc, vc, bt = inp.key_cache.clone(), inp.value_cache.clone(), inp.block_tables.clone()
+    for b, n in enumerate(lens):
+        first = max(0, n - 1 - window)
+        for p in range(first):
+            page = int(inp.block_tables[b, p // 4])
+            kc[page, p % 4] = float("nan")
+            vc[page, p % 4] = float("nan")
+        for col in range(first // 4):
+            bt[b, col] = -1 if col % 2 else 10**6
+    inp = inp._replace(key_cache=kc, value_cache=vc, block_tables=bt)
+    out = torch.full_like(inp.query, float("nan"))
+    paged_decode(*inp, out=out, num_splits=num_splits, window_left=window, validate=False)
+    ref = paged_decode_reference(*inp, window_left=window)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float32)
+
+
+def test_window_splits_count_visible_tokens(device):
+    """The planner cuts the window's tokens, not the context: 1,000 keys with a window of 41
+    make one split row by default (under the interpreter's 128-token minimum), and two
+    32-token rows when three splits are forced (the whole context would make three)."""
+    inp = _inputs([1000], device, seed=16)
+    for num_splits, rows in ((None, 1), (3, 2)):
+        plan = plan_decode(inp.block_tables, inp.context_lens, q_dtype=torch.float32,
+                           window_left=40, num_splits=num_splits, **SHAPE)
+        out = plan.run(*inp[:3])
+        assert int(plan._launcher.seq_rows[1]) == rows
+        ref = paged_decode_reference(*inp, window_left=40)
+        assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float32)
+
+
+def test_fp8_hnd_cache_with_variants(device):
+    inp = _inputs([0, 9, 70], device, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+                  kv_layout="HND", seed=17)
+    query = _multi_query(inp, 2, seed=17)
+    for num_splits in SPLITS:
+        _check(inp, query, num_splits=num_splits, kv_layout="HND", k_scale=0.5, v_scale=2.0,
+               window_left=30, logits_soft_cap=4.0, sinks=_heads(device, 17))
+
+
+def test_window_larger_than_the_context_is_no_window(device):
+    inp = _inputs([0, 7, 45], device, dtype=torch.float16, seed=3)
+    res, _ = _check(inp, window_left=1000)
+    plain = paged_decode(*inp)
+    assert rel_l2_error(res.out, plain) <= 1e-3
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+def test_soft_cap_with_logits_100x_the_cap(device, num_splits):
+    inp = _inputs([5, 70], device, seed=4)
+    inp = inp._replace(query=inp.query * 60.0)  # scale·q·k ~ ±100 with cap 1
+    assert (paged_decode_reference(*inp).lse.abs().max()) > 100
+    _check(inp, num_splits=num_splits, logits_soft_cap=1.0)
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+def test_sinks_with_an_empty_sequence(device, num_splits):
+    inp = _inputs([0, 9, 70], device, seed=5)
+    sinks = _heads(device, 5, -2.0, 3.0)
+    res, _ = _check(inp, num_splits=num_splits, sinks=sinks)
+    assert (res.out[0] == 0).all()
+    assert torch.equal(res.lse[0], sinks)
+
+
+def test_sinks_merged_per_head(device):
+    """Batch 1 merges per query head (the per-head merge kernel adds the sink)."""
+    inp = _inputs([90], device, seed=6)
+    _check(inp, num_splits=3, sinks=_heads(device, 6))
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+def test_alibi_across_page_boundaries(device, num_splits):
+    inp = _inputs([17, 50, 1], device, seed=7)
+    _check(inp, num_splits=num_splits, alibi_slopes=_heads(device, 7, 0.0, 0.5))
+
+
+def test_q_len_greater_than_the_context(device):
+    """Tokens at positions below 0 give 0 and -inf (the sink with sinks)."""
+    inp = _inputs([0, 2, 3, 20], device, seed=8)
+    query = _multi_query(inp, 4, seed=8)
+    res, _ = _check(inp, query)
+    assert (res.out[1, :2] == 0).all() and torch.isinf(res.lse[1, :2]).all()
+    assert torch.isfinite(res.lse[1, 2:]).all()
+    sinks = _heads(device, 8)
+    res, _ = _check(inp, query, sinks=sinks)
+    assert torch.equal(res.lse[1, 0], sinks) and (res.out[0] == 0).all()
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_sinks_multi_token_together(device, num_splits, dtype):
+    inp = _inputs([0, 1, 9, 77], device, dtype=dtype, seed=9)
+    query = _multi_query(inp, 3, seed=9)
+    _check(inp, query, num_splits=num_splits, window_left=40, sinks=_heads(device, 9))
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+def test_every_variant_at_once(device, num_splits):
+    inp = _inputs([2, 40, 101], device, seed=10)
+    query = _multi_query(inp, 3, seed=10) * 20
+    _check(inp, query, num_splits=num_splits, window_left=50, logits_soft_cap=2.0,
+           sinks=_heads(device, 10), alibi_slopes=_heads(device, 11, 0.0, 0.3))
+
+
+def test_one_token_4d_query_and_plan_run(device):
+    inp = _inputs([3, 60], device, seed=12)
+    query = _multi_query(inp, 1, seed=12)
+    res, _ = _check(inp, query, window_left=10)
+    assert res.out.shape == query.shape and res.lse.shape == (2, 1, H)
+    sinks, slopes = _heads(device, 12), _heads(device, 13, 0.0, 0.2)
+    query = _multi_query(inp, 2, seed=13)
+    plan = plan_decode(inp.block_tables, inp.context_lens, q_dtype=torch.float32, q_len=2,
+                       window_left=30, logits_soft_cap=5.0, batch_invariant=True, **SHAPE)
+    out, lse = plan.run(query, *inp[1:3], sinks=sinks, alibi_slopes=slopes, return_lse=True)
+    ref = paged_decode_reference(query, *inp[1:], window_left=30, logits_soft_cap=5.0,
+                                 sinks=sinks, alibi_slopes=slopes)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float32)
+    assert torch.allclose(lse.double(), ref.lse, atol=1e-4)
+
+
+def _attend(inp, bt, lens, **kw):
+    return paged_decode(inp.query, inp.key_cache, inp.value_cache, bt,
+                        torch.tensor(lens, dtype=torch.int32, device=inp.query.device),
+                        return_lse=True, **kw)
+
+
+def test_merge_states_cascade(device):
+    """A shared prefix (3 pages) attended once for 4 requests, each request's own suffix
+    attended alone, merged: equals attending prefix + suffix as one sequence. A sink goes
+    to the prefix part only."""
+    suffix = [5, 0, 13, 1]
+    inp = _inputs([12, *suffix], device, seed=14, extra_pages=0)
+    prefix_pages = inp.block_tables[0, :3]
+    batch = len(suffix)
+    inp = inp._replace(query=inp.query[1:])
+    prefix_bt = prefix_pages.repeat(batch, 1)
+    suffix_bt = inp.block_tables[1:, :4]
+    full_bt = torch.cat([prefix_bt, suffix_bt], dim=1)
+    sinks = _heads(device, 14)
+    shared = _attend(inp, prefix_bt, [12] * batch, sinks=sinks)
+    own = _attend(inp, suffix_bt, suffix)
+    merged = merge_states(torch.stack([shared.out, own.out]), torch.stack([shared.lse,
+                                                                           own.lse]))
+    full = _attend(inp, full_bt, [12 + n for n in suffix], sinks=sinks)
+    assert rel_l2_error(merged.out, full.out) <= 1e-5
+    assert torch.allclose(merged.lse, full.lse, atol=1e-5)
+
+
+def test_merge_states_all_empty_and_one_empty(device):
+    out = torch.randn(3, 2, H, 16, device=device)
+    lse = torch.full((3, 2, H), -math.inf, device=device)
+    lse[1, 1] = 0.5
+    res = merge_states(out, lse)
+    assert (res.out[0] == 0).all() and torch.isinf(res.lse[0]).all()
+    assert torch.allclose(res.out[1], out[1, 1]) and torch.allclose(res.lse[1], lse[1, 1])
+    half = merge_states(out.half(), lse)
+    assert half.out.dtype == torch.float16 and half.lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kw", [{}, dict(window_left=33, sinks="sinks")])
+def test_batch_invariance_across_batch_sizes(device, kw):
+    """Four sequences of mixed lengths give bitwise the same output alone, in a batch of
+    5, and in a batch of 64 (the others of tiny lengths)."""
+    lens = [150, 37, 0, 90] + [3, 1, 0, 7] * 15
+    inp = _inputs(lens, device, seed=15)
+    kw = {k: (_heads(device, 15) if v == "sinks" else v) for k, v in kw.items()}
+
+    def run(rows):
+        out, lse = paged_decode(inp.query[rows], inp.key_cache, inp.value_cache,
+                                inp.block_tables[rows], inp.context_lens[rows],
+                                batch_invariant=True, return_lse=True, **kw)
+        return out[:4], lse[:4]
+
+    big_out, big_lse = run(list(range(64)))
+    five_out, five_lse = run([0, 1, 2, 3, 40])
+    for i in range(4):
+        one_out, one_lse = run([i])
+        assert torch.equal(one_out[0], big_out[i]) and torch.equal(one_out[0], five_out[i])
+        assert torch.equal(one_lse[0], big_lse[i]) and torch.equal(one_lse[0], five_lse[i])
+    ref = paged_decode_reference(inp.query[:4], inp.key_cache, inp.value_cache,
+                                 inp.block_tables[:4], inp.context_lens[:4], **kw)
+    assert rel_l2_error(big_out, ref.out) <= tolerance_for(torch.float32)
+
+
+# --- errors --------------------------------------------------------------------------------
+
+BAD = [
+    (dict(window_left=-2), ValueError, "window_left"),
+    (dict(window_left=1.5), TypeError, "window_left"),
+    (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
+    (dict(logits_soft_cap=-3.0), ValueError, "logits_soft_cap"),
+    (dict(logits_soft_cap=math.inf), ValueError, "logits_soft_cap"),
+    (dict(sinks=torch.zeros(H + 1)), ValueError, "sinks"),
+    (dict(sinks=torch.zeros(H, dtype=torch.float64)), TypeError, "sinks"),
+    (dict(sinks=torch.zeros(H, device="meta")), ValueError, "sinks"),
+    (dict(alibi_slopes=torch.zeros(1, H)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.zeros(H, dtype=torch.float16)), TypeError, "alibi_slopes"),
+    (dict(batch_invariant=1), TypeError, "batch_invariant"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,name", BAD)
+def test_bad_variant_arguments_are_named(kw, exc, name):
+    inp = _inputs([3, 5], "cpu")
+    with pytest.raises(exc, match=name):
+        paged_decode(*inp, **kw)
+
+
+@pytest.mark.parametrize("impl", pagedattn.STAGES)
+def test_stages_refuse_variants_and_4d_queries(impl):
+    inp = _inputs([3, 5], "cpu")
+    for kw in (dict(window_left=4), dict(logits_soft_cap=30.0), dict(sinks=torch.zeros(H)),
+               dict(alibi_slopes=torch.zeros(H)), dict(batch_invariant=True)):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=rf"{name}: impl='{impl}'"):
+            paged_decode(*inp, impl=impl, **kw)
+    with pytest.raises(ValueError, match=rf"query: impl='{impl}'"):
+        paged_decode(_multi_query(inp, 2), *inp[1:], impl=impl)
+
+
+def test_plan_and_merge_errors():
+    inp = _inputs([3, 5], "cpu")
+    mk = dict(q_dtype=torch.float32, **SHAPE)
+    with pytest.raises(ValueError, match="q_len"):
+        plan_decode(inp.block_tables, inp.context_lens, q_len=0, **mk)
+    with pytest.raises(ValueError, match="window_left"):
+        plan_decode(inp.block_tables, inp.context_lens, window_left=-5, **mk)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        plan_decode(inp.block_tables, inp.context_lens, logits_soft_cap=0, **mk)
+    plan = plan_decode(inp.block_tables, inp.context_lens, q_len=2, **mk)
+    with pytest.raises(ValueError, match="query"):
+        plan.run(*inp[:3])  # a 3-D query for a two-token plan
+    with pytest.raises(ValueError, match="sinks"):
+        plan.run(_multi_query(inp, 2), *inp[1:3], sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="lses"):
+        merge_states(torch.zeros(2, 3, H, 16), torch.zeros(2, 3))
+    with pytest.raises(TypeError, match="outs"):
+        merge_states([1.0], torch.zeros(2, 3, H))
+
+
+# --- torch custom op -----------------------------------------------------------------------
+
+VARIANT_KW = dict(window_left=6, logits_soft_cap=3.0)
+
+
+def _op_case(device):
+    inp = _inputs([5, 0, 13], device, poison=False)
+    return (_multi_query(inp, 2), *inp[1:]), dict(sinks=_heads(device, 16),
+                                                  alibi_slopes=_heads(device, 17, 0, 0.2))
+
+
+def test_opcheck_variants(device):
+    args, tensors = _op_case(device)
+    torch.library.opcheck(torch.ops.pagedattn.paged_decode_lse.default, args,
+                          {**VARIANT_KW, **tensors},
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_static"))
+    out, lse = ops.paged_decode(*args, return_lse=True, **VARIANT_KW, **tensors)
+    ref = paged_decode_reference(*args, **VARIANT_KW, **tensors)
+    assert lse.shape == (3, 2, H) and rel_l2_error(out, ref.out) <= 1e-4
+
+
+def test_torch_compile_fullgraph_variants(device):
+    torch._dynamo.reset()
+    args, tensors = _op_case(device)
+
+    def step(query, *rest):
+        out, lse = ops.paged_decode(query, *rest, return_lse=True, **VARIANT_KW, **tensors)
+        return out * 2, lse
+
+    eager = step(*args)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    got = torch.compile(step, fullgraph=True, backend=backend)(*args)
+    assert rel_l2_error(got[0], eager[0]) <= 1e-6
+    assert torch.equal(torch.isinf(got[1]), torch.isinf(eager[1]))
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter never runs Triton's code generator: compile the plain kernel and the
+    variant specializations for sm_90 in a subprocess without it (no GPU needed)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src")
+    cases = "plain-bf16,everything,sinks-per-head-merge,q_len2-fp8-sinks"
+    run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"),
+                          "--cases", cases], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count(" ok,") == 8
+
+
+# --- GPU, realistic sizes ------------------------------------------------------------------
+
+GPU_SHAPE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+
+
+def _gpu_check(lens, query=None, seed=0, **kw):
+    inp = make_paged_inputs(lens, dtype=torch.bfloat16, seed=seed, device="cuda", **GPU_SHAPE)
+    query = inp.query if query is None else query.to("cuda", torch.bfloat16)
+    out = torch.full_like(query, float("nan"))
+    paged_decode(query, *inp[1:], out=out, **kw)
+    ref = paged_decode_reference(query, *inp[1:], **kw)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.bfloat16)
+    return inp
+
+
+@pytest.mark.gpu
+def test_gpu_window_4096_on_32k():
+    _gpu_check([32768], window_left=4096)
+    _gpu_check([32768, 100, 5000, 0], window_left=4095, seed=1)
+
+
+@pytest.mark.gpu
+def test_gpu_q_len_4_batch_64_2k():
+    g = torch.Generator().manual_seed(2)
+    _gpu_check([2048] * 64, torch.randn(64, 4, 32, 128, generator=g), seed=2)
+
+
+@pytest.mark.gpu
+def test_gpu_softcap_sinks_alibi_2k():
+    g = torch.Generator().manual_seed(3)
+    _gpu_check([2048] * 16 + [0, 1, 4097], logits_soft_cap=50.0, seed=3,
+               sinks=torch.randn(32, generator=g).cuda(),
+               alibi_slopes=torch.rand(32, generator=g).cuda() * 0.1)
+
+
+@pytest.mark.gpu
+def test_gpu_everything_with_multi_token():
+    g = torch.Generator().manual_seed(4)
+    _gpu_check([8000, 3, 2048, 0] * 4, torch.randn(16, 3, 32, 128, generator=g), seed=4,
+               window_left=1024, logits_soft_cap=30.0, sinks=torch.randn(32, generator=g).cuda())
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariance_1_5_64():
+    lens = [32768, 2048, 0, 777] + [2048] * 60
+    inp = make_paged_inputs(lens, dtype=torch.bfloat16, seed=5, device="cuda", **GPU_SHAPE)
+
+    def run(rows):
+        return paged_decode(inp.query[rows], inp.key_cache, inp.value_cache,
+                            inp.block_tables[rows], inp.context_lens[rows],
+                            batch_invariant=True)[:4]
+
+    big, five = run(list(range(64))), run([0, 1, 2, 3, 10])
+    for i in range(4):
+        one = run([i])[0]
+        assert torch.equal(one, big[i]) and torch.equal(one, five[i])
