@@ -79,6 +79,31 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  final3)  # session 3, the shipped tree (x2): every GPU-marked test, the benchmark beside the
+    # floor (carry .peers), host time. PAGEDATTN_GIT_SHA names the commit of the copied tree.
+    env_info
+    XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
+    stamp "every gpu / gpu2 test"
+    # shellcheck disable=SC2086
+    timeout 250 python3 -m pytest -q -m "gpu or gpu2" -p no:cacheprovider $XDIST -rfE \
+      --durations=10 tests 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
+    stamp "benchmark: auto beside the floor, eager and graph, roofline in the run"
+    timeout 270 python3 -m pagedattn.cli bench --shapes peers --impls auto --peers none \
+      --peer-file floor=.peers/plain_floor.py:best_floor_runner --graph --reps 40 \
+      --out-dir "$RES/bench" > "$RES/bench.log" 2>&1; tail -30 "$RES/bench.log"
+    stamp "host time"
+    timeout 45 python3 scripts/host_time.py --json "$RES/host_time.json" 2>&1 | tee "$RES/host.log"
+    pack
+    ;;
+  final3b)  # right after final3, warm: sanitizers over every kernel, the variant rows
+    env_info
+    OUT=$RES SANITIZE_S=${SANITIZE_S:-75} timeout 330 bash scripts/gpu_hardening.sh sanitize \
+      | tail -14
+    stamp "variant rows"
+    timeout 120 python3 scripts/bench_variants.py --json "$RES/variants.json" 2>&1 \
+      | tee "$RES/variants.log" | tail -16
+    pack
+    ;;
   ncu3)  # session 3: ncu, auto's main kernel beside the floor's split kernel (carry .peers)
     env_info
     for s in ${SHAPES:-llama8b-b64-c2k mooncake-b16-llama8b hd64-smollm-b64-c2k fp8-llama8b-b64-c8k}; do

@@ -73,11 +73,11 @@ if [[ $what == all || $what == sanitize ]]; then
   # one allocation per tensor: an out-of-bounds read is visible (memcheck) and memory reused
   # from PyTorch's pool does not count as initialized (initcheck)
   export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-  phase memcheck 130 "$OUT/sanitize-memcheck.log" compute-sanitizer --tool memcheck \
+  phase memcheck "${SANITIZE_S:-130}" "$OUT/sanitize-memcheck.log" compute-sanitizer --tool memcheck \
     --leak-check no --print-limit 50 python3 scripts/sanitize_driver.py
-  phase racecheck 130 "$OUT/sanitize-racecheck.log" compute-sanitizer --tool racecheck \
+  phase racecheck "${SANITIZE_S:-130}" "$OUT/sanitize-racecheck.log" compute-sanitizer --tool racecheck \
     --racecheck-report hazard --print-limit 50 python3 scripts/sanitize_driver.py
-  phase initcheck 130 "$OUT/sanitize-initcheck.log" compute-sanitizer --tool initcheck \
+  phase initcheck "${SANITIZE_S:-130}" "$OUT/sanitize-initcheck.log" compute-sanitizer --tool initcheck \
     --track-unused-memory no --print-limit 50 python3 scripts/sanitize_driver.py
   unset PYTORCH_NO_CUDA_MEMORY_CACHING
 fi
@@ -85,8 +85,9 @@ fi
 {
   echo "# Hardening on the GPU ($(date -u +%Y-%m-%dT%H:%MZ))"
   echo
-  sha=$(git rev-parse HEAD 2>/dev/null || echo unknown)
-  dirty=$(git status --porcelain -- src 2>/dev/null | head -1)
+  # a copied tree (the device machine) names its commit in PAGEDATTN_GIT_SHA
+  sha=${PAGEDATTN_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+  dirty=$([ -n "${PAGEDATTN_GIT_SHA:-}" ] || git status --porcelain -- src 2>/dev/null | head -1)
   echo "Commit measured: \`$sha\`${dirty:+ (src/ modified: dirty)}"
   echo
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /'

@@ -150,6 +150,26 @@ def check_head_tensor(name: str, t: Any, num_q_heads: int, device: torch.device)
         _fail(ValueError, name, f"a tensor on the query's device {device}", t.device)
 
 
+def _check_run_options(k_scale, v_scale, num_kv_heads: int, device, return_lse,
+                       validate) -> None:
+    """The cache scales, ``return_lse`` and ``validate`` of a decode call."""
+    check_scale_arg("k_scale", k_scale, num_kv_heads, device)
+    check_scale_arg("v_scale", v_scale, num_kv_heads, device)
+    if not isinstance(return_lse, bool):
+        _fail(TypeError, "return_lse", "a bool", type(return_lse).__name__)
+    if validate is not None and not isinstance(validate, bool):
+        _fail(TypeError, "validate", "None, True or False", type(validate).__name__)
+
+
+def check_softmax_scale(scale: Any) -> None:
+    """``scale``: None or a finite Python float."""
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            _fail(TypeError, "scale", "a Python float or None", type(scale).__name__)
+        if not math.isfinite(float(scale)):
+            _fail(ValueError, "scale", "a finite float", scale)
+
+
 def check_metadata(
     query, key_cache, value_cache, block_tables, context_lens, *, scale, impl, impls,
     num_splits, out, kv_layout, k_scale, v_scale, return_lse, validate, window_left=-1,
@@ -198,11 +218,7 @@ def check_metadata(
     if context_lens.shape[0] != batch:
         _fail(ValueError, "context_lens", f"{batch} entries (the batch)", context_lens.shape[0])
 
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            _fail(TypeError, "scale", "a Python float or None", type(scale).__name__)
-        if not math.isfinite(float(scale)):
-            _fail(ValueError, "scale", "a finite float", scale)
+    check_softmax_scale(scale)
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
             _fail(TypeError, "num_splits", "an int or None", type(num_splits).__name__)
@@ -216,12 +232,7 @@ def check_metadata(
         if out.dtype != query.dtype:
             _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
         check_same_device("query", query.device, (("out", out),))
-    check_scale_arg("k_scale", k_scale, num_kv_heads, query.device)
-    check_scale_arg("v_scale", v_scale, num_kv_heads, query.device)
-    if not isinstance(return_lse, bool):
-        _fail(TypeError, "return_lse", "a bool", type(return_lse).__name__)
-    if validate is not None and not isinstance(validate, bool):
-        _fail(TypeError, "validate", "None, True or False", type(validate).__name__)
+    _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate)
     check_variant_options(window_left=window_left, logits_soft_cap=logits_soft_cap,
                           batch_invariant=batch_invariant)
     check_head_tensor("sinks", sinks, num_q_heads, query.device)
@@ -318,23 +329,14 @@ def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, o
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.device != plan.device:
             _fail(ValueError, name, f"a tensor on the plan's device {plan.device}", t.device)
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            _fail(TypeError, "scale", "a Python float or None", type(scale).__name__)
-        if not math.isfinite(float(scale)):
-            _fail(ValueError, "scale", "a finite float", scale)
+    check_softmax_scale(scale)
     if out is not None:
         if not isinstance(out, torch.Tensor):
             _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
         if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
             _fail(ValueError, "out", f"a {query.dtype} tensor of shape {tuple(query.shape)} on "
                   f"{query.device}", f"{out.dtype} {tuple(out.shape)} on {out.device}")
-    check_scale_arg("k_scale", k_scale, num_kv_heads, query.device)
-    check_scale_arg("v_scale", v_scale, num_kv_heads, query.device)
-    if not isinstance(return_lse, bool):
-        _fail(TypeError, "return_lse", "a bool", type(return_lse).__name__)
-    if validate is not None and not isinstance(validate, bool):
-        _fail(TypeError, "validate", "None, True or False", type(validate).__name__)
+    _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate)
 
 
 def check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, *, kv_layout,

@@ -103,8 +103,11 @@ def _git(*args: str) -> str:
 def git_state() -> dict[str, str]:
     """``{"git_commit": sha, "src_dirty": "yes"/"no"}`` of this checkout: ``src_dirty`` says
     whether ``src/`` differs from the commit (what was measured is then not that commit).
-    ``$PAGEDATTN_GIT_SHA`` overrides the commit of a copied tree without ``.git``; without
-    either, both say ``unknown``."""
+    ``$PAGEDATTN_GIT_SHA`` names the commit of a copied tree (a remote GPU machine gets the
+    working tree, not its history): it wins, and ``src_dirty`` then says ``unknown``; with
+    neither a checkout nor the variable, both say ``unknown``."""
+    if os.environ.get("PAGEDATTN_GIT_SHA"):
+        return {"git_commit": os.environ["PAGEDATTN_GIT_SHA"], "src_dirty": "unknown"}
     try:
         sha = _git("rev-parse", "HEAD")
         top = _git("rev-parse", "--show-toplevel")
