@@ -95,6 +95,23 @@ case "$phase" in
     timeout 45 python3 scripts/host_time.py --json "$RES/host_time.json" 2>&1 | tee "$RES/host.log"
     pack
     ;;
+  final4)  # session 3, the final tree: benchmark beside the floor, host time, every GPU test,
+    # the variant rows; written straight to $OUT (a call cut at its limit still returns them)
+    RES=$OUT
+    stamp "benchmark: auto beside the floor, eager and graph, roofline in the run"
+    timeout 200 python3 -m pagedattn.cli bench --shapes peers --impls auto --peers none \
+      --peer-file floor=.peers/plain_floor.py:best_floor_runner --graph --reps 40 \
+      --out-dir "$RES/bench" > "$RES/bench.log" 2>&1; grep -E "auto|roofline" "$RES/bench.log"
+    stamp "host time"
+    timeout 40 python3 scripts/host_time.py 2>&1 | tee "$RES/host.log"
+    XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadfile")
+    stamp "every gpu / gpu2 test"
+    # shellcheck disable=SC2086
+    timeout 150 python3 -m pytest -q -m "gpu or gpu2" -p no:cacheprovider $XDIST -rfE \
+      tests > "$RES/pytest-gpu.log" 2>&1; tail -4 "$RES/pytest-gpu.log"
+    stamp "variant rows"
+    timeout 100 python3 scripts/bench_variants.py --json "$RES/variants.json" 2>&1 | tail -14
+    ;;
   final3b)  # right after final3, warm: sanitizers over every kernel, the variant rows
     env_info
     OUT=$RES SANITIZE_S=${SANITIZE_S:-75} timeout 330 bash scripts/gpu_hardening.sh sanitize \

@@ -192,7 +192,6 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,  # lengths per vector load of the split planner
-    BATCH_FITS: tl.constexpr,  # batch <= BLOCK_B: one load of context_lens plans every split
     PAGE_SIZE: tl.constexpr,  # a model constant: token -> (page, slot) by shifts/multiplies
     DOT_DTYPE: tl.constexpr,  # operand dtype of the dots
     DOT_PRECISION: tl.constexpr,  # "tf32x3" for fp32 operands (fp32 accuracy), else default
@@ -213,25 +212,13 @@ def _paged_decode_kernel(
     kv_head = u % num_kv_heads
     num_q_heads = num_kv_heads * group
     capacity = max_pages * PAGE_SIZE
-    if BATCH_FITS:  # every length in one vector load, reused by the whole split plan
-        offs_b = tl.arange(0, BLOCK_B)
-        n_all = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
-        n_all = tl.minimum(tl.maximum(n_all.to(tl.int32), 0), capacity)
-        vis_all = n_all
-        if HAS_WINDOW:  # split the visible tokens only
-            _, vis_all = _visible_tokens(n_all, window_left, Q_LEN)
     if BATCH_INVARIANT:
         # a fixed split size in tokens (the launcher passes a multiple of BLOCK_N): a
         # sequence's splits, and so its arithmetic, never depend on the rest of the batch
         chunk = min_chunk.to(tl.int32)
     else:
-        if BATCH_FITS:
-            total = tl.sum(vis_all.to(tl.int64))
-            longest = tl.max(vis_all)
-        else:
-            total, longest = _total_and_max_tokens(context_lens_ptr, batch, stride_ctx,
-                                                   capacity, window_left, BLOCK_B, Q_LEN,
-                                                   HAS_WINDOW)
+        total, longest = _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity,
+                                               window_left, BLOCK_B, Q_LEN, HAS_WINDOW)
         work = total * num_kv_heads  # int64
         # a ragged batch (mean length under half the longest) is cut finer: whole-sequence
         # units of unequal lengths leave a tail that smaller units fill
@@ -241,19 +228,11 @@ def _paged_decode_kernel(
         # ceil(len / chunk) per sequence (the workspace bound of the launcher)
         chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target), min_chunk), BLOCK_N) * BLOCK_N
         chunk = tl.minimum(chunk, capacity + BLOCK_N).to(tl.int32)  # no sequence is longer
-    if BATCH_FITS:
-        ends = tl.cumsum(tl.cdiv(vis_all, _chunk_of(vis_all, chunk, forced_splits, BLOCK_N)), 0)
-        before = (ends <= r) & (offs_b < batch)
-        b = tl.sum(before.to(tl.int32))
-        start_b = tl.max(tl.where(before, ends, 0))
-        ctx = tl.sum(tl.where(offs_b == b, n_all, 0))
-    else:
-        b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
-                                 forced_splits, window_left, BLOCK_B, BLOCK_N, Q_LEN,
-                                 HAS_WINDOW)
-        ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
+    b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
+                             forced_splits, window_left, BLOCK_B, BLOCK_N, Q_LEN, HAS_WINDOW)
     if b >= batch:  # past the last real row: the grid is sized from shapes, not lengths
         return
+    ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
     n_vis = ctx
     if HAS_WINDOW:  # the window's keys only: splits cut [first, ctx), no page before is read
         first, n_vis = _visible_tokens(ctx, window_left, Q_LEN)

@@ -52,9 +52,8 @@ from pagedattn.launch._common import LOG2E, block_d
 
 # split rows merged per vector step by the per-head merge: the usual split counts, one round
 _MERGE_BLOCK_R = 32
-# sequences scanned per vector step of the device-side split planner (context_lens loads):
-# a batch of up to this many is planned from one load (a power of two >= 16 covering it)
-_MAX_BLOCK_B = 256
+# sequences scanned per vector step of the device-side split planner (context_lens loads)
+_BLOCK_B = 128
 
 
 @dataclass(frozen=True)
@@ -283,10 +282,7 @@ class AutoLauncher:
         self.grid = (self.rows_max * num_kv_heads, 1, 1)
         self.main_constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n,
-            # batch invariance keeps one binary whatever the batch: the scan-loop planner
-            BLOCK_B=(_MAX_BLOCK_B if batch_invariant
-                     else min(_MAX_BLOCK_B, max(16, triton.next_power_of_2(batch)))),
-            BATCH_FITS=batch <= _MAX_BLOCK_B and not batch_invariant,
+            BLOCK_B=_BLOCK_B,
             # the query group (x q_len tokens) is the tile's rows: tl.dot needs >= 16
             # (padding rows masked)
             BLOCK_H=max(16, triton.next_power_of_2(q_len * group)),
