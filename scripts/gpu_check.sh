@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
 # Everything pagedattn runs on the H200, in phases sized for one `device` call each (< 10 min).
-#   bash scripts/gpu_check.sh tune      # GPU tests of the kernels, main job, tile/launch sweep
-#   bash scripts/gpu_check.sh tuneprof  # kernel tests, tuned table, ncu profile, ladder
-#   bash scripts/gpu_check.sh bench     # harness: auto vs peers (FlashInfer sdist in .ext_fi)
-#   bash scripts/gpu_check.sh final_a   # retune, published benchmark, main job, hardening (session 1)
-#   bash scripts/gpu_check.sh final_b   # model, serving tests, sanitizers (session 1)
-#   bash scripts/gpu_check.sh step6     # GPU tests, host overhead, retune, bench the gap shapes
-#   bash scripts/gpu_check.sh final2_a  # retune, then the published benchmark (session 2)
-#   bash scripts/gpu_check.sh final2_b  # GPU tests, main job, sanitizers, ncu (session 2)
-#   bash scripts/gpu_check.sh final4    # the published benchmark (carry .ext_fi)
-# Each phase packs its results into $OUT/results-<phase>.tgz (the device returns <= 8 files).
-# Full logs and tables go to $OUT (default ./out). Run from the repo root; no install needed.
+# Session 3's phases (earlier sessions' phases are in git history):
+#   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
+#                                   host time and its profile, fp8 bisection
+#   ncu3                            ncu: auto's main kernel beside the floor's split kernel
+#   final3 / final4                 the shipped tree: every gpu/gpu2 test, the benchmark beside
+#                                   the floor (eager + graph, roofline in the run), host time,
+#                                   the variant rows (set PAGEDATTN_GIT_SHA to the commit sent)
+#   final3b                         sanitizers over every kernel (scripts/gpu_hardening.sh)
+# Results go to $OUT (default ./out). Run from the repo root; no install needed.
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -53,23 +51,6 @@ assemble_gguf() {  # the 98 MB GGUF travels in two halves over two consecutive (
   else
     ls -la .ext2 .ext3 .model 2>&1 | tee "$OUT/gguf.sha256"
   fi
-}
-
-run_tune() {  # run_tune LIMIT_S REPS: sweep -> .tuned/tuned_h200.json (copy it to
-  # src/pagedattn/launch/ to publish), used by the rest of the phase
-  stamp "tile/launch sweep -> tuned table"
-  mkdir -p .tuned
-  timeout "$1" python3 scripts/tune_decode.py --shapes peers --reps "$2" \
-    --out "$RES/tune.csv" --table .tuned/tuned_h200.json > "$RES/tune.log" 2>&1
-  grep -E "chosen|oracle|Error" "$RES/tune.log" | head -40; cp .tuned/tuned_h200.json "$RES/"
-  export PAGEDATTN_TUNED_TABLE=$PWD/.tuned/tuned_h200.json
-}
-
-bench_peers() {  # bench_peers LIMIT_S: the published benchmark (auto vs peers, eager + graph)
-  stamp "benchmark harness, peers shapes (auto vs FlashInfer and naive; eager and graph)"
-  timeout "$1" python3 -m pagedattn.cli bench --shapes peers --impls auto \
-    --peers naive,flashinfer-tc --graph --reps 50 --out-dir "$RES/bench" > "$RES/bench.log" 2>&1
-  grep -E "^[a-z0-9-]+ +(auto|flashinfer-tc) " "$RES/bench.log"; tail -2 "$RES/bench.log"
 }
 
 pack() {  # the device returns at most 8 files: ship the run as one archive plus its logs
@@ -188,131 +169,6 @@ PY
     timeout 400 python3 scripts/sweep_decode.py --shapes "${SHAPES:-peers}" --out "$RES" \
       --peer-file .peers/plain_floor.py --budget-s 340 2>&1 | tee "$RES/sweep.log" \
       | grep -v "^  DecodeConfig"
-    pack
-    ;;
-  tune)  # first exploration run (kept for the record: docs/perf-notes.md, step 1)
-    env_info
-    stamp "GPU tests of the kernels"
-    timeout 240 python3 -m pytest -q -x tests/test_decode.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/pytest-decode.log" | tail -5
-    stamp "main job: llama-3-8b, azure trace, batches 8 and 64"
-    for b in 8 64; do
-      timeout 120 python3 -m pagedattn.cli run --model llama-3-8b --batch "$b" \
-        --csv "$RES/mainjob-llama8b-b$b.csv" 2>&1 | tee "$RES/mainjob-b$b.log"
-    done
-    stamp "tile/launch sweep"
-    timeout 330 python3 scripts/tune_decode.py --shapes peers --reps 20 \
-      --out "$RES/tune.csv" --table "$RES/tuned_h200.json" > "$RES/tune.log" 2>&1
-    grep chosen "$RES/tune.log"
-    pack
-    ;;
-  tuneprof)  # second run: tuned table (oracle-checked), then the ladder under ncu
-    env_info; ncu --version | tee -a "$OUT/env.txt"
-    run_tune 230 12
-    stamp "ladder: 5 stages + auto on the study's shape and a trace batch, under ncu"
-    timeout 210 python3 -m pagedattn.cli ladder --out "$RES/docs/ladder-h200.md" \
-      --out-dir "$RES/ladder" > "$RES/ladder.log" 2>&1; tail -40 "$RES/ladder.log"
-    pack
-    ;;
-  bench)  # final numbers: auto vs peers, eager and graph, roofline in the same run
-    env_info
-    assemble_gguf
-    setup_flashinfer
-    [ -f .tuned/tuned_h200.json ] && export PAGEDATTN_TUNED_TABLE=$PWD/.tuned/tuned_h200.json
-    stamp "benchmark harness, peers shapes"
-    timeout 420 python3 -m pagedattn.cli bench --shapes peers --impls auto \
-      --peers naive,flashinfer-tc --graph --reps 50 --out-dir "$RES/bench" 2>&1 \
-      | tee "$RES/bench.log" | tail -45
-    pack
-    ;;
-
-  final_a)  # last tuning of the table, then the published benchmark and the main job
-    env_info
-    setup_flashinfer
-    run_tune 130 10
-    bench_peers 220
-    stamp "main job: llama-3-8b, azure trace, batches 8 and 64"
-    for b in 8 64; do
-      timeout 60 python3 -m pagedattn.cli run --model llama-3-8b --batch "$b" \
-        --csv "$RES/mainjob-llama8b-b$b.csv" > "$RES/mainjob-b$b.log" 2>&1
-      grep -E "auto|baseline|gqa|split|fused|vector" "$RES/mainjob-b$b.log" | tail -6
-    done
-    stamp "hardening: gpu-marked tests at natural sizes"
-    OUT=$RES timeout 170 bash scripts/gpu_hardening.sh tests | tail -25
-    pack
-    ;;
-  final_b)  # warm after final_a: the model (GGUF second half), serving tests, sanitizers
-    env_info
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-      && export PYTHONPATH=$PYTHONPATH:/tmp/site
-    assemble_gguf
-    export PAGEDATTN_GGUF=$PWD/.model/smollm2.gguf
-    [ -f .tuned/tuned_h200.json ] && export PAGEDATTN_TUNED_TABLE=$PWD/.tuned/tuned_h200.json
-    stamp "generate: continuous batching of three prompts through paged_decode"
-    timeout 70 python3 -m pagedattn.cli generate --chat --max-new-tokens 48 \
-      "What is the capital of France?" "Write a haiku about GPUs." \
-      "Explain paged attention in one sentence." 2>&1 | tee "$RES/generate.log" | tail -15
-    stamp "model benchmark: tokens/s paged vs dense SDPA, agreement with transformers"
-    timeout 120 python3 -m pagedattn.serving.bench_model --batch 32 --new-tokens 128 \
-      > "$RES/bench_model.json" 2> "$RES/bench_model.err"; cat "$RES/bench_model.json"
-    tail -3 "$RES/bench_model.err"
-    stamp "serving tests on the GPU: CUDA graphs, torch.compile, ops, engine, model"
-    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_graph.py \
-      tests/test_ops.py tests/test_engine.py tests/test_cache.py tests/test_append_kv.py \
-      tests/test_model.py 2>&1 | tee "$RES/pytest-serving.log" | tail -8
-    stamp "compute-sanitizer memcheck and racecheck"
-    OUT=$RES timeout 270 bash scripts/gpu_hardening.sh sanitize | tail -12
-    pack
-    ;;
-  step6)  # session 2: balanced splits + recorded launch plans: tests, host time, retune
-    env_info
-    stamp "GPU tests: decode (plans), CUDA graphs, determinism, cases"
-    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode.py \
-      tests/test_cuda_graph.py tests/test_determinism.py tests/test_cases_masking.py \
-      tests/test_cases_shapes.py 2>&1 | tee "$RES/pytest.log" | tail -4
-    stamp "host overhead"
-    timeout 60 python3 scripts/host_overhead.py --shapes llama8b-b64-c2k,llama8b-b1-c32k \
-      > "$RES/host.log" 2>&1; grep '^{' "$RES/host.log"
-    run_tune 230 10
-    gap=llama8b-b1-c32k,llama8b-b8-c8k,llama8b-b64-c2k,qwen7b-b64-c4k,hd64-smollm-b64-c2k
-    gap=$gap,fp8-llama8b-b1-c32k,azure-conv-b64-llama8b,mooncake-b16-llama8b,tp8-70b-b128-c8k
-    stamp "bench on the gap shapes with the new table"
-    timeout 100 python3 -m pagedattn.cli bench --shapes "$gap" --impls auto --peers none \
-      --graph --reps 40 --out-dir "$RES/bench" > "$RES/bench.log" 2>&1
-    grep -E "^[a-z0-9-]+ +auto " "$RES/bench.log"; grep -i "roofline" "$RES/bench.log" | tail -1
-    pack
-    ;;
-  final2_a)  # session 2: retune with the clock-ramp warm-up, then the published benchmark
-    env_info
-    setup_flashinfer
-    run_tune 170 10
-    bench_peers 330
-    pack
-    ;;
-  final2_b)  # GPU tests, main job, sanitizers on the new launch path, ncu on the gap shapes
-    env_info
-    stamp "GPU tests: kernels, cases, CUDA graphs, serving"
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_decode.py \
-      tests/test_cuda_graph.py tests/test_determinism.py tests/test_cases_masking.py \
-      tests/test_cases_shapes.py tests/test_cases_runtime.py tests/test_ops.py \
-      tests/test_engine.py tests/test_append_kv.py 2>&1 | tee "$RES/pytest-gpu.log" | tail -6
-    stamp "main job: llama-3-8b, azure trace, batch 64"
-    timeout 60 python3 -m pagedattn.cli run --model llama-3-8b --batch 64 \
-      --csv "$RES/mainjob-llama8b-b64.csv" > "$RES/mainjob-b64.log" 2>&1
-    grep -E "auto|baseline|gqa|split|fused|vector" "$RES/mainjob-b64.log" | tail -6
-    stamp "compute-sanitizer memcheck and racecheck"
-    OUT=$RES timeout 170 bash scripts/gpu_hardening.sh sanitize | tail -12
-    for s in llama8b-b64-c2k hd64-smollm-b64-c2k; do
-      stamp "ncu: auto on $s"
-      timeout 45 python3 -m pagedattn.cli profile --impl auto --shape "$s" \
-        --out-dir "$RES/ncu-$s" > "$RES/ncu-$s.log" 2>&1; tail -22 "$RES/ncu-$s.log"
-    done
-    pack
-    ;;
-  final4)  # the published benchmark of the final tree (both merge grids; carry .ext_fi)
-    env_info
-    setup_flashinfer
-    bench_peers 170
     pack
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
