@@ -1,6 +1,7 @@
 """``scripts/check_doc_figures.py``: the figures README.md and DESIGN.md quote come from the
 results files, and the check fails when one does not (planted in a temporary copy)."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -31,15 +32,33 @@ def test_quoted_figures_have_a_source():
     assert count >= 30  # the table's rows and the prose figures were found
 
 
-@pytest.mark.parametrize(("old", "new", "where"), [
-    ("| **121.2** |", "| **119.5** |", "azure-conv-b64-llama8b: 119.5"),  # a table cell
-    ("4,467 GB/s", "4,471 GB/s", "4,471"),  # a prose figure
-])
-def test_a_planted_wrong_figure_fails(tmp_path, old, new, where):
+def _first_table_figure(readme: str) -> tuple[str, str, str]:
+    """``(old cell, planted cell, expected message)`` for the first number of the README
+    results table's first data row."""
+    rows = [line for line in readme.split("## Results", 1)[1].splitlines()
+            if line.startswith("|") and not set(line) <= set("|-: ")]
+    shape, cell = (c.strip() for c in rows[1].strip("|").split("|")[:2])  # rows[0]: header
+    number = re.search(r"\d[\d,]*\.\d+", cell).group(0)
+    planted = f"{float(number.replace(',', '')) + 0.7:.1f}"
+    where = f"{shape.split(' (')[0]}: {planted}"
+    return f"| {cell} |", f"| {cell.replace(number, planted)} |", where
+
+
+def _first_prose_figure(readme: str) -> tuple[str, str, str]:
+    """The same for the first ``GB/s`` figure of the Results prose."""
+    number = re.search(r"(\d[\d,]*) GB/s", readme.split("## Results", 1)[1]).group(1)
+    planted = f"{int(number.replace(',', '')) + 7:,}"
+    return f"{number} GB/s", f"{planted} GB/s", planted
+
+
+@pytest.mark.parametrize("pick", [_first_table_figure, _first_prose_figure],
+                         ids=["table-cell", "prose-figure"])
+def test_a_planted_wrong_figure_fails(tmp_path, pick):
     root = _copy(tmp_path)
     readme = (root / "README.md").read_text(encoding="utf-8")
-    assert old in readme, "the figure to plant over is no longer in README.md"
+    old, new, where = pick(readme)
+    assert old in readme
     (root / "README.md").write_text(readme.replace(old, new, 1), encoding="utf-8")
     result = _run(root)
-    assert result.returncode == 1
+    assert result.returncode == 1, result.stdout
     assert where in result.stdout
