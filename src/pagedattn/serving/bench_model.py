@@ -127,7 +127,7 @@ def run_engine(model, prompts, max_new, *, mode: str, page_size: int, max_batch:
 def trace_requests(num: int, context: int, max_output: int, vocab: int, seed: int = 0):
     """``num`` (prompt ids, output length) pairs from the Azure conversation trace, clipped to
     ``context`` (output <= ``max_output``; prompt <= context - output), random prompt ids."""
-    from pagedattn.bench.traces import load_trace
+    from pagedattn.bench.shapes import load_trace
 
     rows = load_trace("azure")
     g = torch.Generator().manual_seed(seed)
