@@ -1,6 +1,6 @@
 """Nsight Compute (``ncu``): the metric table, the command lines, and the CSV parser.
 
-The study (``shared/seed``) reads four ncu sections per kernel: SpeedOfLight, LaunchStats,
+The optimization study reads four ncu sections per kernel: SpeedOfLight, LaunchStats,
 Occupancy and MemoryWorkloadAnalysis. :data:`METRICS` is the one table that names, for every row
 of our profile table, the metric in both of ncu's CSV exports:
 

@@ -92,7 +92,7 @@ def sample_context_lens(
 
     Returns:
         ``batch`` ints. Seed 0: azure b64 totals 81,465 tokens (max 6,791); mooncake b16
-        totals 180,464 (max 35,355). (``shared/peers/README.md`` quotes 190,524 / 62,572 for
+        totals 180,464 (max 35,355). (the peers comparison table quotes 190,524 / 62,572 for
         mooncake b16: that is a draw continued after azure b64 on one generator, but its
         measured GB/s match the 180,464-token batch of this recipe.)
     """
@@ -234,7 +234,7 @@ _SPECS: dict[str, _Spec] = {
     "smollm-b1-c2k": _Spec("smollm2-135m", _uniform(1, 2048)),
     "mooncake-b64-llama8b": _Spec("llama-3-8b", lambda: sample_context_lens("mooncake", 64, 0)),
 }
-#: the rows of ``shared/peers/README.md``, in its order
+#: the rows of the peers comparison table (the numbers to beat), in its order
 PEER_SHAPES: tuple[str, ...] = tuple(_SPECS)[:16]
 SHAPES: tuple[str, ...] = tuple(_SPECS)
 
