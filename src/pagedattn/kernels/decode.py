@@ -17,12 +17,12 @@ real traces). Because ``Σ ceil(len_b / chunk) ≤ total / chunk + batch``, the 
 workspace the host sized from shapes alone (``batch + target_units / num_kv_heads`` rows). A
 forced ``num_splits`` gives ``chunk_b = roundup(ceil(len_b / num_splits), BLOCK_N)`` instead.
 
-**Grid.** ``num_programs`` programs take units ``u = pid, pid + num_programs, …``;
-``u → (r = u // num_kv_heads, kv head = u % num_kv_heads)``; ``r → b`` by counting the
-sequences whose rows end at or before ``r`` (a vector scan of ``context_lens`` in ``BLOCK_B``
-slices; batch size is a runtime value, never a constexpr). The launcher either sizes the grid
-to the largest possible unit count, one unit per program (the hardware balances; programs past
-the real count exit after the scan), or makes it persistent (SMs × resident programs).
+**Grid.** One program per unit ``u``: ``u → (r = u // num_kv_heads, kv head = u %
+num_kv_heads)``; ``r → b`` by counting the sequences whose rows end at or before ``r`` (a
+vector scan of ``context_lens`` in ``BLOCK_B`` slices; batch size is a runtime value, never a
+constexpr). The launcher sizes the grid from shapes (``batch + target / num_kv_heads`` rows,
+and no more than ``batch · ceil(capacity / min_chunk)``); programs past the real rows exit
+after the scan. A ragged batch (mean length under half the longest) targets more units.
 
 **One unit.** The query group, padded to ``BLOCK_H`` rows, is one tile; the program walks
 ``BLOCK_N``-token tiles that may span several pages (the next tile's block-table entries are
@@ -30,12 +30,13 @@ loaded one iteration ahead, so K/V loads never wait on a load of their own itera
 and V once for the whole group, and runs the online softmax in the exp2 domain with
 ``scale · log2(e)`` applied to the fp32 scores (fp32 accumulation; folding it into a 16-bit
 ``q`` would round the scores by the query's precision and cost the LSE its accuracy at large
-logits, case B16). ``USE_DOT`` uses ``tl.dot`` with the group padded to ≥ 16 rows: tensor
-cores for 16-bit and fp8 caches, exact ieee fp32 products for fp32 caches
-(``DOT_PRECISION="ieee"``, never tf32); ``USE_DOT=False`` is the CUDA-core broadcast-reduce
-path without padding. fp8 caches are converted to fp16 in registers (the query too) and
-dequantized by applying ``k_scale`` to the scores and ``v_scale`` to the output. Token tiles
-are software-pipelined by Triton (``num_stages``).
+logits, case B16). The dots are ``tl.dot`` with the group padded to ≥ 16 rows: tensor cores
+for 16-bit and fp8 caches, split-TF32 (``DOT_PRECISION="tf32x3"``: fp32-level accuracy, never
+plain tf32) for fp32 caches. fp8 caches are converted to fp16 in registers; the query is first
+scaled per row by a power of two into fp16's range (``Q_POW2_SCALE``: exact, and the scores
+divide it back out, so no cast narrows the caller's range, case N07); ``k_scale`` applies to
+the scores and ``v_scale`` to the output. Token tiles are software-pipelined by Triton
+(``num_stages``).
 
 A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
 writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and a merge kernel
