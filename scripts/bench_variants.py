@@ -46,6 +46,15 @@ ROWS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
 }
 
 
+#: plain rows for tuning only (``--rows``; not in the default set): the benchmark's rows
+#: where ``auto`` trails the plain floor
+TUNE_ROWS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
+    f"plain-{s}": (s, {}, ()) for s in (
+        "llama8b-b8-c8k", "qwen7b-b64-c4k", "tp8-70b-b128-c8k", "hd256-b32-c4k",
+        "hd64-smollm-b64-c2k", "mooncake-b16-llama8b")
+}
+
+
 def _shape(name: str, dry: bool):
     if dry:  # a tiny stand-in: the rows' options on an interpreter-sized batch
         return make_shape(name, "smollm2-135m", [37, 0, 150], dtype=torch.float32,
@@ -66,12 +75,29 @@ def _inputs(shape, b: BenchBatch, plan_kw: dict, per_layer: tuple[str, ...], see
     return query, {k: layer[k].to(b.query.device) for k in per_layer}
 
 
-def ours(shape, b: BenchBatch, query, plan_kw: dict, layer: dict):
+def ours(shape, b: BenchBatch, query, plan_kw: dict, layer: dict, config: str = "default"):
+    """``plan.run`` of the row; ``config``: ``"default"`` or overrides of the default
+    :class:`~pagedattn.launch.decode.DecodeConfig` such as ``"maxnreg=128,num_stages=3"``
+    (a tuning aid: the plan's launcher is rebuilt with that config)."""
     m = shape.model
     plan = pagedattn.plan_decode(b.block_tables, b.context_lens, num_q_heads=m.num_q_heads,
                                  num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                  page_size=shape.page_size, q_dtype=shape.dtype,
                                  kv_dtype=shape.cache_dtype, **plan_kw)
+    if config != "default":
+        from dataclasses import replace
+
+        from pagedattn.launch.decode import AutoLauncher
+
+        base = plan._engine().config
+        over = {k: int(v) for k, v in (kv.split("=") for kv in config.split(","))}
+        plan._launcher = AutoLauncher(
+            batch=plan.batch, max_pages=b.block_tables.shape[1], num_q_heads=m.num_q_heads,
+            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, page_size=shape.page_size,
+            q_dtype=shape.dtype, kv_dtype=shape.cache_dtype, device=query.device,
+            num_splits=None, config=replace(base, **over),
+            softcap=plan_kw.get("logits_soft_cap"),
+            **{k: v for k, v in plan_kw.items() if k != "logits_soft_cap"})
     out = torch.empty_like(query)
     return lambda: plan.run(query, b.key_cache, b.value_cache, out=out, **layer)
 
@@ -117,13 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--dry-run", action="store_true", help="CPU: oracle checks only")
+    p.add_argument("--configs", default="default",
+                   help="';'-separated DecodeConfig overrides to time beside each other, e.g. "
+                        "'default;maxnreg=128' (tuning; eager medians only, no FlashInfer)")
     args = p.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
     if not args.dry_run:
         from pagedattn.bench.timing import time_cold, time_graph
     results = []
     for name in args.rows.split(","):
-        shape_name, plan_kw, per_layer = ROWS[name]
+        shape_name, plan_kw, per_layer = {**ROWS, **TUNE_ROWS}[name]
         shape = _shape(shape_name, args.dry_run)
         b = build_batch(shape, device)
         query, layer = _inputs(shape, b, plan_kw, per_layer)
@@ -133,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         err = rel_l2_error(fn(), ref.out)
         row = dict(row=name, shape=shape.name, rel_l2=err,
                    ok=err <= tolerance_for(shape.cache_dtype))
+        if args.configs != "default":  # tuning: each config's eager median, checked first
+            for cfg in args.configs.split(";"):
+                cfn = ours(shape, b, query, plan_kw, layer, cfg)
+                cerr = rel_l2_error(cfn(), ref.out)
+                row["ok"] = row["ok"] and cerr <= tolerance_for(shape.cache_dtype)
+                row[f"us[{cfg}]"] = (time_cold(cfn, reps=args.reps).median_us
+                                     if not args.dry_run else cerr)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            continue
         if not args.dry_run:
             row.update(auto_us=time_cold(fn, reps=args.reps).median_us,
                        auto_graph_us=time_graph(fn, reps=args.reps).median_us)

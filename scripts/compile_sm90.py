@@ -60,18 +60,29 @@ class _Compile:
         self.kernel = kernel
 
     def __getitem__(self, grid):
-        def compile_(num_warps=4, num_stages=1, **kwargs):
-            signature, constexprs = {}, {}
-            for p in self.kernel.params:
+        def compile_(num_warps=4, num_stages=1, maxnreg=None, **kwargs):
+            # Triton's own specialization (runtime/jit.py): 16-byte aligned pointers and
+            # integers divisible by 16 get tt.divisibility (what vectorizes the loads), an
+            # integer equal to 1 becomes a constant; do_not_specialize params get neither
+            signature, constexprs, attrs = {}, {}, {}
+            for i, p in enumerate(self.kernel.params):
                 v = kwargs[p.name]
                 if p.is_constexpr:
                     signature[p.name], constexprs[p.name] = "constexpr", v
                 elif isinstance(v, torch.Tensor):
                     signature[p.name] = "*" + _TYPES[v.dtype]
+                    if v.data_ptr() % 16 == 0:
+                        attrs[(i,)] = [["tt.divisibility", 16]]
+                elif isinstance(v, int) and not p.do_not_specialize and v == 1:
+                    signature[p.name], constexprs[p.name] = "constexpr", 1
                 else:
                     signature[p.name] = "i32" if isinstance(v, int) else "fp32"
-            return triton.compile(ASTSource(self.kernel, signature, constexprs), target=TARGET,
-                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+                    if isinstance(v, int) and not p.do_not_specialize and v % 16 == 0:
+                        attrs[(i,)] = [["tt.divisibility", 16]]
+            return triton.compile(ASTSource(self.kernel, signature, constexprs, attrs),
+                                  target=TARGET,
+                                  options=dict(num_warps=num_warps, num_stages=num_stages,
+                                               maxnreg=maxnreg))
         return compile_
 
 
