@@ -120,7 +120,6 @@ def test_repeat_runs_launch_the_bound_kernels(monkeypatch):
     lengths, queries, float scales and a new ``out``; a pointer that loses 16-byte alignment
     is a new binding (Triton's own launch path), never a wrong specialization; the direct path
     gives the same bits as Triton's launch path."""
-    from pagedattn.launch import decode as launch_decode
 
     inputs = make_paged_inputs([5, 40, 0, 77], num_q_heads=8, num_kv_heads=2, head_dim=128,
                                page_size=16, dtype=torch.bfloat16, seed=1, device="cuda",
@@ -128,10 +127,9 @@ def test_repeat_runs_launch_the_bound_kernels(monkeypatch):
     plan = pagedattn.plan_decode(inputs.block_tables, inputs.context_lens, num_q_heads=8,
                                  num_kv_heads=2, head_dim=128, page_size=16,
                                  q_dtype=torch.bfloat16)
-    launch_decode.BINARIES.clear()
     first = plan.run(*inputs[:3], scale=0.3).clone()
     engine = plan._engine()
-    assert len(launch_decode.BINARIES) == 1
+    assert engine._direct and len(engine._bindings) == 1
     for seed, lens, scale in ((2, [77, 1, 30, 64], 0.3), (3, [0, 0, 9, 3], 1.7)):
         new = make_paged_inputs(lens, num_q_heads=8, num_kv_heads=2, head_dim=128,
                                 page_size=16, dtype=torch.bfloat16, seed=seed, device="cuda",
@@ -142,13 +140,13 @@ def test_repeat_runs_launch_the_bound_kernels(monkeypatch):
         plan.run(new.query, *new[1:3], scale=scale, out=out)
         ref = paged_decode_reference(*new, scale=scale).out
         assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
-    assert len(launch_decode.BINARIES) == 1
+    assert len(engine._bindings) == 1
     buf = torch.empty(new.query.numel() + 1, dtype=new.query.dtype, device="cuda")
     shifted = buf[1:].view_as(new.query).copy_(new.query)
     out = torch.full_like(new.query, float("nan"))
     plan.run(shifted, *new[1:3], out=out, scale=1.7)
     assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
-    assert len(launch_decode.BINARIES) == 2
+    assert len(engine._bindings) == 2
     # Triton's own launch path (no direct launches) gives the same bits
     direct = plan.run(new.query, *new[1:3], scale=1.7)
     monkeypatch.setattr(engine, "_direct", False)

@@ -155,6 +155,26 @@ def test_alibi_across_page_boundaries(device, num_splits):
     _check(inp, num_splits=num_splits, alibi_slopes=_heads(device, 7, 0.0, 0.5))
 
 
+def test_strided_sinks_and_slopes(device):
+    """``sinks`` / ``alibi_slopes`` given as strided views (every other element of a longer
+    tensor) are read by head, not by memory position: the same results as contiguous ones,
+    through a plan reused across both."""
+    inp = _inputs([40, 9], device, seed=12)
+    wide_sinks, wide_slopes = _heads(device, 12).repeat_interleave(2), \
+        _heads(device, 13, 0.0, 0.5).repeat_interleave(2)
+    wide_sinks[1::2], wide_slopes[1::2] = 50.0, 9.0  # wrong if read as contiguous
+    sinks, slopes = wide_sinks[::2], wide_slopes[::2]
+    assert sinks.stride(0) == 2
+    _check(inp, num_splits=2, sinks=sinks, alibi_slopes=slopes)
+    plan = plan_decode(inp.block_tables, inp.context_lens, num_q_heads=H,
+                       num_kv_heads=SHAPE["num_kv_heads"], head_dim=SHAPE["head_dim"],
+                       page_size=SHAPE["page_size"], q_dtype=inp.query.dtype)
+    ref = paged_decode_reference(*inp, sinks=sinks, alibi_slopes=slopes).out
+    for s, a in ((sinks.contiguous(), slopes.contiguous()), (sinks, slopes)):
+        out = plan.run(*inp[:3], sinks=s, alibi_slopes=a)
+        assert rel_l2_error(out, ref) <= tolerance_for(inp.query.dtype)
+
+
 def test_q_len_greater_than_the_context(device):
     """Tokens at positions below 0 give 0 and -inf (the sink with sinks)."""
     inp = _inputs([0, 2, 3, 20], device, seed=8)

@@ -171,6 +171,10 @@ class DecodePlan:
                                       else (num_kv_heads, page_size, head_dim))
         self._launcher = None  # built on first use: importing Triton waits for a real launch
         self.last_compiled: dict[str, object] = {}
+        self._on_cpu = self.device.type == "cpu"
+        self._default_scale = head_dim**-0.5
+        # a device guard is needed only where another GPU may be current
+        self._guarded = self.device.type == "cuda" and num_devices() > 1
 
     def _engine(self):
         if self._launcher is None:
@@ -212,7 +216,7 @@ class DecodePlan:
                         v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
             V.check_head_tensor("sinks", sinks, self.num_q_heads, self.device)
             V.check_head_tensor("alibi_slopes", alibi_slopes, self.num_q_heads, self.device)
-        if query.device.type == "cpu" or validate:
+        if self._on_cpu or validate:
             _run_value_checks(query, self.block_tables, self.context_lens,
                               key_cache.shape[0], self.page_size, validate)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
@@ -247,10 +251,16 @@ class DecodePlan:
         lse = (torch.empty(self._q_shape[:-1], dtype=torch.float32, device=query.device)
                if return_lse else None)
         if self.batch > 0 and self.num_q_heads > 0:
-            key_cache, value_cache = _nhd(key_cache, value_cache, self.kv_layout)
-            sm_scale = self.head_dim**-0.5 if scale is None else float(scale)
-            engine = self._engine()
-            with _on_device(self.device):
+            # the kernels index sinks / slopes by head: a strided view is made contiguous
+            if sinks is not None and sinks.stride(0) != 1:
+                sinks = sinks.contiguous()
+            if alibi_slopes is not None and alibi_slopes.stride(0) != 1:
+                alibi_slopes = alibi_slopes.contiguous()
+            if self.kv_layout != "NHD":
+                key_cache, value_cache = _nhd(key_cache, value_cache, self.kv_layout)
+            sm_scale = self._default_scale if scale is None else float(scale)
+            engine = self._launcher or self._engine()
+            with _on_device(self.device) if self._guarded else contextlib.nullcontext():
                 self.last_compiled = engine.launch(
                     query, key_cache, value_cache, self.block_tables, self.context_lens, out,
                     lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,

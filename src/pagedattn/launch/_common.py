@@ -9,16 +9,27 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
-import triton
 
 LOG2E = 1.0 / math.log(2.0)
 
 F = TypeVar("F", bound=Callable)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers (``triton.cdiv`` called from Python goes through
+    Triton's JIT-function wrapper: about 20 µs a call, which a launch path cannot afford)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ≥ ``n`` (1 for ``n`` ≤ 1), for host integers (see
+    :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def block_d(head_dim: int) -> int:
     """Head dims are padded to a power of two; the tail lanes are masked."""
-    return triton.next_power_of_2(head_dim)
+    return next_power_of_2(head_dim)
 
 
 def decode_strides(query, key_cache, value_cache, block_tables, context_lens) -> tuple:

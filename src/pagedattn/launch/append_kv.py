@@ -8,12 +8,11 @@ host sync and can be captured in a CUDA graph (value checks run only on CPU tens
 from __future__ import annotations
 
 import torch
-import triton
 
 from pagedattn import _validation as V
 from pagedattn._env import is_interpreter
 from pagedattn.kernels.append_kv import _append_kv_kernel
-from pagedattn.launch._common import named_strides, on_tensor_device
+from pagedattn.launch._common import cdiv, named_strides, next_power_of_2, on_tensor_device
 
 # a whole token row ([num_kv_heads * head_dim]) per program up to this many columns
 _MAX_BLOCK_C = 1024
@@ -116,13 +115,13 @@ def append_kv(
         if vp is None:
             vp = torch.full((), vval, dtype=torch.float32, device=key.device)
     num_cols = num_kv_heads * head_dim
-    block_c = min(triton.next_power_of_2(num_cols), _MAX_BLOCK_C)
+    block_c = min(next_power_of_2(num_cols), _MAX_BLOCK_C)
     if is_interpreter():
-        block_c = triton.next_power_of_2(num_cols)
+        block_c = next_power_of_2(num_cols)
         block_t = _INTERPRET_BLOCK_T
     else:
         block_t = max(1, _GPU_TILE_ELEMENTS // block_c)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_cols, block_c))
+    grid = (cdiv(num_tokens, block_t), cdiv(num_cols, block_c))
     fp8_max, mantissa_bits, min_normal, magic = _fp8_constants(key_cache.dtype)
     compiled = _append_kv_kernel[grid](
         key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,

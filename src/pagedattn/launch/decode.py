@@ -14,17 +14,19 @@ with ``target_units = SMs · ctas_per_sm`` (about one wave of resident programs)
 num_kv_heads)`` (``batch · num_splits`` when forced), and programs past the last real row exit
 after the scan of ``context_lens``.
 
-Launching. The first launch of a binding (the tensors' strides and 16-byte alignment, the
-optional scale tensors, LSE on or off) goes through Triton's own ``kernel[grid](...)``, which
-compiles or finds the binary. On Triton 3.6, where the call signature of a compiled kernel's
-``run`` is known, later launches of that binding call ``CompiledKernel.run`` directly (the
-host path of ``kernel[grid]`` re-derives the specialization from every argument each call);
-on any other Triton version, under the interpreter, or with launch hooks installed
-(profilers), every launch goes through ``kernel[grid]``. The plan-time variants (``q_len``,
-``window_left``, ``softcap``, ``batch_invariant``) are part of the binding's key
-(``_select``); a call with ``sinks`` or ``alibi_slopes`` (per-layer tensors) always launches
-through ``kernel[grid]`` and is never recorded. The cache of bindings lives in the
-launcher object, not in the module.
+Launching. The first launch of a binding (the tensors' dtypes, strides and 16-byte alignment,
+LSE on or off) goes through Triton's own ``kernel[grid](...)``, which compiles or finds the
+binary. On Triton 3.6, where the call signature of a compiled kernel's ``run`` is known, the
+launcher records that launch's argument list, and later launches of the binding fill in the
+per-call pointers and scales and call ``CompiledKernel.run`` directly (the host path of
+``kernel[grid]`` re-derives the specialization from every argument each call). Everything
+else Triton specializes on (constexprs, integers, launch options) is fixed by the launcher,
+so the records live in the launcher object (one per plan), never in the module; a one-shot
+``paged_decode`` builds a fresh plan and so always launches through ``kernel[grid]``. On any
+other Triton version or under the interpreter every launch goes through ``kernel[grid]``;
+launch hooks (profilers) are honoured on both paths. Calls with tensor scales always launch
+through ``kernel[grid]``; ``sinks`` and ``alibi_slopes`` (per-layer tensors, validated as
+``[num_q_heads]`` float32) are per-call slots of the record.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from pagedattn.kernels.decode import (
     _merge_per_head_kernel,
     _paged_decode_kernel,
 )
-from pagedattn.launch._common import LOG2E, block_d
+from pagedattn.launch._common import LOG2E, block_d, cdiv, next_power_of_2
 
 # split rows merged per vector step by the per-head merge: the usual split counts, one round
 _MERGE_BLOCK_R = 32
@@ -69,6 +71,8 @@ class DecodeConfig:
     # batch_invariant=True: the fixed split size in tokens (a multiple of block_n), never
     # derived from the batch; 512 keeps b1-c4k at 64 units and b1-c32k at 512
     invariant_chunk: int = 512
+    # register cap of the main kernel (Triton's ``maxnreg``), or None for ptxas's choice
+    maxnreg: int | None = None
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -158,63 +162,34 @@ def _direct_launch_supported() -> bool:
     return triton.__version__.split(".")[:2] == ["3", "6"] and not is_interpreter()
 
 
-class BinaryCache:
-    """Ready launches of the production kernel, keyed by everything they depend on except
-    the per-call pointers and scales: the constexprs and launch options, the device, every
-    integer argument, and each tensor's strides and 16-byte alignment (what Triton
-    specializes on beyond dtypes). An entry holds the compiled main and merge kernels and
-    their argument lists in parameter order, with the pointer and scale slots to fill. A hit
-    skips Triton's per-call argument binding (tens of µs for a 47-argument kernel); a miss
-    launches through ``kernel[grid](...)``, which compiles or finds the binary, and records
-    it. Bounded; one instance, :data:`BINARIES`, serves every launcher (it fronts Triton's
-    own kernel cache, which is global too)."""
-
-    def __init__(self, max_entries: int = 512):
-        self.max_entries = max_entries
-        self._entries: dict[tuple, tuple] = {}
-
-    def get(self, key: tuple):
-        return self._entries.get(key)
-
-    def put(self, key: tuple, entry: tuple) -> None:
-        if len(self._entries) >= self.max_entries:
-            self._entries.clear()
-        self._entries[key] = entry
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-#: the ready launches of the production kernel (see :class:`BinaryCache`)
-BINARIES = BinaryCache()
-
-#: per-call arguments of each kernel: filled into the recorded argument lists at each launch
+#: the per-call arguments of each kernel, in the order :meth:`AutoLauncher.launch` fills them
+#: into a recorded launch (everything else is fixed by the binding and the launcher)
 _MAIN_SLOTS = ("query_ptr", "key_cache_ptr", "value_cache_ptr", "block_tables_ptr",
-               "context_lens_ptr", "out_ptr", "lse_ptr", "part_ml_ptr", "part_acc_ptr",
-               "seq_rows_ptr", "k_scale_ptr", "v_scale_ptr", "scale_log2", "k_scale_val",
-               "v_scale_val", "sinks_ptr", "alibi_ptr")
-_MERGE_SLOTS = ("context_lens_ptr", "part_ml_ptr", "part_acc_ptr", "seq_rows_ptr", "out_ptr",
-                "lse_ptr", "sinks_ptr")
+               "context_lens_ptr", "out_ptr", "lse_ptr", "sinks_ptr", "alibi_ptr",
+               "scale_log2", "k_scale_val", "v_scale_val")
+_MERGE_SLOTS = ("context_lens_ptr", "out_ptr", "lse_ptr", "sinks_ptr")
+#: bindings kept per launcher (a plan sees one or two in practice: with and without LSE)
+_MAX_BINDINGS = 16
 
 
-def _launch_compiled(compiled, grid: tuple[int, int, int], stream: int, args: list) -> None:
+def _launch_compiled(compiled, grid: tuple[int, int, int], stream: int, args: list,
+                     enter, leave) -> None:
     """What ``kernel[grid](...)`` ends with on Triton 3.6 (``CompiledKernel.__getitem__``'s
-    runner, without building a closure per call): launch hooks are honoured."""
-    enter = knobs.runtime.launch_enter_hook
+    runner, without building a closure per call); ``enter``/``leave`` are Triton's launch
+    hooks (profilers), honoured as Triton does."""
     metadata = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata, enter,
-                 knobs.runtime.launch_exit_hook, *args)
+                 leave, *args)
 
 
-def _recorded(kernel, args: dict, slots: tuple[str, ...]) -> tuple[tuple, tuple[int, ...]]:
-    """``kernel``'s arguments in parameter order with the per-call ``slots`` emptied (the
-    cache must not keep the caller's tensors alive), and the slots' positions."""
+def _recorded(kernel, args: dict, slots: tuple[str, ...]) -> tuple[list, tuple[int, ...]]:
+    """``kernel``'s arguments in parameter order, tensors as their addresses (the record must
+    not keep the caller's tensors alive; the launcher's own workspace outlives it), and the
+    positions of the per-call ``slots``."""
     names = kernel.arg_names
-    return (tuple(None if n in slots else args[n] for n in names),
-            tuple(names.index(n) for n in slots))
+    rec = [None if n in slots else (args[n].data_ptr() if isinstance(args[n], torch.Tensor)
+                                    else args[n]) for n in names]
+    return rec, tuple(names.index(n) for n in slots)
 
 
 def merge_per_group(batch: int, num_kv_heads: int, sms: int) -> bool:
@@ -250,13 +225,21 @@ class AutoLauncher:
         self.config = cfg = config or choose_config(
             head_dim, group, kv_dtype, page_size, interpret,
             device_name_for(device) if on_gpu else None, ragged and not batch_invariant)
+        bd = block_d(head_dim)
+        if q_len > 1 and cfg.maxnreg is None and bd <= 128:
+            # multi-token rows add live values that push ptxas past the registers of
+            # ctas_per_sm resident programs (sm_90, q_len=4: 168 against the one-token
+            # kernel's 118, so three programs per SM instead of four and 1.35x the time);
+            # capped, a few bytes spill and q_len=4 costs 1.04x q_len=1 (perf-notes step 15)
+            cap = 65536 // (cfg.ctas_per_sm * cfg.num_warps * 32) // 8 * 8
+            if cap < 255:
+                self.config = cfg = replace(cfg, maxnreg=cap)
         self.q_len, self.window_left, self.softcap = q_len, window_left, softcap
         self.batch_invariant = batch_invariant
         self.batch, self.num_q_heads, self.num_kv_heads = batch, num_q_heads, num_kv_heads
         self.group, self.page_size, self.max_pages = group, page_size, max_pages
         self.device = device
         self.forced_splits = int(num_splits or 0)
-        bd = block_d(head_dim)
         self.block_d = bd
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if on_gpu else 4
@@ -268,24 +251,24 @@ class AutoLauncher:
         capacity = max_pages * page_size
         # batch_invariant: every split is invariant_chunk tokens (rounded to whole tiles), so
         # a sequence has at most ceil(capacity / chunk) rows, whatever the others hold
-        self.min_chunk = (triton.cdiv(cfg.invariant_chunk, cfg.block_n) * cfg.block_n
+        self.min_chunk = (cdiv(cfg.invariant_chunk, cfg.block_n) * cfg.block_n
                           if batch_invariant else cfg.min_chunk)
         if self.forced_splits:
             self.rows_max = batch * self.forced_splits
         elif batch_invariant:
-            self.rows_max = batch * triton.cdiv(capacity, self.min_chunk)
+            self.rows_max = batch * cdiv(capacity, self.min_chunk)
         else:
-            self.rows_max = min(batch + triton.cdiv(max(self.target_units,
+            self.rows_max = min(batch + cdiv(max(self.target_units,
                                                         self.target_units_ragged),
                                                     num_kv_heads),
-                                batch * triton.cdiv(capacity, cfg.min_chunk))
+                                batch * cdiv(capacity, cfg.min_chunk))
         self.grid = (self.rows_max * num_kv_heads, 1, 1)
         self.main_constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n,
             BLOCK_B=_BLOCK_B,
             # the query group (x q_len tokens) is the tile's rows: tl.dot needs >= 16
             # (padding rows masked)
-            BLOCK_H=max(16, triton.next_power_of_2(q_len * group)),
+            BLOCK_H=max(16, next_power_of_2(q_len * group)),
             PAGE_SIZE=page_size, DOT_DTYPE=_dot_dtype(kv_dtype, interpret),
             DOT_PRECISION=_dot_precision(kv_dtype),
             Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
@@ -302,7 +285,7 @@ class AutoLauncher:
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd)
         if per_group:
-            self.merge_constexprs["BLOCK_H"] = max(2, triton.next_power_of_2(q_len * group))
+            self.merge_constexprs["BLOCK_H"] = max(2, next_power_of_2(q_len * group))
             self.merge_constexprs["Q_LEN"] = q_len
         else:
             self.merge_constexprs["BLOCK_R"] = _MERGE_BLOCK_R
@@ -317,13 +300,11 @@ class AutoLauncher:
         self.seq_rows = work[n_ml + n_acc:].view(torch.int32)
         self._ml_ptr, self._acc_ptr, self._rows_ptr = (
             t.data_ptr() for t in (self.part_ml, self.part_acc, self.seq_rows))
+        # recorded launches of this launcher, one per binding (see launch): every integer,
+        # constexpr and launch option is fixed by the launcher, so the binding is the
+        # tensors' dtypes, strides and 16-byte alignment and whether LSE is written
         self._direct = on_gpu and device.index is not None and _direct_launch_supported()
-        # what selects the binaries besides the tensors' binding (fixed for this launcher)
-        # (Triton also specializes the integer arguments below on ==1 and %16, and types the
-        # unspecialized ones i32 or i64 by size)
-        self._select = (device.index, cfg, num_kv_heads, group, num_q_heads, head_dim,
-                        page_size, q_dtype, kv_dtype, batch, max_pages, self.forced_splits,
-                        per_group, q_len, window_left, softcap, batch_invariant)
+        self._bindings: dict[tuple, tuple] = {}
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
                scale: float, k_scale=None, v_scale=None, sinks=None,
@@ -331,38 +312,47 @@ class AutoLauncher:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
         ``query``/``out`` are ``[batch, q_len, num_q_heads, head_dim]`` when ``q_len > 1``.
-        Calls with ``sinks`` or ``alibi_slopes`` (per-call tensors) launch through
-        ``kernel[grid]`` (never recorded). Returns the compiled kernels launched, by name
-        (compile metadata for the tools)."""
+        ``sinks`` and ``alibi_slopes`` are contiguous ``[num_q_heads]`` float32 (the API makes
+        them so). Returns the compiled kernels launched, by name (compile metadata for the
+        tools)."""
         tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
         key = None
-        if self._direct and not tensor_scales and sinks is None and alibi_slopes is None:
-            tensors = (query, key_cache, value_cache, block_tables, context_lens, out)
-            key = (self._select, lse is None,
-                   tuple((t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in tensors))
-            entry = BINARIES.get(key)
+        if self._direct and not tensor_scales:
+            q_ptr, k_ptr, v_ptr = query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr()
+            bt_ptr, cl_ptr, out_ptr = (block_tables.data_ptr(), context_lens.data_ptr(),
+                                       out.data_ptr())
+            # the binding: what Triton specializes on beyond the launcher's fixed choices
+            key = (lse is None, query.dtype, query.stride(), key_cache.dtype,
+                   key_cache.stride(), value_cache.dtype, value_cache.stride(), out.dtype,
+                   out.stride(), block_tables.dtype, block_tables.stride(),
+                   context_lens.dtype, context_lens.stride(), q_ptr % 16 == 0,
+                   k_ptr % 16 == 0, v_ptr % 16 == 0, bt_ptr % 16 == 0, cl_ptr % 16 == 0,
+                   out_ptr % 16 == 0,
+                   None if sinks is None else (sinks.dtype, sinks.data_ptr() % 16 == 0),
+                   None if alibi_slopes is None else (alibi_slopes.dtype,
+                                                      alibi_slopes.data_ptr() % 16 == 0))
+            entry = self._bindings.get(key)
             if entry is not None:
-                main, merge, main_args, merge_args, main_slots, merge_slots = entry
+                main, merge, main_args, merge_args, main_slots, merge_slots, compiled = entry
                 lse_ptr = lse.data_ptr() if lse is not None else self._ml_ptr
-                args = list(main_args)
-                for i, v in zip(main_slots, (
-                        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
-                        lse_ptr, self._ml_ptr, self._acc_ptr, self._rows_ptr,
-                        self._ml_ptr, self._ml_ptr, scale * LOG2E,
-                        1.0 if k_scale is None else float(k_scale),
-                        1.0 if v_scale is None else float(v_scale), self._ml_ptr,
-                        self._ml_ptr), strict=True):
-                    args[i] = v
+                sinks_ptr = sinks.data_ptr() if sinks is not None else self._ml_ptr
+                args = main_args.copy()
+                (args[main_slots[0]], args[main_slots[1]], args[main_slots[2]],
+                 args[main_slots[3]], args[main_slots[4]], args[main_slots[5]],
+                 args[main_slots[6]], args[main_slots[7]], args[main_slots[8]],
+                 args[main_slots[9]], args[main_slots[10]], args[main_slots[11]]) = (
+                    q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, lse_ptr, sinks_ptr,
+                    alibi_slopes.data_ptr() if alibi_slopes is not None else self._ml_ptr,
+                    scale * LOG2E, 1.0 if k_scale is None else float(k_scale),
+                    1.0 if v_scale is None else float(v_scale))
                 stream = driver.active.get_current_stream(self.device.index)
-                _launch_compiled(main, self.grid, stream, args)
-                args = list(merge_args)
-                for i, v in zip(merge_slots, (context_lens.data_ptr(), self._ml_ptr,
-                                              self._acc_ptr, self._rows_ptr, out.data_ptr(),
-                                              lse_ptr, self._ml_ptr), strict=True):
-                    args[i] = v
-                _launch_compiled(merge, self.merge_grid, stream, args)
-                return {"paged_decode": main, "paged_decode_merge": merge}
+                enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+                _launch_compiled(main, self.grid, stream, args, enter, leave)
+                args = merge_args.copy()
+                (args[merge_slots[0]], args[merge_slots[1]], args[merge_slots[2]],
+                 args[merge_slots[3]]) = (cl_ptr, out_ptr, lse_ptr, sinks_ptr)
+                _launch_compiled(merge, self.merge_grid, stream, args, enter, leave)
+                return compiled
         multi = self.q_len > 1  # a 4-D query and out
         k_t = v_t = None
         if tensor_scales:  # both as tensors: one specialization for the pair
@@ -417,10 +407,14 @@ class AutoLauncher:
         )
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
-                                               num_stages=cfg.num_stages)
+                                               num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
         merge = self.merge_kernel[self.merge_grid](**merge_args, num_warps=4)
+        compiled = {"paged_decode": main, "paged_decode_merge": merge}
         if key is not None:
+            if len(self._bindings) >= _MAX_BINDINGS:
+                self._bindings.clear()
             main_rec, main_slots = _recorded(_paged_decode_kernel, main_args, _MAIN_SLOTS)
             merge_rec, merge_slots = _recorded(self.merge_kernel, merge_args, _MERGE_SLOTS)
-            BINARIES.put(key, (main, merge, main_rec, merge_rec, main_slots, merge_slots))
-        return {"paged_decode": main, "paged_decode_merge": merge}
+            self._bindings[key] = (main, merge, main_rec, merge_rec, main_slots, merge_slots,
+                                   compiled)
+        return compiled

@@ -29,14 +29,20 @@ Inputs are already validated by ``pagedattn.api``; caches arrive as NHD-shaped v
 from __future__ import annotations
 
 import torch
-import triton
 
 from pagedattn._env import sm_count_for
 from pagedattn.kernels.baseline import _baseline_kernel
 from pagedattn.kernels.fused_v1 import _single_head_kernel
 from pagedattn.kernels.gqa_reuse_v3 import _gqa_reuse_v3_kernel
 from pagedattn.kernels.split_kv_v4 import _split_kv_v4_kernel, _split_kv_v4_merge_kernel
-from pagedattn.launch._common import LOG2E, block_d, named_strides, on_tensor_device
+from pagedattn.launch._common import (
+    LOG2E,
+    block_d,
+    cdiv,
+    named_strides,
+    next_power_of_2,
+    on_tensor_device,
+)
 
 # gqa_reuse_v3 computes [BLOCK_G, BLOCK_N, BLOCK_D] products in registers; this many elements
 # per slice keeps it at about 64 fp32 values per thread with 4 warps.
@@ -117,8 +123,8 @@ def gqa_reuse_v3(query, key_cache, value_cache, block_tables, context_lens, out,
     of each page slice (study: 3.35 ms, DRAM 84.9 %). Does not split (``num_splits`` unused)."""
     batch, num_q_heads, head_dim, page_size, num_kv_heads = _dims(query, key_cache)
     bd = block_d(head_dim)
-    bg = triton.next_power_of_2(num_q_heads // num_kv_heads)
-    bn = max(1, min(triton.next_power_of_2(page_size), _V3_SLICE_ELEMENTS // (bg * bd)))
+    bg = next_power_of_2(num_q_heads // num_kv_heads)
+    bn = max(1, min(next_power_of_2(page_size), _V3_SLICE_ELEMENTS // (bg * bd)))
     compiled = _gqa_reuse_v3_kernel[(batch, num_kv_heads)](
         **_inputs(query, key_cache, value_cache, block_tables, context_lens, scale),
         out_ptr=out, **named_strides("o", out, "b h d"),
@@ -131,8 +137,8 @@ def default_v4_splits(query, block_tables, page_size) -> int:
     """Splits so that ``batch * num_q_heads * num_splits`` single-warp programs fill about
     ``_V4_PROGRAMS_PER_SM`` per SM, capped by the table's capacity (no host sync)."""
     batch, num_q_heads, _ = query.shape
-    want = triton.cdiv(_V4_PROGRAMS_PER_SM * sm_count_for(query), max(1, batch * num_q_heads))
-    cap = triton.cdiv(block_tables.shape[1] * page_size, _V4_MIN_TOKENS_PER_SPLIT)
+    want = cdiv(_V4_PROGRAMS_PER_SM * sm_count_for(query), max(1, batch * num_q_heads))
+    cap = cdiv(block_tables.shape[1] * page_size, _V4_MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, _V4_MAX_SPLITS, cap))
 
 
