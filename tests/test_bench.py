@@ -19,17 +19,16 @@ from pagedattn.bench.shapes import (
     SHAPES,
     build_batch,
     get_shape,
-    load_trace,
     make_shape,
     ragged_lognormal_lens,
     resolve_shape,
-    sample_context_lens,
     select_shapes,
     shrink,
     shrink_lengths,
 )
 from pagedattn.bench.timing import Timing, _summarize, gb_per_s, pct_of
 from pagedattn.reference import paged_decode_reference
+from pagedattn.traces import load_trace, sample_context_lens
 
 PEERS_README = Path("/work/shared/peers/README.md")
 #: the rows of shared/peers/README.md's table, in its order

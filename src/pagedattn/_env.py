@@ -1,9 +1,11 @@
-"""Environment predicates, as functions: nothing here runs at import time."""
+"""Environment predicates and provenance, as functions: nothing here runs at import time."""
 
 from __future__ import annotations
 
 import functools
 import os
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -44,3 +46,27 @@ def num_devices() -> int:
     """CUDA devices visible to this process (cached: a launch needs no device guard when
     there is one)."""
     return torch.cuda.device_count()
+
+
+def _git(*args: str) -> str:
+    here = Path(__file__).resolve().parent
+    return subprocess.run(["git", *args], cwd=here, check=True, capture_output=True, text=True,
+                          timeout=10).stdout.strip()
+
+
+def git_state() -> dict[str, str]:
+    """``{"git_commit": sha, "src_dirty": "yes"/"no"}`` of this checkout: ``src_dirty`` says
+    whether ``src/`` differs from the commit (what was measured is then not that commit).
+    ``$PAGEDATTN_GIT_SHA`` names the commit of a copied tree (a remote GPU machine gets the
+    working tree, not its history): it wins, and ``src_dirty`` then says ``unknown``; with
+    neither a checkout nor the variable, both say ``unknown``."""
+    if os.environ.get("PAGEDATTN_GIT_SHA"):
+        return {"git_commit": os.environ["PAGEDATTN_GIT_SHA"], "src_dirty": "unknown"}
+    try:
+        sha = _git("rev-parse", "HEAD")
+        top = _git("rev-parse", "--show-toplevel")
+        dirty = _git("status", "--porcelain", "--", str(Path(top) / "src"))
+    except (OSError, subprocess.SubprocessError):
+        sha = os.environ.get("PAGEDATTN_GIT_SHA", "unknown")
+        return {"git_commit": sha, "src_dirty": "unknown"}
+    return {"git_commit": sha, "src_dirty": "yes" if dirty else "no"}

@@ -44,16 +44,15 @@ from pagedattn.bench.shapes import (
     MODELS,
     SHAPE_PRESETS,
     SHAPES,
-    TRACES,
     BenchBatch,
     BenchShape,
     build_batch,
     make_shape,
     resolve_shape,
-    sample_context_lens,
     shrink_lengths,
 )
 from pagedattn.bench.timing import Timing, gb_per_s
+from pagedattn.traces import TRACES, sample_context_lens
 
 DEFAULT_IMPLS = ("auto", "split_kv_v4", "gqa_reuse_v3")
 #: ``pagedattn run`` defaults: the stages loop token by token in the interpreter (about 0.1 s

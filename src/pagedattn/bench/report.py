@@ -17,12 +17,12 @@ import datetime
 import importlib.metadata
 import json
 import math
-import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from pagedattn._env import git_state
 
 #: column order of the CSV/JSON rows (a row may leave any of them empty)
 COLUMNS = (
@@ -92,30 +92,6 @@ def format_kernels(kernels: dict[str, dict[str, Any]]) -> str:
                      f"smem={m.get('shared_bytes')}B warps={m.get('num_warps')} "
                      f"stages={m.get('num_stages')}")
     return "; ".join(parts)
-
-
-def _git(*args: str) -> str:
-    here = Path(__file__).resolve().parent
-    return subprocess.run(["git", *args], cwd=here, check=True, capture_output=True, text=True,
-                          timeout=10).stdout.strip()
-
-
-def git_state() -> dict[str, str]:
-    """``{"git_commit": sha, "src_dirty": "yes"/"no"}`` of this checkout: ``src_dirty`` says
-    whether ``src/`` differs from the commit (what was measured is then not that commit).
-    ``$PAGEDATTN_GIT_SHA`` names the commit of a copied tree (a remote GPU machine gets the
-    working tree, not its history): it wins, and ``src_dirty`` then says ``unknown``; with
-    neither a checkout nor the variable, both say ``unknown``."""
-    if os.environ.get("PAGEDATTN_GIT_SHA"):
-        return {"git_commit": os.environ["PAGEDATTN_GIT_SHA"], "src_dirty": "unknown"}
-    try:
-        sha = _git("rev-parse", "HEAD")
-        top = _git("rev-parse", "--show-toplevel")
-        dirty = _git("status", "--porcelain", "--", str(Path(top) / "src"))
-    except (OSError, subprocess.SubprocessError):
-        sha = os.environ.get("PAGEDATTN_GIT_SHA", "unknown")
-        return {"git_commit": sha, "src_dirty": "unknown"}
-    return {"git_commit": sha, "src_dirty": "yes" if dirty else "no"}
 
 
 def _version(dist: str) -> str:

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from pagedattn._env import git_state
 from pagedattn.serving.cli_args import int_in, one_line_errors, resolve_device
 from pagedattn.serving.generate import CACHE_DTYPES, DTYPES, MAX_BATCH
 
@@ -65,19 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="small random model (smoke test)")
     parser.add_argument("--out", default=None,
                         help="results prefix (default: docs/results/serving-<gpu or cpu>)")
-
-
-def git_state() -> dict:
-    """The commit measured and whether ``src/`` differs from it (None outside a checkout)."""
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, check=True,
-                                  cwd=Path(__file__).parent).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-    top = git("rev-parse", "--show-toplevel")
-    status = git("status", "--porcelain", "--", f"{top}/src") if top else None
-    return {"commit": git("rev-parse", "HEAD"), "src_dirty": bool(status) if top else None}
 
 
 def command_line(a: argparse.Namespace) -> str:
@@ -127,7 +114,7 @@ def run_engine(model, prompts, max_new, *, mode: str, page_size: int, max_batch:
 def trace_requests(num: int, context: int, max_output: int, vocab: int, seed: int = 0):
     """``num`` (prompt ids, output length) pairs from the Azure conversation trace, clipped to
     ``context`` (output <= ``max_output``; prompt <= context - output), random prompt ids."""
-    from pagedattn.bench.shapes import load_trace
+    from pagedattn.traces import load_trace
 
     rows = load_trace("azure")
     g = torch.Generator().manual_seed(seed)
@@ -272,7 +259,7 @@ def to_markdown(res: dict) -> str:
     """The results as a targets table and section tables."""
     modes = res["modes"]
     lines = [f"# Serving benchmark: {res['model']} ({res['dtype']}, {res['gpu'] or 'cpu'})", "",
-             f"Commit `{res['commit']}` (src/ {'dirty' if res['src_dirty'] else 'clean'}), "
+             f"Commit `{res['git_commit']}` (src/ differs from it: {res['src_dirty']}), "
              f"torch {res['torch']}, {res['new_tokens']} new tokens, page size "
              f"{res['page_size']}.", "", f"Command: `{res['command']}`", "",
              "## Decode tokens/s, fixed batch", "",
