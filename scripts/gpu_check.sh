@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Everything pagedattn runs on the H200, in phases sized for one `device` call each (< 10 min).
+# Session 4: explore5 (tests of the launch path, host time, config A/B on variant rows);
+#   final5a / final5b / final5c (x2, consecutive warm calls): benchmark + host + variants,
+#   the serving benchmark, every GPU test + sanitizers, on the shipped tree.
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
@@ -60,6 +63,58 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  final5a)  # session 4, the shipped tree (PAGEDATTN_GIT_SHA names it): the benchmark beside
+    # the floor (carry .peers), host time, the variant rows; carry .ext2 (GGUF, first half)
+    RES=$OUT
+    env_info
+    stamp "benchmark: auto beside the floor, eager and graph, roofline in the run"
+    timeout 230 python3 -m pagedattn.cli bench --shapes peers --impls auto --peers none \
+      --peer-file floor=.peers/plain_floor.py:best_floor_runner --graph --reps 40 \
+      --out-dir "$RES/bench" > "$RES/bench.log" 2>&1; grep -E "auto|roofline" "$RES/bench.log"
+    stamp "host time"
+    timeout 45 python3 scripts/host_time.py 2>&1 | tee "$RES/host.log"
+    stamp "variant rows"
+    timeout 120 python3 scripts/bench_variants.py --json "$RES/variants.json" 2>&1 | cut -c1-300
+    ls -la .ext2 > "$RES/ext2.txt" 2>&1
+    ;;
+  final5b)  # right after final5a (warm): carry .ext3 (GGUF, second half) and .whl (gguf
+    # wheel); the serving benchmark on SmolLM2-135M
+    RES=$OUT
+    assemble_gguf
+    python3 -m pip install --quiet --no-index --no-deps --target /tmp/gguf_pkg .whl/gguf-*.whl \
+      2>&1 | tail -2
+    export PYTHONPATH=$PYTHONPATH:/tmp/gguf_pkg
+    stamp "serving benchmark"
+    timeout 500 python3 -m pagedattn.cli bench-model --gguf .model/smollm2.gguf \
+      --out "$RES/serving-h200" 2>&1 | tee "$RES/serving.log" | tail -40
+    ;;
+  final5c)  # the shipped tree on two GPUs: every GPU-marked test (N19 included), then the
+    # sanitizers over every kernel
+    RES=$OUT
+    env_info
+    XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadfile")
+    stamp "every gpu / gpu2 test"
+    # shellcheck disable=SC2086
+    timeout 200 python3 -m pytest -q -m "gpu or gpu2" -p no:cacheprovider $XDIST -rfE \
+      --durations=10 tests > "$RES/pytest-gpu.log" 2>&1; tail -15 "$RES/pytest-gpu.log"
+    stamp "sanitizers"
+    OUT=$RES SANITIZE_S=${SANITIZE_S:-70} timeout 340 bash scripts/gpu_hardening.sh sanitize \
+      | tail -14
+    ;;
+  explore5)  # session 4: GPU tests of the launch path, host time, variant/plain config A/B
+    RES=$OUT
+    env_info
+    stamp "GPU tests: plan, decode, variants"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_plan.py \
+      tests/test_decode.py tests/test_variants.py > "$RES/pytest.log" 2>&1; tail -4 "$RES/pytest.log"
+    stamp "host time"
+    timeout 60 python3 scripts/host_time.py 2>&1 | tee "$RES/host.log"
+    stamp "config A/B on the variant rows and the trailing plain rows"
+    timeout 330 python3 scripts/bench_variants.py --reps 50 \
+      --rows "${ROWS:-qlen4-b64-c2k,alibi-b64-c2k,window1024-b64-c2k,softcap50-b64-c2k,sinks-b64-c2k,invariant-b64-c2k,plain-b64-c2k,plain-b1-c32k,plain-llama8b-b8-c8k,plain-hd64-smollm-b64-c2k,plain-tp8-70b-b128-c8k,plain-qwen7b-b64-c4k}" \
+      --configs "${CONFIGS:-default;maxnreg=128;ctas_per_sm=8;num_stages=3;block_n=32,num_stages=3}" \
+      --json "$RES/ab.json" 2>&1 | tee "$RES/ab.log" | cut -c1-400
+    ;;
   final3)  # session 3, the shipped tree (x2): every GPU-marked test, the benchmark beside the
     # floor (carry .peers), host time. PAGEDATTN_GIT_SHA names the commit of the copied tree.
     env_info
