@@ -68,7 +68,7 @@ count_errors() {  # memcheck/initcheck: "ERROR SUMMARY: N errors"; racecheck: "(
 }
 
 if [[ $what == all || $what == sanitize ]]; then
-  # budget: 60 + 3 x 130 s = 450 s at most, plus start-up
+  # budget: 60 + 4 x SANITIZE_S (default 130) s at most, plus start-up
   phase warm 60 "$OUT/sanitize-warm.log" python3 scripts/sanitize_driver.py
   # one allocation per tensor: an out-of-bounds read is visible (memcheck) and memory reused
   # from PyTorch's pool does not count as initialized (initcheck)
@@ -77,9 +77,14 @@ if [[ $what == all || $what == sanitize ]]; then
     --leak-check no --print-limit 50 python3 scripts/sanitize_driver.py
   phase racecheck "${SANITIZE_S:-130}" "$OUT/sanitize-racecheck.log" compute-sanitizer --tool racecheck \
     --racecheck-report hazard --print-limit 50 python3 scripts/sanitize_driver.py
+  # (compute-sanitizer 2025.3 takes --track-unused-memory as a flag: off by default)
   phase initcheck "${SANITIZE_S:-130}" "$OUT/sanitize-initcheck.log" compute-sanitizer --tool initcheck \
-    --track-unused-memory no --print-limit 50 python3 scripts/sanitize_driver.py
+    --print-limit 50 python3 scripts/sanitize_driver.py
   unset PYTORCH_NO_CUDA_MEMORY_CACHING
+  # CUDA-graph capture needs PyTorch's caching allocator: the graph replays in their own pass
+  phase memcheck-graphs "${SANITIZE_S:-130}" "$OUT/sanitize-memcheck-graphs.log" \
+    compute-sanitizer --tool memcheck --leak-check no --print-limit 50 \
+    python3 scripts/sanitize_driver.py --graphs-only
 fi
 
 {
@@ -95,7 +100,7 @@ fi
   echo
   echo "| phase | exit | seconds | errors | log |"
   echo "|---|---|---|---|---|"
-  for p in tests fuzz warm memcheck racecheck initcheck; do
+  for p in tests fuzz warm memcheck racecheck initcheck memcheck-graphs; do
     [ -n "${STATUS[$p]+x}" ] || continue
     case $p in
       tests|fuzz) log=hardening-$p.log

@@ -5,14 +5,18 @@ library on boundary shapes.
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=src \
         compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py
     TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/sanitize_driver.py --cpu-smoke
+    PYTHONPATH=src compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py \
+        --graphs-only      # graph capture needs the caching allocator: its own pass
 
 What runs: every impl through the public API on each shape; ``split_kv_v4`` and ``auto`` with
 forced splits (so the merge kernels run: ``auto``'s per-head merge on small batches, its
 per-group merge on the ``b17-hkv8`` shape, whose batch x kv heads fills the H200's 132 SMs);
 ``auto`` with the LSE, fp8 with per-kv-head scales and an HND view of a combined KV buffer;
 ``append_kv`` (bf16 and fp8 caches, NHD and HND, padding slots); and CUDA-graph replay of
-``auto`` (forced splits, LSE) and ``split_kv_v4`` at new lengths. The last line lists the
-kernels launched (from the launchers' compile records).
+``auto`` (forced splits, LSE) and ``split_kv_v4`` at new lengths (a pass of its own, with
+PyTorch's caching allocator on: capture forbids ``cudaMalloc``); and ``auto``'s variant
+specializations (window, soft-cap, sinks, ALiBi, multi-token queries, batch invariance).
+The last line lists the kernels launched (from the launchers' compile records).
 
 Shapes (tiny, so the sanitizer finishes in a minute or two): page_size 1, 5 and 16; context
 lengths 0, 1 and a last page holding one token; every page of the cache used, so the
@@ -27,6 +31,7 @@ Each call is checked against the float64 oracle; the exit status is the number o
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -131,11 +136,40 @@ def _graph_runs() -> int:
     return failures
 
 
+def _variant_runs() -> int:
+    """``auto``'s variant specializations (each flag compiles its own binary): window,
+    soft-cap, sinks, ALiBi, multi-token queries (alone and with window + sinks) and batch
+    invariance, on a ragged batch with an empty sequence, forced splits and the LSE (so the
+    merge kernels run with the sink)."""
+    failures = 0
+    inputs = make_paged_inputs([0, 37, 5, 130], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                               page_size=16, dtype=torch.bfloat16, seed=9, device=DEVICE)
+    g = torch.Generator().manual_seed(9)
+    sinks = torch.randn(8, generator=g).to(DEVICE)
+    slopes = (torch.rand(8, generator=g) * 0.2).to(DEVICE)
+    multi = torch.randn(4, 3, 8, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    runs = [({"window_left": 20}, None), ({"logits_soft_cap": 5.0}, None),
+            ({"sinks": sinks}, None), ({"alibi_slopes": slopes}, None), ({}, multi),
+            ({"window_left": 9, "sinks": sinks}, multi), ({"batch_invariant": True}, None)]
+    for kw, query in runs:
+        for splits in (None, 3):
+            x = inputs if query is None else inputs._replace(query=query)
+            ref_kw = {k: v for k, v in kw.items() if k != "batch_invariant"}
+            ok, err = _run("auto", x, ref_kw=ref_kw, num_splits=splits, return_lse=True, **kw)
+            label = {k: "[H] tensor" if isinstance(v, torch.Tensor) else v
+                     for k, v in kw.items()}
+            failures += _report("variants", "auto", {**label, "q_len": 1 if query is None
+                                                     else 3, "num_splits": splits}, ok, err)
+    return failures
+
+
 #: names of the kernels the runs launched (the summary's last line)
 LAUNCHED: set[str] = set()
 
 
 def _run(impl, inputs, ref_kw=None, **kw):
+    if kw.get("batch_invariant") and kw.get("num_splits"):  # a fixed split size instead
+        kw = {k: v for k, v in kw.items() if k != "num_splits"}
     out = torch.full_like(inputs[0], float("nan"))
     result, kernels = pagedattn.compiled_kernels(*inputs, impl=impl, out=out, **kw)
     LAUNCHED.update(kernels)
@@ -162,6 +196,15 @@ def main(argv: list[str]) -> int:
         return 1
     failures = 0
     t0 = time.time()
+    # CUDA graphs need PyTorch's caching allocator (capture forbids cudaMalloc): with it
+    # off (one allocation per tensor, for memcheck) the graph runs are a separate pass
+    graphs_only = "--graphs-only" in argv
+    no_caching = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1"
+    if graphs_only:
+        failures += _graph_runs()
+        print(f"kernels launched: {', '.join(sorted(LAUNCHED))} (graph replays)")
+        print(f"{failures} failure(s), {time.time() - t0:.1f} s")
+        return failures
     for name, lens, hq, hkv, dim, page_size, dtype in SHAPES[:1] if cpu_smoke else SHAPES:
         inputs = make_paged_inputs(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
                                    page_size=page_size, dtype=dtype, extra_pages=0,
@@ -194,8 +237,11 @@ def main(argv: list[str]) -> int:
         ok, err = _run("auto", hnd, ref_kw=dict(kv_layout="HND"), kv_layout="HND")
         failures += _report(name, "auto HND", "combined KV", ok, err)
     failures += _append_kv_runs()
-    if not cpu_smoke:
+    failures += _variant_runs()
+    if not cpu_smoke and not no_caching:
         failures += _graph_runs()
+    elif no_caching:
+        print("graph runs skipped (PYTORCH_NO_CUDA_MEMORY_CACHING=1): run --graphs-only")
     print(f"kernels launched: {', '.join(sorted(LAUNCHED | {'append_kv'}))}")
     print(f"{failures} failure(s), {time.time() - t0:.1f} s")
     return failures
