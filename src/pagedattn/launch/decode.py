@@ -298,6 +298,10 @@ class AutoLauncher:
         self.part_ml = work[:n_ml]
         self.part_acc = work[n_ml:n_ml + n_acc]
         self.seq_rows = work[n_ml + n_acc:].view(torch.int32)
+        # the main kernel writes an entry per non-empty sequence only; the per-group merge
+        # loads the entry of an empty one too (beside its length, in one round) and ignores
+        # it: zeroed once here, that load never reads uninitialized memory (initcheck)
+        self.seq_rows.zero_()
         self._ml_ptr, self._acc_ptr, self._rows_ptr = (
             t.data_ptr() for t in (self.part_ml, self.part_acc, self.seq_rows))
         # recorded launches of this launcher, one per binding (see launch): every integer,
