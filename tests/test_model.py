@@ -137,3 +137,34 @@ def test_generate_answers_with_no_flag(capsys):
     assert rc == 0
     assert "Paris" in out, out
     assert "tokens/s" in err
+
+
+def test_rms_norm_matches_llama_reference_in_bf16():
+    """Our RMSNorm normalizes in float32 and multiplies in the model's dtype, bit for bit as
+    transformers' ``LlamaRMSNorm`` (``F.rms_norm`` on bf16 normalizes in bf16: case found on
+    the H200, where SmolLM2 in bf16 answered in French)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from pagedattn.serving.model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 576, generator=g) * 3).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(torch.bfloat16)
+    ref = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+        assert torch.equal(RMSNorm(w, 1e-5)(x), ref(x))
+
+
+def test_smollm2_bf16_first_tokens_equal_transformers(gguf_path, tokenizer, hf_model):
+    """bf16, the GPU's default dtype, on the README's chat prompt: our first greedy tokens are
+    transformers' (both in bf16). Three tokens through ``impl="auto"`` keep it short."""
+    import copy
+
+    ids = encode(tokenizer, "What is the capital of France?")
+    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    want, _ = hf_greedy(hf_bf16, ids, 3, "cpu")
+    model = Llama.from_gguf(gguf_path, dtype=torch.bfloat16, device="cpu", impl="auto")
+    res = generate_greedy(model, [ids], [3], page_size=16, max_batch_size=1)
+    assert res.requests[0].output == want.tolist(), tokenizer.decode(res.requests[0].output)
+    assert tokenizer.decode(want.tolist()).startswith("The capital")

@@ -117,12 +117,19 @@ class PagedAttention:
 
 # -- modules -------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
+    """``weight * (x / rms(x))`` with the normalization in float32 and the product in the
+    model's dtype, as Llama's reference (and transformers' ``LlamaRMSNorm``) compute it.
+    ``F.rms_norm`` on bf16 input normalizes in bf16: SmolLM2-135M in bf16 then answered
+    "What is the capital of France?" with "L'É…" where transformers says "The capital of"."""
+
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
         self.weight, self.eps = _param(weight), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class FeedForward(nn.Module):
