@@ -2,7 +2,8 @@
 # Everything pagedattn runs on the H200, in phases sized for one `device` call each (< 10 min).
 # Session 4: explore5 (tests of the launch path, host time, config A/B on variant rows);
 #   final5a / final5b / final5c (x2, consecutive warm calls): benchmark + host + variants,
-#   the serving benchmark, every GPU test + sanitizers, on the shipped tree.
+#   the serving benchmark, every GPU test + sanitizers, on the shipped tree; fi074 (prepared,
+#   not yet run): FlashInfer 0.7.4 beside auto in the same run.
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
@@ -47,6 +48,19 @@ setup_flashinfer() {  # the peers/README.md recipe: sdist, data links, CUDA 13 f
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || true
 }
 
+setup_flashinfer074() {  # peers/README recipe for 0.7.4: the wheel's flashinfer/ repacked as
+  # .ext4/flashinfer-0.7.4.tar.xz (25 MB) + the apache-tvm-ffi wheel; JIT builds go to the
+  # ignored .fi_ws/, which stays on a warm machine between calls (10-35 s per config cold)
+  [ -f .ext4/flashinfer-0.7.4.tar.xz ] || { echo "no .ext4/flashinfer-0.7.4.tar.xz"; return 0; }
+  mkdir -p /tmp/fi074 .fi_ws
+  [ -d /tmp/fi074/flashinfer ] || tar xJf .ext4/flashinfer-0.7.4.tar.xz -C /tmp/fi074
+  python3 -m pip install --quiet --no-index --no-deps --target /tmp/fi074 \
+    .ext4/apache_tvm_ffi-*.whl 2>&1 | tail -2
+  export PYTHONPATH=$PYTHONPATH:/tmp/fi074
+  export FLASHINFER_WORKSPACE_BASE=$PWD/.fi_ws
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || true
+}
+
 assemble_gguf() {  # the 98 MB GGUF travels in two halves over two consecutive (warm) calls
   if [ -f .ext2/part.aa ] && [ -f .ext3/part.ab ]; then
     mkdir -p .model && cat .ext2/part.aa .ext3/part.ab > .model/smollm2.gguf
@@ -63,6 +77,20 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  fi074)  # prepared in session 4, not yet run: FlashInfer 0.7.4 (TC and XQA) beside auto and
+    # the floor in one run (carry .ext4 and .peers), then its same-variant rows. A first
+    # (cold) call spends most of its time in FlashInfer's JIT; repeat it warm for the figures
+    RES=$OUT
+    env_info
+    setup_flashinfer074
+    stamp "benchmark: auto, the floor, FlashInfer 0.7.4 TC and XQA"
+    timeout 380 python3 -m pagedattn.cli bench --shapes peers --impls auto \
+      --peers flashinfer-tc,flashinfer-xqa \
+      --peer-file floor=.peers/plain_floor.py:best_floor_runner --graph --reps 40 \
+      --out-dir "$RES/bench" > "$RES/bench.log" 2>&1; grep -E "auto|roofline" "$RES/bench.log"
+    stamp "variant rows beside FlashInfer"
+    timeout 150 python3 scripts/bench_variants.py --json "$RES/variants.json" 2>&1 | cut -c1-300
+    ;;
   final5a)  # session 4, the shipped tree (PAGEDATTN_GIT_SHA names it): the benchmark beside
     # the floor (carry .peers), host time, the variant rows; carry .ext2 (GGUF, first half)
     RES=$OUT
