@@ -67,6 +67,5 @@ def git_state() -> dict[str, str]:
         top = _git("rev-parse", "--show-toplevel")
         dirty = _git("status", "--porcelain", "--", str(Path(top) / "src"))
     except (OSError, subprocess.SubprocessError):
-        sha = os.environ.get("PAGEDATTN_GIT_SHA", "unknown")
-        return {"git_commit": sha, "src_dirty": "unknown"}
+        return {"git_commit": "unknown", "src_dirty": "unknown"}
     return {"git_commit": sha, "src_dirty": "yes" if dirty else "no"}

@@ -302,8 +302,9 @@ class AutoLauncher:
         # loads the entry of an empty one too (beside its length, in one round) and ignores
         # it: zeroed once here, that load never reads uninitialized memory (initcheck)
         self.seq_rows.zero_()
-        self._ml_ptr, self._acc_ptr, self._rows_ptr = (
-            t.data_ptr() for t in (self.part_ml, self.part_acc, self.seq_rows))
+        # the stand-in address of the per-call pointers a launch leaves unused (LSE, sinks,
+        # slopes): the workspace's, never read under their flags off
+        self._ml_ptr = self.part_ml.data_ptr()
         # recorded launches of this launcher, one per binding (see launch): every integer,
         # constexpr and launch option is fixed by the launcher, so the binding is the
         # tensors' dtypes, strides and 16-byte alignment and whether LSE is written
