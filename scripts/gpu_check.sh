@@ -61,6 +61,14 @@ setup_flashinfer074() {  # peers/README recipe for 0.7.4: the wheel's flashinfer
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || true
 }
 
+bench_beside_floor() {  # bench_beside_floor SECONDS PEERS: auto beside the plain floor (carry
+  # .peers) and PEERS ("none" or a comma list), eager and graph, roofline in the run
+  stamp "benchmark: auto beside the floor and peers=$2, eager and graph, roofline in the run"
+  timeout "$1" python3 -m pagedattn.cli bench --shapes peers --impls auto --peers "$2" \
+    --peer-file floor=.peers/plain_floor.py:best_floor_runner --graph --reps 40 \
+    --out-dir "$RES/bench" > "$RES/bench.log" 2>&1; grep -E "auto|roofline" "$RES/bench.log"
+}
+
 assemble_gguf() {  # the 98 MB GGUF travels in two halves over two consecutive (warm) calls
   if [ -f .ext2/part.aa ] && [ -f .ext3/part.ab ]; then
     mkdir -p .model && cat .ext2/part.aa .ext3/part.ab > .model/smollm2.gguf
@@ -83,11 +91,7 @@ case "$phase" in
     RES=$OUT
     env_info
     setup_flashinfer074
-    stamp "benchmark: auto, the floor, FlashInfer 0.7.4 TC and XQA"
-    timeout 380 python3 -m pagedattn.cli bench --shapes peers --impls auto \
-      --peers flashinfer-tc,flashinfer-xqa \
-      --peer-file floor=.peers/plain_floor.py:best_floor_runner --graph --reps 40 \
-      --out-dir "$RES/bench" > "$RES/bench.log" 2>&1; grep -E "auto|roofline" "$RES/bench.log"
+    bench_beside_floor 380 flashinfer-tc,flashinfer-xqa
     stamp "variant rows beside FlashInfer"
     timeout 150 python3 scripts/bench_variants.py --json "$RES/variants.json" 2>&1 | cut -c1-300
     ;;
@@ -95,10 +99,7 @@ case "$phase" in
     # the floor (carry .peers), host time, the variant rows; carry .ext2 (GGUF, first half)
     RES=$OUT
     env_info
-    stamp "benchmark: auto beside the floor, eager and graph, roofline in the run"
-    timeout 230 python3 -m pagedattn.cli bench --shapes peers --impls auto --peers none \
-      --peer-file floor=.peers/plain_floor.py:best_floor_runner --graph --reps 40 \
-      --out-dir "$RES/bench" > "$RES/bench.log" 2>&1; grep -E "auto|roofline" "$RES/bench.log"
+    bench_beside_floor 230 none
     stamp "host time"
     timeout 45 python3 scripts/host_time.py 2>&1 | tee "$RES/host.log"
     stamp "variant rows"
@@ -162,10 +163,7 @@ case "$phase" in
   final4)  # session 3, the final tree: benchmark beside the floor, host time, every GPU test,
     # the variant rows; written straight to $OUT (a call cut at its limit still returns them)
     RES=$OUT
-    stamp "benchmark: auto beside the floor, eager and graph, roofline in the run"
-    timeout 200 python3 -m pagedattn.cli bench --shapes peers --impls auto --peers none \
-      --peer-file floor=.peers/plain_floor.py:best_floor_runner --graph --reps 40 \
-      --out-dir "$RES/bench" > "$RES/bench.log" 2>&1; grep -E "auto|roofline" "$RES/bench.log"
+    bench_beside_floor 200 none
     stamp "host time"
     timeout 40 python3 scripts/host_time.py 2>&1 | tee "$RES/host.log"
     XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadfile")
