@@ -114,7 +114,7 @@ case "$phase" in
       2>&1 | tail -2
     export PYTHONPATH=$PYTHONPATH:/tmp/gguf_pkg
     stamp "serving benchmark"
-    timeout 500 python3 -m pagedattn.cli bench-model --gguf .model/smollm2.gguf \
+    timeout 400 python3 -m pagedattn.cli bench-model --gguf .model/smollm2.gguf \
       --out "$RES/serving-h200" 2>&1 | tee "$RES/serving.log" | tail -40
     ;;
   final5c)  # the shipped tree on two GPUs: every GPU-marked test (N19 included), then the

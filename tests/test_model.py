@@ -159,6 +159,11 @@ def test_rms_norm_matches_llama_reference_in_bf16():
         ref.weight.copy_(w)
         assert torch.equal(RMSNorm(w, 1e-5)(x), ref(x))
 
+        def no_fused(*args):
+            raise AssertionError("the compiled norm runs on CUDA tensors only")
+
+        assert torch.equal(RMSNorm(w, 1e-5, no_fused)(x), ref(x))
+
 
 def test_smollm2_bf16_first_tokens_equal_transformers(gguf_path, tokenizer, hf_model):
     """bf16, the GPU's default dtype, on the README's chat prompt: our first greedy tokens are

@@ -12,7 +12,8 @@ The dense-KV reference backend used by the benchmark and the tests lives in
 
 Kernel count matters at batch 1 (the step is launch-bound even inside a CUDA graph): Q/K/V are
 one fused projection, gate/up another, RoPE is ``addcmul(x * cos, roll(x), ±sin)`` on Q and K
-together, RMSNorm is ``F.rms_norm``.
+together, and on a GPU each RMSNorm is one kernel (:func:`rms_norm` compiled by
+``torch.compile``: its eager form is eight).
 
 Numerics follow Hugging Face's ``LlamaForCausalLM`` (fp32 RMSNorm statistics, RoPE ``freqs =
 position * inv_freq`` with ``rotate_half``, ``down(silu(gate(x)) * up(x))``), so in fp32 greedy
@@ -116,20 +117,37 @@ class PagedAttention:
 
 
 # -- modules -------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` with the normalization in float32 and the product in the
     model's dtype, as Llama's reference (and transformers' ``LlamaRMSNorm``) compute it.
     ``F.rms_norm`` on bf16 input normalizes in bf16: SmolLM2-135M in bf16 then answered
     "What is the capital of France?" with "L'É…" where transformers says "The capital of"."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
-    def __init__(self, weight: torch.Tensor, eps: float):
+
+def fused_rms_norm() -> Callable[..., torch.Tensor]:
+    """:func:`rms_norm` through ``torch.compile`` (inductor): one kernel instead of eight
+    eager ones. A decode step runs 2 norms per layer plus one, so on SmolLM2-135M (30 layers)
+    the eager form adds about 430 launches a step, inside a CUDA graph too. Compiled on first
+    use, per dtype (``dynamic=True``: one graph for every token count above 1)."""
+    return torch.compile(rms_norm, dynamic=True)
+
+
+class RMSNorm(nn.Module):
+    """:func:`rms_norm` with a weight; ``fused`` (from :func:`fused_rms_norm`, shared by a
+    model's norms) runs it on CUDA tensors outside a ``torch.compile`` trace."""
+
+    def __init__(self, weight: torch.Tensor, eps: float,
+                 fused: Callable[..., torch.Tensor] | None = None):
         super().__init__()
-        self.weight, self.eps = _param(weight), eps
+        self.weight, self.eps, self.fused = _param(weight), eps, fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        if self.fused is not None and x.is_cuda and not torch.compiler.is_compiling():
+            return self.fused(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class FeedForward(nn.Module):
@@ -226,7 +244,8 @@ class Transformer(nn.Module):
         self.attention = PagedAttention(impl) if attention is None else attention
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.tok_embeddings = _param(w["embed"])
-        self.norm = RMSNorm(w["final_norm"], cfg.rms_eps)
+        fused = fused_rms_norm() if self.tok_embeddings.is_cuda else None
+        self.norm = RMSNorm(w["final_norm"], cfg.rms_eps, fused)
         self.output = _param(w.get("lm_head", w["embed"]))  # tied: the same tensor
         self.layers = nn.ModuleList()
         for i in range(cfg.num_layers):
@@ -235,7 +254,8 @@ class Transformer(nn.Module):
                 Attention(cfg, i, self.attention,
                           torch.cat([lw["wq"], lw["wk"], lw["wv"]]), lw["wo"]),
                 FeedForward(torch.cat([lw["w_gate"], lw["w_up"]]), lw["w_down"]),
-                RMSNorm(lw["attn_norm"], cfg.rms_eps), RMSNorm(lw["ffn_norm"], cfg.rms_eps)))
+                RMSNorm(lw["attn_norm"], cfg.rms_eps, fused),
+                RMSNorm(lw["ffn_norm"], cfg.rms_eps, fused)))
         inv = 1.0 / (cfg.rope_theta ** (
             torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).to(torch.float32) / cfg.head_dim))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
