@@ -4,6 +4,8 @@
 #   final5a / final5b / final5c (x2, consecutive warm calls): benchmark + host + variants,
 #   the serving benchmark, every GPU test + sanitizers, on the shipped tree; fi074 (prepared,
 #   not yet run): FlashInfer 0.7.4 beside auto in the same run.
+# Session 5 ran final5c (carry .ext2), final5b (carry .ext3 .whl), final5a (carry .peers) on one
+#   H200 as consecutive warm calls: 222 + 166 + 186 s, about 10 device-minutes with the start.
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
