@@ -19,6 +19,11 @@ from pagedattn.testing import PagedInputs, rel_l2_error, tolerance_for
 
 IMPLS = list(pagedattn.IMPLS)
 STAGES = list(pagedattn.STAGES)
+# the impls run by a launcher of the stage signature (every impl but the planned one): the
+# study's stages and any impl added beside them
+LAUNCHER_IMPLS = [name for name, spec in pagedattn.IMPLS.items() if spec.launcher is not None]
+# the impls the table marks without the variants (a new impl starts there)
+NO_VARIANT_IMPLS = [name for name, spec in pagedattn.IMPLS.items() if not spec.variants]
 # the impls that honour num_splits, from the impl table's capabilities
 SPLIT_IMPLS = [name for name, spec in pagedattn.IMPLS.items() if spec.splits]
 NAN = float("nan")
