@@ -6,6 +6,7 @@
 #   not yet run): FlashInfer 0.7.4 beside auto in the same run.
 # Session 5 ran final5c (carry .ext2), final5b (carry .ext3 .whl), final5a (carry .peers) on one
 #   H200 as consecutive warm calls: 222 + 166 + 186 s, about 10 device-minutes with the start.
+#   serveprof (prepared, not yet run): the serving step profile, after final5b on a warm machine.
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
@@ -118,6 +119,22 @@ case "$phase" in
     stamp "serving benchmark"
     timeout 400 python3 -m pagedattn.cli bench-model --gguf .model/smollm2.gguf \
       --out "$RES/serving-h200" 2>&1 | tee "$RES/serving.log" | tail -40
+    ;;
+  serveprof)  # prepared in session 5, not yet run: where a SmolLM2 decode step's time goes
+    # (scripts/profile_serving_step.py), batch 1 and 64, graphs and eager; run right after
+    # final5b on the warm machine (it assembled .model/smollm2.gguf), carry .whl (gguf wheel)
+    RES=$OUT
+    python3 -m pip install --quiet --no-index --no-deps --target /tmp/gguf_pkg .whl/gguf-*.whl \
+      2>&1 | tail -2
+    export PYTHONPATH=$PYTHONPATH:/tmp/gguf_pkg
+    for b in 1 64; do
+      for g in "" "--no-graphs"; do
+        stamp "serving step profile: batch $b ${g:-graphs}"
+        # shellcheck disable=SC2086
+        timeout 120 python3 scripts/profile_serving_step.py --gguf .model/smollm2.gguf \
+          --batch "$b" $g --json "$RES/serveprof-b$b${g:+-eager}.json" 2>&1 | tail -18
+      done
+    done
     ;;
   final5c)  # the shipped tree on two GPUs: every GPU-marked test (N19 included), then the
     # sanitizers over every kernel
