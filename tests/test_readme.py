@@ -1,7 +1,7 @@
 """README.md's Python examples run as a CPU user runs them: the README tells them to write
 ``device="cpu"`` for every ``device="cuda"`` and set ``TRITON_INTERPRET=1`` (the suite runs
 with it). The usage block and the variants block run in one namespace, as written otherwise,
-and their outputs are checked against the float64 oracle."""
+and the last output (the cascade's merge) is checked against the float64 oracle."""
 
 from __future__ import annotations
 
