@@ -95,3 +95,11 @@ def test_bench_model_tiny_smoke(tmp_path, capsys):
     assert len(res["fp8"]["per_prompt"]) == 4
     assert all(r["logits_rel_l2"] <= 0.1 for r in res["fp8"]["per_prompt"])
     assert out.with_suffix(".md").read_text().startswith("# Serving benchmark")
+
+
+def test_bench_model_default_results_name_follows_the_gpu():
+    from pagedattn.serving.bench_model import device_slug
+
+    assert device_slug("NVIDIA H200") == "h200"  # the published serving-h200 pages
+    assert device_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert device_slug(None) == "cpu"

@@ -1,7 +1,8 @@
 """``pagedattn`` command line: a thin argparse shell over the library.
 
-Every subcommand lives in a module (``module`` or ``module:ATTR``) whose ``add_arguments(parser)``
-and ``main(args) -> int`` it uses; they are imported only when their subcommand runs. Parsers are
+Every subcommand lives in a module (or an object of one) with ``add_arguments(parser)`` and
+``main(args) -> int``; a loader function per subcommand imports it, with a real import
+statement, only when that subcommand runs. Parsers are
 :class:`pagedattn._cli_types.OneLineParser`: a bad value is one line on stderr and exit status 2,
 and a failed output write is one line and exit status 1, never a traceback. Without a CUDA GPU
 the CLI sets ``TRITON_INTERPRET=1`` for itself before anything imports Triton (the library
@@ -10,20 +11,52 @@ never does), so the kernels run on the CPU through Triton's interpreter.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from pagedattn._cli_types import OneLineParser
 
-#: subcommand -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("pagedattn.bench.harness:RUN", "run every impl on a real trace batch and check it"),
-    "bench": ("pagedattn.bench.harness", "benchmark impls and peers against the roofline"),
-    "profile": ("pagedattn.bench.profile", "Nsight Compute profile of impls on one shape"),
-    "ladder": ("pagedattn.bench.ladder", "the study's stage ladder: table, charts, report"),
-    "generate": ("pagedattn.serving.generate", "generate text with SmolLM2 through the kernel"),
-    "bench-model": ("pagedattn.serving.bench_model",
+
+def _run() -> Any:
+    from pagedattn.bench import harness
+    return harness.RUN
+
+
+def _bench() -> Any:
+    from pagedattn.bench import harness
+    return harness
+
+
+def _profile() -> Any:
+    from pagedattn.bench import profile
+    return profile
+
+
+def _ladder() -> Any:
+    from pagedattn.bench import ladder
+    return ladder
+
+
+def _generate() -> Any:
+    from pagedattn.serving import generate
+    return generate
+
+
+def _bench_model() -> Any:
+    from pagedattn.serving import bench_model
+    return bench_model
+
+
+#: subcommand -> (loader of the object with add_arguments/main, one-line help)
+COMMANDS: dict[str, tuple[Callable[[], Any], str]] = {
+    "run": (_run, "run every impl on a real trace batch and check it"),
+    "bench": (_bench, "benchmark impls and peers against the roofline"),
+    "profile": (_profile, "Nsight Compute profile of impls on one shape"),
+    "ladder": (_ladder, "the study's stage ladder: table, charts, report"),
+    "generate": (_generate, "generate text with SmolLM2 through the kernel"),
+    "bench-model": (_bench_model,
                     "SmolLM2 serving throughput: eager vs CUDA graphs vs transformers"),
 }
 
@@ -39,9 +72,7 @@ def _use_interpreter_without_gpu() -> None:
 
 def _command(name: str):
     """The object with ``add_arguments``/``main`` for subcommand ``name``."""
-    module, _, attr = COMMANDS[name][0].partition(":")
-    target = importlib.import_module(module)
-    return getattr(target, attr) if attr else target
+    return COMMANDS[name][0]()
 
 
 def main(argv: list[str] | None = None) -> int:

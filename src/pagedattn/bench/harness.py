@@ -128,9 +128,9 @@ def _first_call(entry: Entry, fn, b: BenchBatch):
     """Run the entry once; for our impls through ``compiled_kernels`` (compile metadata)."""
     if entry.kind != "ours":
         return fn(), {}
-    from pagedattn.bench.profile import compiled_kernels
+    from pagedattn.api import compiled_kernels
 
-    out, kernels = compiled_kernels(entry.name, b)
+    out, kernels = compiled_kernels(*b.tensors, impl=entry.name, **b.scales)
     return out, {k: report.compile_metadata(v) for k, v in kernels.items()}
 
 

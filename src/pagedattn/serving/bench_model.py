@@ -251,6 +251,14 @@ def bench_fixed_cache(model, ids, batch, a, mode, cache_dtype) -> dict:
     return {"decode_tokens_per_s": s.decode_tokens_per_s}
 
 
+def device_slug(gpu_name: str | None) -> str:
+    """``"NVIDIA H200"`` -> ``"h200"`` (the default results name); ``None`` (CPU) -> ``"cpu"``."""
+    if not gpu_name:
+        return "cpu"
+    words = gpu_name.lower().removeprefix("nvidia").split()
+    return "-".join("".join(c for c in w if c.isalnum()) for w in words) or "gpu"
+
+
 def _f(x, fmt="{:,.0f}") -> str:
     return "—" if x is None else fmt.format(x)
 
@@ -310,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
         args.trace_max_output = min(args.trace_max_output, 5)
         args.trace_max_batch, args.batches = min(args.trace_max_batch, 4), "1,2"
     res = run_benchmark(args, device)
-    out = Path(args.out or f"docs/results/serving-{'h200' if device.type == 'cuda' else 'cpu'}")
+    out = Path(args.out or f"docs/results/serving-{device_slug(res['gpu'])}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     md = to_markdown(res)

@@ -120,8 +120,9 @@ class PagedAttention:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` with the normalization in float32 and the product in the
     model's dtype, as Llama's reference (and transformers' ``LlamaRMSNorm``) compute it.
-    ``F.rms_norm`` on bf16 input normalizes in bf16: SmolLM2-135M in bf16 then answered
-    "What is the capital of France?" with "L'É…" where transformers says "The capital of"."""
+    ``F.rms_norm`` on bf16 input normalizes in bf16. (The "L'É…" answer that led here starts
+    from a near-tie: "The" 25.33 against "L" 25.24 in float32, so bf16 rounding anywhere can
+    flip that first token.)"""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
