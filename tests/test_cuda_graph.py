@@ -118,28 +118,80 @@ def test_append_kv_graph_skips_padding_slots():
             assert kc[p, o].isnan().all() != ((p, o) in written)
 
 
-def test_fused_rms_norm_matches_eager_in_fewer_kernels():
-    """The serving model's norm on a GPU (``torch.compile`` of :func:`rms_norm`): the eager
-    math within one bf16 rounding (inductor may sum the squares in another order), in one or
-    two kernels where eager takes eight (a decode step runs 61 of them on SmolLM2)."""
+def _cuda_kernels(fn, *args) -> list[str]:
+    """The names of the CUDA kernels one call ``fn(*args)`` launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedattn.serving.model import fused_rms_norm, rms_norm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_fused_layer_functions_match_eager_in_fewer_kernels():
+    """The serving model's elementwise functions on a GPU (``torch.compile`` of each): the
+    eager math within one bf16 rounding (inductor keeps intermediates in float32 and may sum
+    the squares in another order), each in one or two kernels where eager takes two to eight."""
+    from pagedattn.serving.model import EAGER, fused_functions
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    fused = fused_rms_norm()
+    fused = fused_functions()
+    bf16 = torch.bfloat16
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(bf16)
+
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, device="cuda") / 64.0))
     for n in (1, 5, 64):
-        x = (torch.randn(n, 576, device="cuda", generator=g) * 3).to(torch.bfloat16)
-        w = (1 + 0.1 * torch.randn(576, device="cuda", generator=g)).to(torch.bfloat16)
-        want, got = rms_norm(x, w, 1e-5), fused(x, w, 1e-5)
-        assert got.dtype == want.dtype == torch.bfloat16
-        assert torch.allclose(got.float(), want.float(), rtol=2**-6, atol=0), n
+        x, r, w = randn(n, 576, scale=3), randn(n, 576), 1 + randn(576, scale=0.1)
+        qkv = randn(n, 15 * 64 + 64)  # a strided view of Q and K, as the model passes it
+        positions = torch.arange(n, device="cuda") * 37
+        calls = {
+            "rms_norm": (x, w, 1e-5), "add_rms_norm": (x, r, w, 1e-5),
+            "silu_mul": (randn(n, 2 * 1536),), "rope_tables": (positions, inv_freq, bf16),
+        }
+        cos, sin = EAGER.rope_tables(positions, inv_freq, bf16)
+        calls["apply_rope"] = (qkv[:, :15 * 64].view(n, 15, 64), cos, sin)
+        for name, args in calls.items():
+            want = getattr(EAGER, name)(*args)
+            got = getattr(fused, name)(*args)
+            for a, b in zip(got if isinstance(got, tuple) else (got,),
+                            want if isinstance(want, tuple) else (want,), strict=True):
+                assert a.dtype == b.dtype == bf16 and a.shape == b.shape, (name, n)
+                assert torch.allclose(a.float(), b.float(), rtol=2**-6, atol=2**-6), (name, n)
+            if n == 64:
+                eager_k = len(_cuda_kernels(getattr(EAGER, name), *args))
+                fused_k = len(_cuda_kernels(getattr(fused, name), *args))
+                assert fused_k <= 2 and fused_k < eager_k, (name, fused_k, eager_k)
+
+
+def test_decode_step_kernels_per_layer():
+    """A decode step of the serving model on a GPU launches at most 11 kernels per layer (perf-notes
+    step 19): two norms (each residual add folded into a norm), RoPE, SwiGLU's activation, the
+    four GEMMs, ``append_kv`` and the attention's main and merge kernels. Counted as the
+    difference between a 4-layer and a 2-layer model, so per-step kernels cancel."""
+    import dataclasses
+
+    from pagedattn.serving.baselines import random_weights
+    from pagedattn.serving.gguf_loader import LlamaConfig
+    from pagedattn.serving.model import Transformer
+
+    cfg2 = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+                       num_q_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                       rms_eps=1e-5, max_position=256, tie_word_embeddings=True,
+                       bos_token_id=None, eos_token_id=None)
     counts = {}
-    for name, fn in (("eager", rms_norm), ("fused", fused)):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn(x, w, 1e-5)
-            torch.cuda.synchronize()
-        counts[name] = sum(1 for e in prof.events()
-                           if e.device_type == torch.autograd.DeviceType.CUDA)
-    assert counts["fused"] <= 2 < counts["eager"], counts
+    for layers in (2, 4):
+        cfg = dataclasses.replace(cfg2, num_layers=layers)
+        model = Transformer(cfg, random_weights(cfg), dtype=torch.bfloat16, device="cuda")
+        cache = model.make_cache(8, page_size=16)
+        cache.add_sequence(0)
+        tokens = torch.tensor([3], device="cuda")
+        with torch.inference_mode():
+            for _ in range(2):  # compile the functions and bind the kernels first
+                model.decode(tokens, cache.prepare_step([0], [1]), cache)
+            meta = cache.prepare_step([0], [1])
+            counts[layers] = _cuda_kernels(model.decode, tokens, meta, cache)
+    per_layer = (len(counts[4]) - len(counts[2])) / 2
+    assert per_layer <= 11, (per_layer, counts[4])

@@ -150,7 +150,7 @@ def test_rms_norm_matches_llama_reference_in_bf16():
     25.24, docs/results/session5), so bf16 rounding anywhere can flip it."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from pagedattn.serving.model import RMSNorm
+    from pagedattn.serving.model import LayerFunctions, RMSNorm
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(7, 576, generator=g) * 3).to(torch.bfloat16)
@@ -161,9 +161,13 @@ def test_rms_norm_matches_llama_reference_in_bf16():
         assert torch.equal(RMSNorm(w, 1e-5)(x), ref(x))
 
         def no_fused(*args):
-            raise AssertionError("the compiled norm runs on CUDA tensors only")
+            raise AssertionError("the compiled functions run on CUDA tensors only")
 
-        assert torch.equal(RMSNorm(w, 1e-5, no_fused)(x), ref(x))
+        never = LayerFunctions(*[no_fused] * len(LayerFunctions._fields))
+        assert torch.equal(RMSNorm(w, 1e-5, never)(x), ref(x))
+        h, normed = RMSNorm(w, 1e-5, never)(x, -x)  # the residual add folded into the norm
+        assert torch.equal(h, torch.zeros_like(x))
+        assert torch.equal(normed, ref(h))
 
 
 def test_smollm2_bf16_first_tokens_equal_transformers(gguf_path, tokenizer, hf_model):

@@ -11,9 +11,10 @@ The dense-KV reference backend used by the benchmark and the tests lives in
 :mod:`pagedattn.serving.baselines`.
 
 Kernel count matters at batch 1 (the step is launch-bound even inside a CUDA graph): Q/K/V are
-one fused projection, gate/up another, RoPE is ``addcmul(x * cos, roll(x), ±sin)`` on Q and K
-together, and on a GPU each RMSNorm is one kernel (:func:`rms_norm` compiled by
-``torch.compile``: its eager form is eight).
+one fused projection, gate/up another, RoPE runs on Q and K together, each residual add is
+folded into the next norm, and on a GPU each of the layer's elementwise functions (the norm,
+add + norm, RoPE, SwiGLU's activation, the RoPE tables) is one kernel compiled by
+``torch.compile`` (:func:`fused_functions`): 11 kernels a layer where eager runs 16 or more.
 
 Numerics follow Hugging Face's ``LlamaForCausalLM`` (fp32 RMSNorm statistics, RoPE ``freqs =
 position * inv_freq`` with ``rotate_half``, ``down(silu(gate(x)) * up(x))``), so in fp32 greedy
@@ -116,7 +117,7 @@ class PagedAttention:
         return cast(Attend, step.attend)(q, kc, vc, k_scale, v_scale)
 
 
-# -- modules -------------------------------------------------------------------------------
+# -- a layer's small functions -------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` with the normalization in float32 and the product in the
     model's dtype, as Llama's reference (and transformers' ``LlamaRMSNorm``) compute it.
@@ -128,65 +129,134 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def fused_rms_norm() -> Callable[..., torch.Tensor]:
-    """:func:`rms_norm` through ``torch.compile`` (inductor): one kernel instead of eight
-    eager ones. A decode step runs 2 norms per layer plus one, so on SmolLM2-135M (30 layers)
-    the eager form adds about 430 launches a step, inside a CUDA graph too. Compiled on first
-    use, per dtype (``dynamic=True``: one graph for every token count above 1)."""
-    return torch.compile(rms_norm, dynamic=True)
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add folded into the next norm: ``h = x + residual`` (in the model's
+    dtype, as the unfused block adds) and ``rms_norm(h)``; returns ``(h, rms_norm(h))``."""
+    h = x + residual
+    return h, rms_norm(h, weight, eps)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: ``silu(gate) * up`` for ``gate_up = [gate | up]`` on the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """``cos``, signed ``sin`` ``[N, 1, head_dim]`` for integer ``positions`` ``[N]``: with
+    ``sin`` negated on the first half, ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``
+    exactly (a sign flip)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin = torch.cat((-sin[:, : freqs.shape[1]], sin[:, freqs.shape[1]:]), dim=-1)
+    return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x`` ``[N, H, head_dim]``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+class LayerFunctions(NamedTuple):
+    """The elementwise work of a decode step, as functions: :data:`EAGER` (the definitions
+    above: the CPU, and any ``torch.compile`` trace of a whole step) or, on a GPU, each one
+    compiled by ``torch.compile`` (inductor) into one kernel (:func:`fused_functions`)."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul: Callable[..., torch.Tensor]
+    rope_tables: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    apply_rope: Callable[..., torch.Tensor]
+
+
+EAGER = LayerFunctions(rms_norm, add_rms_norm, silu_mul, rope_tables, apply_rope)
+
+
+def fused_functions() -> LayerFunctions:
+    """:data:`EAGER`'s functions through ``torch.compile`` (``dynamic=True``: one graph for
+    every token count above 1), compiled on first use.
+
+    At batch 1 a decode step is launch-bound even inside a CUDA graph, so kernels per layer
+    set its time. Eager, a layer runs 16: a norm of eight kernels (one once compiled), RoPE's
+    three, SwiGLU's two and two residual adds beside the four GEMMs, ``append_kv`` and the
+    attention's two. Compiled, with each residual add folded into the next norm, it runs 11;
+    the step's RoPE tables (about eight kernels) become one."""
+    def compiled(fn):
+        return torch.compile(fn, dynamic=True)
+
+    return LayerFunctions(*(compiled(fn) for fn in EAGER))
+
+
+def _functions(fused: LayerFunctions | None, x: torch.Tensor) -> LayerFunctions:
+    """``fused`` for CUDA tensors outside a ``torch.compile`` trace, else :data:`EAGER`."""
+    if fused is not None and x.is_cuda and not torch.compiler.is_compiling():
+        return fused
+    return EAGER
+
+
+# -- modules -------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """:func:`rms_norm` with a weight; ``fused`` (from :func:`fused_rms_norm`, shared by a
-    model's norms) runs it on CUDA tensors outside a ``torch.compile`` trace."""
+    """:func:`rms_norm` with a weight; with a ``residual``, :func:`add_rms_norm`. ``fused``
+    (from :func:`fused_functions`, shared by a model's modules) runs on CUDA tensors."""
 
-    def __init__(self, weight: torch.Tensor, eps: float,
-                 fused: Callable[..., torch.Tensor] | None = None):
+    def __init__(self, weight: torch.Tensor, eps: float, fused: LayerFunctions | None = None):
         super().__init__()
         self.weight, self.eps, self.fused = _param(weight), eps, fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and x.is_cuda and not torch.compiler.is_compiling():
-            return self.fused(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``rms_norm(x)``, or ``(x + residual, rms_norm(x + residual))`` with a residual."""
+        fns = _functions(self.fused, x)
+        if residual is None:
+            return fns.rms_norm(x, self.weight, self.eps)
+        return fns.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class FeedForward(nn.Module):
     """SwiGLU: ``w_down(silu(w_gate x) * w_up x)``, gate and up as one ``w13`` projection."""
 
-    def __init__(self, w13: torch.Tensor, w_down: torch.Tensor):
+    def __init__(self, w13: torch.Tensor, w_down: torch.Tensor,
+                 fused: LayerFunctions | None = None):
         super().__init__()
         self.w13 = _param(w13)  # [2 * intermediate, hidden]: gate rows, then up rows
         self.w_down = _param(w_down)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w_down)
+        return F.linear(_functions(self.fused, x).silu_mul(F.linear(x, self.w13)), self.w_down)
 
 
 class Attention(nn.Module):
     """GQA self-attention: fused QKV projection, RoPE, the backend, output projection."""
 
     def __init__(self, cfg: LlamaConfig, layer: int, backend: AttentionBackend,
-                 wqkv: torch.Tensor, wo: torch.Tensor):
+                 wqkv: torch.Tensor, wo: torch.Tensor, fused: LayerFunctions | None = None):
         super().__init__()
         self.layer, self.backend = layer, backend
         self.num_q_heads, self.num_kv_heads = cfg.num_q_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.wqkv = _param(wqkv)  # [(Hq + 2 Hkv) D, hidden]: the Q, K, V rows
         self.wo = _param(wo)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 step) -> torch.Tensor:
         n, hq, hkv, d = x.shape[0], self.num_q_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(x, self.wqkv)  # [N, (Hq + 2 Hkv) D]
-        qk = apply_rope(qkv[:, :(hq + hkv) * d].view(n, hq + hkv, d), *rope)
+        qk = _functions(self.fused, x).apply_rope(
+            qkv[:, :(hq + hkv) * d].view(n, hq + hkv, d), *rope)
         v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
         o = self.backend(self.layer, qk[:, :hq], qk[:, hq:], v, step)  # [N, Hq, D]
         return F.linear(o.reshape(n, hq * d), self.wo)
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm block. ``forward(x, residual, rope, step) -> (ffn_out, h)``: the block's
+    input is ``x + residual`` (``x`` alone for the first block), added inside its first norm
+    (:func:`add_rms_norm`), and it returns its FFN output beside the running sum ``h`` for the
+    next block to add, so no residual add runs as a kernel of its own."""
+
     attention: Attention
     feed_forward: FeedForward
     attention_norm: RMSNorm
@@ -198,25 +268,14 @@ class TransformerBlock(nn.Module):
         self.attention, self.feed_forward = attention, feed_forward
         self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
 
-    def forward(self, x: torch.Tensor, rope, step) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, step)
-        return x + self.feed_forward(self.ffn_norm(x))
-
-
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """``cos``, signed ``sin`` ``[N, 1, head_dim]`` for integer ``positions`` ``[N]``: with
-    ``sin`` negated on the first half, ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``
-    exactly (a sign flip), one kernel fewer."""
-    freqs = positions[:, None].float() * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin()
-    sin = torch.cat((-sin[:, : freqs.shape[1]], sin[:, freqs.shape[1]:]), dim=-1)
-    return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` for ``x`` ``[N, H, head_dim]``."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope,
+                step) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, normed = x, self.attention_norm(x)
+        else:
+            h, normed = self.attention_norm(x, residual)
+        h, normed = self.ffn_norm(self.attention(normed, rope, step), h)
+        return self.feed_forward(normed), h
 
 
 class Transformer(nn.Module):
@@ -236,6 +295,7 @@ class Transformer(nn.Module):
     """
 
     inv_freq: torch.Tensor  # [head_dim // 2] fp32 RoPE frequencies (a buffer)
+    fused: LayerFunctions | None  # the compiled functions (a CUDA model), shared by the layers
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -245,7 +305,7 @@ class Transformer(nn.Module):
         self.attention = PagedAttention(impl) if attention is None else attention
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.tok_embeddings = _param(w["embed"])
-        fused = fused_rms_norm() if self.tok_embeddings.is_cuda else None
+        self.fused = fused = fused_functions() if self.tok_embeddings.is_cuda else None
         self.norm = RMSNorm(w["final_norm"], cfg.rms_eps, fused)
         self.output = _param(w.get("lm_head", w["embed"]))  # tied: the same tensor
         self.layers = nn.ModuleList()
@@ -253,8 +313,8 @@ class Transformer(nn.Module):
             lw = {k.split(".", 2)[2]: v for k, v in w.items() if k.startswith(f"layers.{i}.")}
             self.layers.append(TransformerBlock(
                 Attention(cfg, i, self.attention,
-                          torch.cat([lw["wq"], lw["wk"], lw["wv"]]), lw["wo"]),
-                FeedForward(torch.cat([lw["w_gate"], lw["w_up"]]), lw["w_down"]),
+                          torch.cat([lw["wq"], lw["wk"], lw["wv"]]), lw["wo"], fused),
+                FeedForward(torch.cat([lw["w_gate"], lw["w_up"]]), lw["w_down"], fused),
                 RMSNorm(lw["attn_norm"], cfg.rms_eps, fused),
                 RMSNorm(lw["ffn_norm"], cfg.rms_eps, fused)))
         inv = 1.0 / (cfg.rope_theta ** (
@@ -274,9 +334,11 @@ class Transformer(nn.Module):
         nn.Module.__init__(twin)
         twin.cfg, twin.impl, twin.attention = self.cfg, self.impl, attention
         twin.tok_embeddings, twin.norm, twin.output = self.tok_embeddings, self.norm, self.output
+        twin.fused = self.fused
         blocks = cast(list[TransformerBlock], list(self.layers))
         twin.layers = nn.ModuleList(
-            TransformerBlock(Attention(self.cfg, i, attention, b.attention.wqkv, b.attention.wo),
+            TransformerBlock(Attention(self.cfg, i, attention, b.attention.wqkv, b.attention.wo,
+                                       self.fused),
                              b.feed_forward, b.attention_norm, b.ffn_norm)
             for i, b in enumerate(blocks))
         twin.register_buffer("inv_freq", self.inv_freq, persistent=False)
@@ -300,10 +362,11 @@ class Transformer(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
         x = F.embedding(token_ids, self.tok_embeddings)
-        rope = rope_tables(positions, self.inv_freq, x.dtype)
+        rope = _functions(self.fused, x).rope_tables(positions, self.inv_freq, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, step)
-        return x
+            x, residual = layer(x, residual, rope, step)
+        return x if residual is None else x + residual
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(x), self.output)
