@@ -167,9 +167,10 @@ def test_fused_layer_functions_match_eager_in_fewer_kernels():
 
 
 def test_decode_step_kernels_per_layer():
-    """A decode step of the serving model on a GPU launches at most 11 kernels per layer (perf-notes
-    step 19): two norms (each residual add folded into a norm), RoPE, SwiGLU's activation, the
-    four GEMMs, ``append_kv`` and the attention's main and merge kernels. Counted as the
+    """A decode step of the serving model on a GPU launches at most 11 kernels per layer
+    (perf-notes step 19): two norms (each residual add folded into a norm), RoPE, SwiGLU's
+    activation, the four GEMMs, ``append_kv`` and the attention's main and merge kernels (one
+    plan per step: its workspace is zeroed once a step, not once a layer). Counted as the
     difference between a 4-layer and a 2-layer model, so per-step kernels cancel."""
     import dataclasses
 

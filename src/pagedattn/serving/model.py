@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedattn.api import DecodePlan, plan_decode
 from pagedattn.serving import ops
 from pagedattn.serving.cache import PagedKVCache, StepMetadata
 from pagedattn.serving.gguf_loader import LlamaConfig, load_gguf
@@ -74,13 +75,27 @@ class PagedStep(NamedTuple):
 def decode_attend(meta: StepMetadata, impl: str) -> Attend:
     """The decode attention of one step, built once and run per layer.
 
-    This is the one place to swap in the plan API: ``plan = pagedattn.plan_decode(
-    meta.block_tables, meta.context_lens, ...)`` and ``return lambda q, kc, vc, ks, vs:
-    plan.run(q, kc, vc, k_scale=ks, v_scale=vs)``.
+    With ``impl="auto"`` this is the plan API: the first layer's call plans the step
+    (:func:`pagedattn.plan_decode` over ``meta``'s block tables and lengths, shapes and dtypes
+    from that layer's query and cache) and every layer runs that one plan, so a step pays for
+    one launch plan and one workspace (one kernel that zeroes it), not one per layer. Inside a
+    ``torch.compile`` trace of the step, and for the study's stages, each layer calls the
+    custom op (:func:`pagedattn.serving.ops.paged_decode`).
     """
+    if impl != "auto" or torch.compiler.is_compiling():
+        def attend_op(q, kc, vc, k_scale, v_scale):
+            return ops.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, impl=impl,
+                                    k_scale=k_scale, v_scale=v_scale)
+        return attend_op
+    plans: list[DecodePlan] = []
+
     def attend(q, kc, vc, k_scale, v_scale):
-        return ops.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, impl=impl,
-                                k_scale=k_scale, v_scale=v_scale)
+        if not plans:
+            plans.append(plan_decode(
+                meta.block_tables, meta.context_lens, num_q_heads=q.shape[1],
+                num_kv_heads=kc.shape[2], head_dim=q.shape[2], page_size=kc.shape[1],
+                q_dtype=q.dtype, kv_dtype=kc.dtype))
+        return plans[0].run(q, kc, vc, k_scale=k_scale, v_scale=v_scale)
     return attend
 
 
