@@ -50,6 +50,10 @@ CASES = {
                    ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
     "q_len2-fp8-sinks": (dict(q_len=2), ("sinks",), torch.bfloat16, torch.float8_e4m3fn, 2, 8),
     "fp32-window-sinks": (dict(window_left=7), ("sinks",), torch.float32, None, 2, 8),
+    # a 128-token table: one unit per sequence (ONE_UNIT), the main kernel only, no merge
+    "one-unit-everything": (dict(max_pages=8, q_len=3, window_left=50, softcap=5.0),
+                            ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
+    "one-unit-fp8": (dict(max_pages=8), (), torch.bfloat16, torch.float8_e4m3fn, 1, 8),
 }
 
 
@@ -87,17 +91,21 @@ class _Compile:
 
 
 def compile_case(name: str) -> dict:
-    """Compile one case's main and merge kernels; returns them by name."""
+    """Compile one case's main and merge kernels (the main kernel only for a one-unit
+    table); returns them by name."""
     options, per_call, dtype, kv_dtype, batch, kv_heads = CASES[name]
+    options = dict(options)
+    max_pages = options.pop("max_pages", 64)  # 1,024 tokens: splits and a merge
     kv_dtype = kv_dtype or dtype
     q_len = options.get("q_len", 1)
-    launcher = L.AutoLauncher(batch=batch, max_pages=8, num_q_heads=32, num_kv_heads=kv_heads,
+    launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=32,
+                              num_kv_heads=kv_heads,
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
                               device=torch.device("cpu"), num_splits=None, **options)
     query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
-    tables = torch.zeros(batch, 8, dtype=torch.int32)
+    tables = torch.zeros(batch, max_pages, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
     tensors = {k: torch.zeros(32) for k in per_call}
     return launcher.launch(query, cache, cache, tables, lens, torch.empty_like(query),

@@ -91,6 +91,31 @@ def test_paged_decode_is_the_one_shot_plan(device):
     assert torch.equal(pagedattn.paged_decode(*inputs), _plan(inputs).run(*inputs[:3]))
 
 
+@pytest.mark.parametrize("lse", [False, True])
+def test_one_unit_plan_without_merge(device, lse):
+    """A table whose capacity is at most the smallest split chunk (a short ``max_model_len``)
+    plans one unit per sequence: no merge is launched, an empty sequence gives 0 (LSE -inf),
+    and every other sequence gets the same bits as under a wider table (the one-row path)."""
+    lens = [0, 5, 16, 1]
+    narrow = make_paged_inputs(lens, dtype=torch.float32, seed=12, device=device,
+                               max_pages=2, **SHAPE)  # capacity 16 <= any chunk
+    plan = _plan(narrow)
+    out = torch.full_like(narrow.query, float("nan"))
+    res = plan.run(*narrow[:3], out=out, return_lse=lse)
+    assert plan._launcher.one_unit and set(plan.last_compiled) == {"paged_decode"}
+    ref = _check(out, narrow)
+    assert (out[0] == 0).all()
+    if lse:
+        assert torch.isneginf(res.lse[0]).all()
+        assert torch.allclose(res.lse[1:].double().cpu(), ref.lse[1:].cpu(), atol=1e-3)
+    wide_bt = torch.cat([narrow.block_tables, torch.zeros_like(narrow.block_tables).repeat(
+        1, 40)], dim=1)  # capacity 672: the device-planned path (one row per sequence here)
+    wide = _plan(narrow._replace(block_tables=wide_bt))
+    wide_out = wide.run(narrow.query, narrow.key_cache, narrow.value_cache)
+    assert not wide._launcher.one_unit
+    assert torch.equal(wide_out[1:], out[1:])
+
+
 def test_host_lengths_refine_the_plan(device):
     """A host copy of ragged lengths picks the ragged tiles; the result is the same answer
     (and stays right after in-place updates, since the kernel reads the device lengths)."""

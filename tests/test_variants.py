@@ -3,7 +3,8 @@ soft-cap, sinks, ALiBi, multi-token queries, ``merge_states`` and batch invarian
 
 Every case draws fresh random inputs, poisons the outputs (and unused cache slots) with NaN,
 and runs both the device-planned splits and forced splits, so the single-unit path (the
-sink added by the unit) and the merge path (the sink added by the merge) are both checked.
+sink added by the unit), the merge path (the sink added by the merge) and the one-unit plan
+(``num_splits=1``: empty sequences written by the unit) are all checked.
 """
 
 import math
@@ -59,7 +60,7 @@ def _check(inputs, query=None, num_splits=None, **kw):
     return res, ref
 
 
-SPLITS = [None, 3]
+SPLITS = [None, 3, 1]  # 1: one unit per sequence (no scans of the lengths, no merge)
 
 
 @pytest.mark.parametrize("num_splits", SPLITS)
@@ -389,12 +390,12 @@ def test_kernels_compile_for_sm90(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
-    cases = "plain-bf16,everything,sinks-per-head-merge,q_len2-fp8-sinks,q_len4"
+    cases = "plain-bf16,everything,sinks-per-head-merge,q_len2-fp8-sinks,q_len4,one-unit-fp8"
     run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"),
                           "--cases", cases, "--ptx-dir", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count(" ok,") == 10
+    assert run.stdout.count(" ok,") == 11  # five mains and merges, one main alone
     import triton
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

@@ -75,6 +75,11 @@ their flag only):
 * ``BATCH_INVARIANT``: ``chunk`` is the launcher's fixed ``min_chunk`` (a multiple of
   ``BLOCK_N``) instead of a batch-wide target, so a sequence's splits, tiles and merge order
   depend on its own length only; the launcher also fixes the merge kernel (per group).
+* ``ONE_UNIT``: the launcher knows from shapes that no sequence splits (the table's capacity
+  is at most the smallest chunk, or ``num_splits=1``): program ``(b, kv head)`` takes the
+  whole sequence, without the two scans of ``context_lens``, writes the result (an empty
+  sequence: 0, LSE ``-inf`` or the sink) and no merge is launched. The arithmetic of a
+  non-empty sequence is the one-row path's, bit for bit.
 """
 
 import triton
@@ -205,6 +210,7 @@ def _paged_decode_kernel(
     HAS_SINKS: tl.constexpr = False,  # one sink logit per query head
     HAS_ALIBI: tl.constexpr = False,  # + slope_h * (p - i)
     BATCH_INVARIANT: tl.constexpr = False,  # chunk = min_chunk, whatever the batch
+    ONE_UNIT: tl.constexpr = False,  # one unit per sequence (row r = sequence b): no merge
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
@@ -213,7 +219,9 @@ def _paged_decode_kernel(
     kv_head = u % num_kv_heads
     num_q_heads = num_kv_heads * group
     capacity = max_pages * PAGE_SIZE
-    if BATCH_INVARIANT:
+    if ONE_UNIT:  # the launcher knows no sequence splits: row r is sequence b, no scans
+        chunk = min_chunk.to(tl.int32)  # unused
+    elif BATCH_INVARIANT:
         # a fixed split size in tokens (the launcher passes a multiple of BLOCK_N): a
         # sequence's splits, and so its arithmetic, never depend on the rest of the batch
         chunk = min_chunk.to(tl.int32)
@@ -229,20 +237,30 @@ def _paged_decode_kernel(
         # ceil(len / chunk) per sequence (the workspace bound of the launcher)
         chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target), min_chunk), BLOCK_N) * BLOCK_N
         chunk = tl.minimum(chunk, capacity + BLOCK_N).to(tl.int32)  # no sequence is longer
-    b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
-                             forced_splits, window_left, BLOCK_B, BLOCK_N, Q_LEN, HAS_WINDOW)
+    if ONE_UNIT:
+        b = r
+        start_b = r
+    else:
+        b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
+                                 forced_splits, window_left, BLOCK_B, BLOCK_N, Q_LEN,
+                                 HAS_WINDOW)
     if b >= batch:  # past the last real row: the grid is sized from shapes, not lengths
         return
     ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
     n_vis = ctx
     if HAS_WINDOW:  # the window's keys only: splits cut [first, ctx), no page before is read
         first, n_vis = _visible_tokens(ctx, window_left, Q_LEN)
-    chunk_b = _chunk_of(n_vis, chunk, forced_splits, BLOCK_N)
-    n_rows = tl.cdiv(n_vis, chunk_b)
-    tok_start = (r - start_b) * chunk_b
-    if HAS_WINDOW:
-        tok_start += first
-    tok_end = tl.minimum(tok_start + chunk_b, ctx)
+    if ONE_UNIT:  # the whole visible range; an empty sequence writes 0 (and -inf or the sink)
+        n_rows = 1
+        tok_start = ctx - n_vis
+        tok_end = ctx
+    else:
+        chunk_b = _chunk_of(n_vis, chunk, forced_splits, BLOCK_N)
+        n_rows = tl.cdiv(n_vis, chunk_b)
+        tok_start = (r - start_b) * chunk_b
+        if HAS_WINDOW:
+            tok_start += first
+        tok_end = tl.minimum(tok_start + chunk_b, ctx)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -337,7 +355,10 @@ def _paged_decode_kernel(
             o_ptrs = out_ptr + o_row[:, None] + offs_d[None, :] * stride_o_d
             lse_ptrs = lse_ptr + (b.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
         else:
-            out = acc * (v_scale / l)[:, None]
+            if ONE_UNIT:  # an empty sequence (l = 0): out 0, never 0 / 0
+                out = acc * tl.where(l > 0, v_scale / l, 0.0)[:, None]
+            else:
+                out = acc * (v_scale / l)[:, None]
             o_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
                       + offs_d[None, :] * stride_o_d)
             lse_ptrs = lse_ptr + b.to(tl.int64) * num_q_heads + heads
@@ -353,9 +374,10 @@ def _paged_decode_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l, mask=mask_h)
         tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc * v_scale,
                  mask=mask_h[:, None])
-    if (r == start_b) & (kv_head == 0):  # the merge reads this for every non-empty b
-        tl.store(seq_rows_ptr + b * 2, start_b)
-        tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
+    if not ONE_UNIT:  # noqa: SIM102 (a constexpr branch: no code when on)
+        if (r == start_b) & (kv_head == 0):  # the merge reads this for every non-empty b
+            tl.store(seq_rows_ptr + b * 2, start_b)
+            tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
 
 
 @triton.jit(do_not_specialize=["max_pages", "stride_o_b", "stride_o_t"])

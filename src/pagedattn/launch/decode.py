@@ -14,6 +14,11 @@ with ``target_units = SMs · ctas_per_sm`` (about one wave of resident programs)
 num_kv_heads)`` (``batch · num_splits`` when forced), and programs past the last real row exit
 after the scan of ``context_lens``.
 
+One unit per sequence. When the shapes rule out any split (``num_splits=1``, or a table whose
+capacity ``max_pages · page_size`` is at most the smallest chunk), the grid is ``batch ·
+num_kv_heads`` programs, one per (sequence, kv head), the kernel skips its scans of
+``context_lens`` (``ONE_UNIT``) and no merge is launched.
+
 Launching. The first launch of a binding (the tensors' dtypes, strides and 16-byte alignment,
 LSE on or off) goes through Triton's own ``kernel[grid](...)``, which compiles or finds the
 binary. On Triton 3.6, where the call signature of a compiled kernel's ``run`` is known, the
@@ -253,7 +258,15 @@ class AutoLauncher:
         # a sequence has at most ceil(capacity / chunk) rows, whatever the others hold
         self.min_chunk = (cdiv(cfg.invariant_chunk, cfg.block_n) * cfg.block_n
                           if batch_invariant else cfg.min_chunk)
-        if self.forced_splits:
+        # one unit per sequence, known from shapes: a forced single split, or a table too
+        # small to hold more than the smallest chunk (every chunk is at least min_chunk, so
+        # no sequence splits); the kernel then skips its scans and no merge is launched
+        # (serving with a short max_model_len: perf-notes step 20)
+        self.one_unit = self.forced_splits == 1 or (not self.forced_splits
+                                                    and capacity <= self.min_chunk)
+        if self.one_unit:
+            self.rows_max = batch
+        elif self.forced_splits:
             self.rows_max = batch * self.forced_splits
         elif batch_invariant:
             self.rows_max = batch * cdiv(capacity, self.min_chunk)
@@ -273,7 +286,7 @@ class AutoLauncher:
             DOT_PRECISION=_dot_precision(kv_dtype),
             Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
             Q_LEN=q_len, HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap is not None,
-            BATCH_INVARIANT=batch_invariant,
+            BATCH_INVARIANT=batch_invariant, ONE_UNIT=self.one_unit,
         )
         # merge: one program per (sequence, kv head) when those fill the SMs (H200, batch 64:
         # 5 µs faster than 2,048 mostly idle per-head programs), else one per (sequence, query
@@ -291,7 +304,7 @@ class AutoLauncher:
             self.merge_constexprs["BLOCK_R"] = _MERGE_BLOCK_R
         # the workspace, one allocation owned by the launcher: per split row and query head
         # and query token (m, l) then acc (fp32), then the [batch, 2] int32 (start_b, n_b)
-        part_rows = self.rows_max * q_len * num_q_heads
+        part_rows = 0 if self.one_unit else self.rows_max * q_len * num_q_heads
         n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
         n_acc = part_rows * bd
         work = torch.empty(n_ml + n_acc + 2 * batch, dtype=torch.float32, device=device)
@@ -300,8 +313,10 @@ class AutoLauncher:
         self.seq_rows = work[n_ml + n_acc:].view(torch.int32)
         # the main kernel writes an entry per non-empty sequence only; the per-group merge
         # loads the entry of an empty one too (beside its length, in one round) and ignores
-        # it: zeroed once here, that load never reads uninitialized memory (initcheck)
-        self.seq_rows.zero_()
+        # it: zeroed once here, that load never reads uninitialized memory (initcheck);
+        # one unit per sequence never writes or reads it (and skips this fill kernel)
+        if not self.one_unit:
+            self.seq_rows.zero_()
         # the stand-in address of the per-call pointers a launch leaves unused (LSE, sinks,
         # slopes): the workspace's, never read under their flags off
         self._ml_ptr = self.part_ml.data_ptr()
@@ -353,6 +368,8 @@ class AutoLauncher:
                 stream = driver.active.get_current_stream(self.device.index)
                 enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
                 _launch_compiled(main, self.grid, stream, args, enter, leave)
+                if merge is None:
+                    return compiled
                 args = merge_args.copy()
                 (args[merge_slots[0]], args[merge_slots[1]], args[merge_slots[2]],
                  args[merge_slots[3]]) = (cl_ptr, out_ptr, lse_ptr, sinks_ptr)
@@ -413,13 +430,17 @@ class AutoLauncher:
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
                                                num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
-        merge = self.merge_kernel[self.merge_grid](**merge_args, num_warps=4)
-        compiled = {"paged_decode": main, "paged_decode_merge": merge}
+        compiled = {"paged_decode": main}
+        merge = None
+        if not self.one_unit:
+            merge = self.merge_kernel[self.merge_grid](**merge_args, num_warps=4)
+            compiled["paged_decode_merge"] = merge
         if key is not None:
             if len(self._bindings) >= _MAX_BINDINGS:
                 self._bindings.clear()
             main_rec, main_slots = _recorded(_paged_decode_kernel, main_args, _MAIN_SLOTS)
-            merge_rec, merge_slots = _recorded(self.merge_kernel, merge_args, _MERGE_SLOTS)
+            merge_rec, merge_slots = (_recorded(self.merge_kernel, merge_args, _MERGE_SLOTS)
+                                      if merge is not None else (None, None))
             self._bindings[key] = (main, merge, main_rec, merge_rec, main_slots, merge_slots,
                                    compiled)
         return compiled
