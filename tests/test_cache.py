@@ -174,6 +174,31 @@ def test_build_metadata_tensors():
     assert sm.tolist() == [t1[0] * 4 + 3, c.block_table(1)[1] * 4]
 
 
+def test_build_metadata_into_a_reused_staging_buffer():
+    """A dirty staging buffer (the last step's values, here garbage) gives the same metadata
+    as a fresh host buffer, padding rows and zeroed table tails included; a buffer of the
+    wrong size or dtype is refused by name."""
+    c = small_cache()
+    for s in (0, 1):
+        c.add_sequence(s)
+    c.append(0, 9)
+    c.append(1, 2)
+    size = c.metadata_size(4, 4)
+    new = c.reserve([0, 1], [1, 1])  # a decode step: one token each
+    fresh = c.build_metadata([0, 1], new, max_pages=4, pad_to=4,
+                             out=torch.full((size,), -5, dtype=torch.int32))
+    staging = torch.full((size,), 77, dtype=torch.int32)
+    out = torch.full((size,), -5, dtype=torch.int32)
+    reused = c.build_metadata([0, 1], new, max_pages=4, pad_to=4, out=out,
+                              staging=staging)
+    for a, b in zip(fresh[:4], reused[:4], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(out, staging)
+    for bad in (torch.zeros(size - 1, dtype=torch.int32), torch.zeros(size)):
+        with pytest.raises(ValueError, match="staging"):
+            c.build_metadata([0, 1], new, max_pages=4, pad_to=4, out=out, staging=bad)
+
+
 def test_fp8_cache_scales():
     c = small_cache(dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=torch.tensor([1.0, 2.0]))
     assert c.k_scale.shape == () and c.v_scale.shape == (2,)

@@ -261,7 +261,8 @@ class PagedKVCache:
     # -- step tensors --------------------------------------------------------------------
     def build_metadata(self, seq_ids: Sequence[Hashable], new_slots: Sequence[Sequence[int]], *,
                        max_pages: int | None = None, pad_to: int | None = None,
-                       out: torch.Tensor | None = None) -> StepMetadata:
+                       out: torch.Tensor | None = None,
+                       staging: torch.Tensor | None = None) -> StepMetadata:
         """Device tensors for a step whose new tokens were reserved as ``new_slots`` (the
         last ``len(new_slots[i])`` tokens of each sequence). One host buffer, one copy.
 
@@ -270,8 +271,12 @@ class PagedKVCache:
         with slot -1 (``append_kv`` skips it), position 0, context length 0 and a block-table
         row of page 0 (a valid page that is never read). ``out`` (int, on the cache's device,
         ``metadata_size`` elements) receives the values in place and the result views it, so a
-        captured graph sees them. Raises ValueError when a sequence has more pages than
-        ``max_pages``, ``pad_to`` is below the batch size, or ``out`` has the wrong size.
+        captured graph sees them. ``staging`` (a host tensor of the same size and dtype as
+        ``out``, pinned on a GPU) is written in place and copied from, instead of a fresh
+        (pinned) host buffer per step; the caller must not rewrite it before that copy ran
+        (:class:`~pagedattn.serving.runner.DecodeRunner` waits on an event). Raises ValueError
+        when a sequence has more pages than ``max_pages``, ``pad_to`` is below the batch size,
+        or ``out`` or ``staging`` has the wrong size.
         """
         tables = [self._pages[self._known(s)] for s in seq_ids]
         width = max([len(t) for t in tables] + [1]) if max_pages is None else max_pages
@@ -288,14 +293,21 @@ class PagedKVCache:
         slots, positions, lens = slots + [-1] * pad, positions + [0] * pad, lens + [0] * pad
         groups += [1] * pad
         head = slots + positions + lens
-        arr = np.zeros(len(head) + len(lens) * width,
-                       dtype=np.int64 if self.index_dtype == torch.int64 else np.int32)
+        size = len(head) + len(lens) * width
+        if staging is None:
+            arr = np.zeros(size, dtype=np.int64 if self.index_dtype == torch.int64 else np.int32)
+        elif staging.numel() != size or staging.dtype != self.index_dtype:
+            raise ValueError(f"staging: expected {size} {self.index_dtype} elements, got "
+                             f"{staging.numel()} {staging.dtype}")
+        else:
+            arr = staging.numpy()
+            arr[len(head):] = 0
         arr[:len(head)] = head
         rows = arr[len(head):].reshape(len(lens), width)
         for i, t in enumerate(tables):  # one numpy row write per sequence (wide tables: fast)
             rows[i, :len(t)] = t
-        host = torch.from_numpy(arr)
-        if self.device.type == "cuda":
+        host = torch.from_numpy(arr) if staging is None else staging
+        if self.device.type == "cuda" and staging is None:
             host = host.pin_memory()
         if out is None:
             buf = host.to(self.device, non_blocking=True)
@@ -317,10 +329,12 @@ class PagedKVCache:
 
     def prepare_step(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], *,
                      max_pages: int | None = None, pad_to: int | None = None,
-                     out: torch.Tensor | None = None) -> StepMetadata:
+                     out: torch.Tensor | None = None,
+                     staging: torch.Tensor | None = None) -> StepMetadata:
         """:meth:`reserve` then :meth:`build_metadata`: the usual call once per step."""
         slots = self.reserve(seq_ids, num_tokens)
-        return self.build_metadata(seq_ids, slots, max_pages=max_pages, pad_to=pad_to, out=out)
+        return self.build_metadata(seq_ids, slots, max_pages=max_pages, pad_to=pad_to, out=out,
+                                   staging=staging)
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> torch.Tensor:
         """Reserve and return ``[sum(num_tokens)]`` device slots for a step's new tokens."""

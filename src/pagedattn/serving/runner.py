@@ -68,6 +68,15 @@ class DecodeRunner:
         self._meta = {b: torch.zeros(cache.metadata_size(b, max_pages), dtype=cache.index_dtype,
                                      device=dev) for b in self.buckets}
         self._tokens = {b: torch.zeros(b, dtype=torch.long, device=dev) for b in self.buckets}
+        # per bucket, the host side of both copies (metadata, then token ids), pinned on a
+        # GPU and reused every step: no host allocation or pinning per step; an event after
+        # the copies says when the buffers may be written again
+        pin = dev.type == "cuda"
+        self._staging = {b: (torch.empty(cache.metadata_size(b, max_pages),
+                                         dtype=cache.index_dtype, pin_memory=pin),
+                             torch.empty(b, dtype=torch.long, pin_memory=pin))
+                         for b in self.buckets}
+        self._copied = torch.cuda.Event() if pin else None
         self._decode = (torch.compile(model.decode, fullgraph=True, dynamic=True) if compile
                         else model.decode)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -81,12 +90,17 @@ class DecodeRunner:
         """
         n = len(seq_ids)
         b = bucket_for(n, self.buckets)
+        meta_host, tokens_host = self._staging[b]
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies left the staging buffers
         meta = self.cache.prepare_step(seq_ids, [1] * n, max_pages=self.max_pages, pad_to=b,
-                                       out=self._meta[b])
-        host = torch.tensor(list(tokens) + [0] * (b - n), dtype=torch.long)
-        if self.model.device.type == "cuda":
-            host = host.pin_memory()
-        self._tokens[b].copy_(host, non_blocking=True)
+                                       out=self._meta[b], staging=meta_host)
+        ids = tokens_host.numpy()
+        ids[:n] = tokens
+        ids[n:] = 0
+        self._tokens[b].copy_(tokens_host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.model.device))
         return self._run(b, meta)[:n]
 
     def warmup(self) -> None:
