@@ -88,6 +88,36 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  explore7)  # session 7: the one-tile split remainder (perf-notes step 20) on the variant rows,
+    # and where a batch-1 serving step's time goes (SmolLM2-135M's shapes, random weights)
+    RES=$OUT
+    env_info
+    stamp "variant rows (auto only)"
+    timeout 150 python3 scripts/bench_variants.py --json "$RES/variants.json" 2>&1 | cut -c1-300
+    for a in "--batch 1" "--batch 1 --no-graphs" "--batch 64"; do
+      stamp "serving step profile: $a"
+      # shellcheck disable=SC2086
+      timeout 120 python3 scripts/profile_serving_step.py --random $a --top 25 \
+        --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | tail -55
+    done
+    ;;
+  explore7b)  # session 7: one unit per sequence (ONE_UNIT) and the reused staging buffers:
+    # the GPU tests they touch, then the batch-1 serving step again (random weights)
+    RES=$OUT
+    env_info
+    XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadfile")
+    stamp "GPU tests: plan, decode, variants, graphs, engine, cache"
+    # shellcheck disable=SC2086
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider $XDIST -rfE tests/test_plan.py \
+      tests/test_decode.py tests/test_variants.py tests/test_cuda_graph.py tests/test_engine.py \
+      tests/test_cache.py > "$RES/pytest.log" 2>&1; tail -6 "$RES/pytest.log"
+    for a in "--batch 1" "--batch 64"; do
+      stamp "serving step profile: $a"
+      # shellcheck disable=SC2086
+      timeout 120 python3 scripts/profile_serving_step.py --random $a --top 12 \
+        --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | tail -28
+    done
+    ;;
   fi074)  # prepared in session 4, not yet run: FlashInfer 0.7.4 (TC and XQA) beside auto and
     # the floor in one run (carry .ext4 and .peers), then its same-variant rows. A first
     # (cold) call spends most of its time in FlashInfer's JIT; repeat it warm for the figures
