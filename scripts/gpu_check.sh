@@ -101,6 +101,37 @@ case "$phase" in
         --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | tail -55
     done
     ;;
+  explore8)  # session 8: a batch-1 serving step's wall time beside its graph replayed back to
+    # back (GPU only): how much of a step is the host's
+    RES=$OUT
+    env_info
+    for a in "--batch 1" "--batch 64"; do
+      stamp "serving step profile: $a"
+      # shellcheck disable=SC2086
+      timeout 120 python3 scripts/profile_serving_step.py --random $a --top 20 \
+        --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | tail -45
+    done
+    ;;
+  explore8b)  # session 8: the engine overlapping host and GPU (step k + 1 launched before step
+    # k is read): the GPU tests of the serving path, then the step profile again
+    RES=$OUT
+    env_info
+    XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadfile")
+    stamp "GPU tests: engine, graphs, model, cache, serving CLI"
+    # shellcheck disable=SC2086
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_engine.py \
+      > "$RES/pytest-engine.log" 2>&1; tail -4 "$RES/pytest-engine.log"
+    # shellcheck disable=SC2086
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider $XDIST -rfE \
+      tests/test_cuda_graph.py tests/test_model.py tests/test_cache.py tests/test_layers.py \
+      tests/test_serving_cli.py > "$RES/pytest.log" 2>&1; tail -6 "$RES/pytest.log"
+    for a in "--batch 1" "--batch 64"; do
+      stamp "serving step profile: $a"
+      # shellcheck disable=SC2086
+      timeout 100 python3 scripts/profile_serving_step.py --random $a --top 8 \
+        --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | tail -20
+    done
+    ;;
   explore7b)  # session 7: one unit per sequence (ONE_UNIT) and the reused staging buffers:
     # the GPU tests they touch, then the batch-1 serving step again (random weights)
     RES=$OUT

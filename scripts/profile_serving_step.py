@@ -50,6 +50,12 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Transformer:
     return Transformer(cfg, weights, dtype=dtype, device=device)
 
 
+def _bucket(engine: Engine, args: argparse.Namespace) -> int:
+    from pagedattn.serving.runner import bucket_for
+
+    return bucket_for(args.batch, engine.runner.buckets)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", default=None, help="the GGUF file (default: find the SmolLM2 one)")
@@ -95,6 +101,17 @@ def main() -> int:
             engine.step()
         sync()
         wall = time.perf_counter() - t0
+    replay_ms = None
+    if graphs:  # the bucket's graph replayed back to back: GPU time with no host in between
+        graph = engine.runner._graphs[_bucket(engine, args)][0]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(args.steps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        replay_ms = start.elapsed_time(end) / args.steps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.device_time for e in kernels)  # µs
     by_name: Counter[str] = Counter()
@@ -107,6 +124,9 @@ def main() -> int:
            "wall_ms_per_step_unprofiled": wall_plain / args.steps * 1e3,
            "tokens_per_s": args.batch * args.steps / wall_plain,
            "gpu_kernel_ms_per_step": gpu_us / args.steps / 1e3,
+           # one replay of the step's graph with replays back to back (kernels plus the gaps
+           # between them inside the graph); the rest of a step's wall time is the host's
+           "graph_replay_ms": replay_ms,
            "kernels_per_step": len(kernels) / args.steps,
            "top_kernels": [{"name": n, "us_per_step": t / args.steps,
                             "per_step": count[n] / args.steps}
@@ -119,7 +139,8 @@ def main() -> int:
     print(f"{res['device']} graphs={graphs} batch={args.batch}: "
           f"{res['wall_ms_per_step']:.3f} ms/step wall ({res['tokens_per_s']:,.0f} tokens/s), "
           f"{res['gpu_kernel_ms_per_step']:.3f} ms/step in {res['kernels_per_step']:.0f} "
-          f"GPU kernels; unprofiled {res['wall_ms_per_step_unprofiled']:.3f} ms/step")
+          f"GPU kernels; unprofiled {res['wall_ms_per_step_unprofiled']:.3f} ms/step"
+          + (f"; graph replays back to back {replay_ms:.3f} ms" if replay_ms else ""))
     for k in res["top_kernels"]:
         print(f"  {k['us_per_step']:9.1f} µs/step  x{k['per_step']:5.1f}  {k['name'][:90]}")
     print("  host ops by self time:")

@@ -158,16 +158,85 @@ def test_runner_padded_steps_equal_unpadded_decode(model):
     runner.warmup()  # padding rows only: nothing written
     assert torch.equal(caches[0].kv, caches[1].kv)
     tokens, ptr = [3, 1, 4], runner._meta[4].data_ptr()
+    fed = tokens
     for _ in range(3):
-        got = runner.step([0, 1, 2], tokens)
+        # the first step takes host tokens, the next ones the last step's on the device
+        step = runner.step([0, 1, 2], fed)
+        got = step.logits
         meta = caches[1].prepare_step([0, 1, 2], [1, 1, 1])
         want = model.decode(torch.tensor(tokens), meta, caches[1])
         assert got.shape == want.shape and rel_l2_error(got, want) <= 1e-5
         assert runner._meta[4].data_ptr() == ptr
-        tokens = want.argmax(-1).tolist()
+        tokens = step.token_ids()
+        assert tokens == got.argmax(-1).tolist()
+        fed = None
     # the same slots written (padding rows wrote nothing), values equal up to GEMM rounding
     assert torch.equal(caches[0].kv != 0, caches[1].kv != 0)
     assert rel_l2_error(caches[0].kv, caches[1].kv) <= 1e-6
+
+
+def test_a_device_fed_step_needs_a_previous_step_of_its_bucket(model):
+    from pagedattn.serving.runner import DecodeRunner
+
+    cache = model.make_cache(16, page_size=4)
+    for s, p in enumerate(PROMPTS[:3]):
+        cache.add_sequence(s)
+        model.prefill(torch.tensor(p), cache.prepare_step([s], [len(p)]), cache)
+    runner = DecodeRunner(model, cache, max_batch_size=4, max_pages=8)
+    with pytest.raises(ValueError, match="tokens: None"):
+        runner.step([0, 1, 2], None)
+    runner.step([0], [5])  # bucket 1
+    with pytest.raises(ValueError, match="tokens: None"):
+        runner.step([0, 1, 2], None)  # bucket 4
+    assert [cache.seq_len(s) for s in range(3)] == [4, 11, 6]  # nothing reserved by a refusal
+
+
+def _spy_on_steps(engine, monkeypatch):
+    """Count the runner's steps by how their tokens came (host list, or None: device-fed)."""
+    seen = {"host": 0, "device": 0}
+    step = engine.runner.step
+
+    def counted(seq_ids, tokens):
+        seen["device" if tokens is None else "host"] += 1
+        return step(seq_ids, tokens)
+
+    monkeypatch.setattr(engine.runner, "step", counted)
+    return seen
+
+
+def test_overlapped_decode_equals_dense_with_eos_and_joins(model, dense, monkeypatch):
+    """Without ``keep_logits`` the engine launches step k + 1 before reading step k: requests
+    joining, finishing by length and by EOS (with one extra step in flight) still give the
+    dense tokens, and every page comes back."""
+    eos = dense[1][0][3]
+    cache = model.make_cache(64, page_size=4)
+    engine = Engine(model, cache, max_batch_size=3, eos_token_ids=[eos])
+    seen = _spy_on_steps(engine, monkeypatch)
+    for p, n in zip(PROMPTS, MAX_NEW, strict=True):
+        engine.add_request(p, n)
+    reqs = engine.run()
+    for r, (want, _) in zip(reqs, dense, strict=True):
+        n = next((i + 1 for i, t in enumerate(want) if t == eos), len(want))
+        assert r.output == want[:n], f"request {r.rid}"
+        assert r.logits == []
+    assert reqs[1].finish_reason == "eos"
+    assert seen["device"] >= 3 and seen["host"] >= 2  # both kinds of step ran
+    assert engine.stats.decode_tokens == sum(len(r.output) - 1 for r in reqs)
+    assert engine._inflight is None and cache.seq_ids == [] and cache.num_free_pages == 64
+
+
+def test_overlapped_decode_under_preemption_equals_dense(model, monkeypatch):
+    prompts, max_new = [[5, 17, 3, 8], [9, 1, 44, 2]], [11, 11]
+    want = [dense_greedy(model, p, n)[0] for p, n in zip(prompts, max_new, strict=True)]
+    cache = model.make_cache(6, page_size=4)
+    engine = Engine(model, cache, max_batch_size=4)
+    seen = _spy_on_steps(engine, monkeypatch)
+    for p, n in zip(prompts, max_new, strict=True):
+        engine.add_request(p, n)
+    reqs = engine.run()
+    assert [r.output for r in reqs] == want
+    assert engine.stats.preemptions >= 1 and seen["device"] >= 1
+    assert cache.num_free_pages == 6 and cache.seq_ids == []
 
 
 def test_engine_rejects_requests_longer_than_max_model_len(model):
@@ -223,3 +292,19 @@ def test_fp8_engine_stays_close_to_the_fp32_cache(model, dense):
                  len(want))
         assert n >= 2
         assert rel_l2_error(torch.stack(r.logits[:n]), torch.stack(want_logits[:n])) <= 0.05
+
+
+@pytest.mark.gpu
+def test_graph_engine_equals_eager_engine_and_dense(model, dense):
+    """On a GPU, CUDA-graph replays with overlapped steps (device-fed tokens, argmax inside
+    the graph) give the eager engine's tokens and the dense ones, EOS and joins included."""
+    eos = dense[1][0][3]
+    outs = []
+    for graphs in (False, True):
+        res = generate_greedy(model, PROMPTS, MAX_NEW, page_size=4, max_batch_size=3,
+                              eos_token_ids=[eos], graphs=graphs)
+        outs.append([r.output for r in res.requests])
+    assert outs[0] == outs[1]
+    for got, (want, _) in zip(outs[1], dense, strict=True):
+        n = next((i + 1 for i, t in enumerate(want) if t == eos), len(want))
+        assert got == want[:n]

@@ -14,10 +14,18 @@ If a decode step cannot get pages (:class:`CacheFullError`), the most recently a
 request is preempted: its pages are freed and it goes back to the front of the queue, to be
 re-prefilled later from its prompt plus the tokens it already produced (recompute, as vLLM).
 Greedy decoding only (argmax; ties go to the lowest token id, as ``torch.argmax``).
+
+Decode steps overlap the host with the GPU (unless ``keep_logits``): when the running batch is
+the one of the step in flight and none of its requests ends by length with that step's token,
+the next step is launched first, with its token ids taken from the step in flight on the
+device, and only then are the step in flight's tokens read (the one device-to-host sync of a
+step). A request that reaches EOS in the step read has one extra step in flight; its token is
+dropped, and its pages, freed at once, are only reused by work queued after that step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,7 +36,7 @@ import torch
 
 from pagedattn.serving.cache import CacheFullError, PagedKVCache
 from pagedattn.serving.model import Transformer
-from pagedattn.serving.runner import DecodeRunner
+from pagedattn.serving.runner import DecodeRunner, DecodeStep
 
 
 @dataclass
@@ -108,6 +116,8 @@ class Engine:
         self.stats = EngineStats()
         self._next_rid = 0
         self.on_token: Callable[[Request, int], None] | None = None
+        # the decode step launched but not read yet (its requests, in batch order)
+        self._inflight: tuple[list[Request], DecodeStep] | None = None
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue a prompt (token ids); returns its request id. Raises ValueError for an
@@ -138,6 +148,7 @@ class Engine:
         self.on_token = on_token
         while not self.done:
             self.step()
+        self._drain()  # a step launched for requests that all met EOS meanwhile
         return [self.finished[r] for r in sorted(self.finished)]
 
     # -- one scheduler iteration ---------------------------------------------------------
@@ -146,6 +157,7 @@ class Engine:
         CacheFullError when a single request cannot fit even in an otherwise empty cache."""
         admitted = self._admit()
         if admitted:
+            self._drain()  # a decode step in flight gives its tokens first
             self._prefill(admitted)
         elif self.running:
             self._decode()
@@ -172,12 +184,18 @@ class Engine:
             admitted.append(self.waiting.popleft())
         return admitted
 
-    def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Greedy tokens for ``reqs`` from ``logits`` ``[len(reqs), vocab]``; retire the done."""
-        tokens = logits.argmax(dim=-1).tolist()  # the one device-to-host sync of a step
-        host_logits = logits.float().cpu() if self.keep_logits else None
+    def _emit(self, reqs: list[Request], tokens: list[int],
+              logits: torch.Tensor | None) -> int:
+        """Append each request's next token (``logits`` ``[len(reqs), vocab]`` kept when asked);
+        retire the done. A request already finished (an extra step was in flight when it met
+        EOS) drops its token. Returns the number of tokens appended."""
+        host_logits = logits.float().cpu() if self.keep_logits and logits is not None else None
         now = time.perf_counter()
+        emitted = 0
         for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True)):
+            if r.finish_reason is not None:
+                continue
+            emitted += 1
             r.output.append(tok)
             if len(r.output) == 1:
                 r.first_token_s = now
@@ -194,6 +212,7 @@ class Engine:
                 self.cache.free(r.rid)
                 self.running.remove(r)
                 self.finished[r.rid] = r
+        return emitted
 
     def _prefill(self, reqs: list[Request]) -> None:
         t0 = time.perf_counter()
@@ -206,7 +225,7 @@ class Engine:
         with torch.inference_mode():
             logits = self.model.prefill(flat.to(self.model.device), meta, self.cache)
         self.running.extend(reqs)
-        self._emit(reqs, logits)
+        self._emit(reqs, logits.argmax(dim=-1).tolist(), logits)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += int(flat.numel())
         self.stats.prefill_s += time.perf_counter() - t0
@@ -214,19 +233,50 @@ class Engine:
 
     def _decode(self) -> None:
         t0 = time.perf_counter()
-        while True:
+        prev, self._inflight = self._inflight, None
+        reqs = list(self.running)
+        if prev is not None:
+            # the same batch, none ending by length with the token in flight: launch the
+            # next step (its tokens from the step in flight, on the device), then read
+            if prev[0] == reqs and all(len(r.output) + 1 < r.max_new_tokens for r in reqs):
+                # pages out: nothing was reserved; read first, then preempt below
+                with contextlib.suppress(CacheFullError):
+                    self._inflight = (reqs, self.runner.step([r.rid for r in reqs], None))
+            self._finish(*prev)
+            if self._inflight is not None:
+                self.stats.decode_s += time.perf_counter() - t0
+                return
             reqs = list(self.running)
+            if not reqs:
+                self.stats.decode_s += time.perf_counter() - t0
+                return
+        while True:
             try:
-                logits = self.runner.step([r.rid for r in reqs], [r.output[-1] for r in reqs])
+                step = self.runner.step([r.rid for r in reqs], [r.output[-1] for r in reqs])
                 break
             except CacheFullError:  # nothing was reserved
                 if len(reqs) == 1:
                     raise
                 self._preempt(reqs[-1])
-        self._emit(reqs, logits)
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(reqs)
+                reqs = list(self.running)
+        if self.keep_logits:  # the logits are read before the bucket's next step
+            self._finish(reqs, step)
+        else:
+            self._inflight = (reqs, step)
         self.stats.decode_s += time.perf_counter() - t0
+
+    def _finish(self, reqs: list[Request], step: DecodeStep) -> None:
+        """Read a launched decode step (the sync) and append its tokens."""
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += self._emit(reqs, step.token_ids(), step.logits)
+
+    def _drain(self) -> None:
+        """Read the decode step in flight, if any."""
+        if self._inflight is not None:
+            t0 = time.perf_counter()
+            prev, self._inflight = self._inflight, None
+            self._finish(*prev)
+            self.stats.decode_s += time.perf_counter() - t0
 
     def _preempt(self, r: Request) -> None:
         self.cache.free(r.rid)

@@ -11,9 +11,13 @@ page 0, token 0; their logits are dropped.
 The eager and graph paths share all of this; they differ only in :meth:`DecodeRunner._run`:
 eager calls ``model.decode`` on the static buffers, the graph path captures that same call
 once per bucket (lazily, on the bucket's first step: a warm-up call, which writes the same K/V
-the replay writes, then the capture) and replays it. ``compile=True`` wraps ``model.decode``
-in ``torch.compile(fullgraph=True, dynamic=True)`` (inductor fuses the elementwise work of a
-layer; the graph then captures the compiled kernels).
+the replay writes, then the capture) and replays it. Both end with the greedy token of every
+row (``argmax``, inside the graph), copied without a sync into a pinned host buffer: a step
+returns a :class:`DecodeStep` whose :meth:`~DecodeStep.token_ids` waits for it. A step can also
+take its token ids from the previous step on the device (``tokens=None``), so the engine can
+launch step ``k + 1`` before it reads step ``k``'s tokens and the host's work overlaps the GPU's.
+``compile=True`` wraps ``model.decode`` in ``torch.compile(fullgraph=True, dynamic=True)``
+(inductor fuses the elementwise work of a layer; the graph then captures the compiled kernels).
 """
 
 from __future__ import annotations
@@ -41,6 +45,23 @@ def buckets_up_to(max_batch_size: int) -> tuple[int, ...]:
     bucket that holds it. Raises ValueError beyond the largest bucket."""
     top = bucket_for(max_batch_size)
     return tuple(b for b in BUCKETS if b <= top)
+
+
+class DecodeStep:
+    """One launched decode step: ``logits`` ``[n, vocab]`` (a view of the bucket's output,
+    overwritten by the bucket's next step) and the greedy token ids, read by
+    :meth:`token_ids`."""
+
+    __slots__ = ("logits", "_ids", "_done")
+
+    def __init__(self, logits: torch.Tensor, ids: torch.Tensor, done: Any):
+        self.logits, self._ids, self._done = logits, ids, done
+
+    def token_ids(self) -> list[int]:
+        """The step's greedy tokens (``argmax``, ties to the lowest id); waits for the step."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._ids.tolist()
 
 
 class DecodeRunner:
@@ -77,31 +98,56 @@ class DecodeRunner:
                              torch.empty(b, dtype=torch.long, pin_memory=pin))
                          for b in self.buckets}
         self._copied = torch.cuda.Event() if pin else None
+        # the greedy tokens of a step come back through one of two pinned host buffers (a
+        # step in flight and the one being read never share one), each with its event
+        self._ids_host = [torch.empty(self.buckets[-1], dtype=torch.long, pin_memory=pin)
+                          for _ in range(2)]
+        self._ids_done = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._flip = 0
+        self._last: tuple[int, torch.Tensor] | None = None  # (bucket, device token ids)
         self._decode = (torch.compile(model.decode, fullgraph=True, dynamic=True) if compile
                         else model.decode)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None  # the graphs' shared memory pool, after the first capture
 
-    def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> torch.Tensor:
-        """Reserve one slot per sequence, fill the bucket's static buffers and run the step.
+    def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[int] | None) -> DecodeStep:
+        """Reserve one slot per sequence, fill the bucket's static buffers and launch the step.
 
-        Returns logits ``[len(seq_ids), vocab]`` (a view of the bucket's output: read it
-        before the next step). Raises CacheFullError (nothing changed) when the pages run out.
+        ``tokens``: each sequence's input token, or None for the previous step's greedy tokens
+        taken on the device (the same sequences in the same order as that step: the caller's
+        contract). Returns the launched :class:`DecodeStep` (its logits are a view of the
+        bucket's output: read them before the next step). Raises CacheFullError (nothing
+        changed) when the pages run out, ValueError for ``tokens=None`` without a previous
+        step of the same bucket.
         """
         n = len(seq_ids)
         b = bucket_for(n, self.buckets)
+        if tokens is None and (self._last is None or self._last[0] != b):
+            raise ValueError("tokens: None needs a previous step of the same batch bucket")
         meta_host, tokens_host = self._staging[b]
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies left the staging buffers
         meta = self.cache.prepare_step(seq_ids, [1] * n, max_pages=self.max_pages, pad_to=b,
                                        out=self._meta[b], staging=meta_host)
-        ids = tokens_host.numpy()
-        ids[:n] = tokens
-        ids[n:] = 0
-        self._tokens[b].copy_(tokens_host, non_blocking=True)
+        if tokens is None:
+            self._tokens[b].copy_(self._last[1])  # device to device, after the last step
+        else:
+            ids = tokens_host.numpy()
+            ids[:n] = tokens
+            ids[n:] = 0
+            self._tokens[b].copy_(tokens_host, non_blocking=True)
+        stream = (torch.cuda.current_stream(self.model.device) if self._copied is not None
+                  else None)
         if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.model.device))
-        return self._run(b, meta)[:n]
+            self._copied.record(stream)
+        logits, next_ids = self._run(b, meta)
+        self._last = (b, next_ids)
+        host, done = self._ids_host[self._flip][:b], self._ids_done[self._flip]
+        self._flip ^= 1
+        host.copy_(next_ids, non_blocking=done is not None)
+        if done is not None:
+            done.record(stream)
+        return DecodeStep(logits[:n], host[:n], done)
 
     def warmup(self) -> None:
         """Run (eager: compile the kernels) or capture (graphs) every bucket on a batch of
@@ -112,16 +158,18 @@ class DecodeRunner:
             self._tokens[b].zero_()
             self._run(b, meta)
 
-    def _run(self, b: int, meta) -> torch.Tensor:
+    def _run(self, b: int, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[b, vocab]`` and greedy token ids ``[b]`` of the bucket's step."""
         tokens = self._tokens[b]
         with torch.inference_mode():
             if not self.graphs:
-                return self._decode(tokens, meta, self.cache)
+                logits = self._decode(tokens, meta, self.cache)
+                return logits, logits.argmax(dim=-1)
             if b not in self._graphs:
                 self._graphs[b] = self._capture(tokens, meta)
-            graph, logits = self._graphs[b]
+            graph, logits, next_ids = self._graphs[b]
             graph.replay()
-            return logits
+            return logits, next_ids
 
     def _capture(self, tokens: torch.Tensor, meta):
         """Warm up on a side stream (compiles kernels; writes the same K/V as the replay),
@@ -134,5 +182,6 @@ class DecodeRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._decode(tokens, meta, self.cache)
+            next_ids = logits.argmax(dim=-1)
         self._pool = graph.pool()
-        return graph, logits
+        return graph, logits, next_ids
