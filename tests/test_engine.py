@@ -151,7 +151,8 @@ def test_runner_padded_steps_equal_unpadded_decode(model):
     for cache in caches:
         for s, p in enumerate(prompts):
             cache.add_sequence(s)
-            model.prefill(torch.tensor(p), cache.prepare_step([s], [len(p)]), cache)
+            ids = torch.tensor(p, device=model.device)
+            model.prefill(ids, cache.prepare_step([s], [len(p)]), cache)
     with pytest.raises(ValueError, match="graphs"):
         DecodeRunner(model, caches[0], max_batch_size=4, max_pages=8, graphs=True)
     runner = DecodeRunner(model, caches[0], max_batch_size=4, max_pages=8)
@@ -164,7 +165,7 @@ def test_runner_padded_steps_equal_unpadded_decode(model):
         step = runner.step([0, 1, 2], fed)
         got = step.logits
         meta = caches[1].prepare_step([0, 1, 2], [1, 1, 1])
-        want = model.decode(torch.tensor(tokens), meta, caches[1])
+        want = model.decode(torch.tensor(tokens, device=model.device), meta, caches[1])
         assert got.shape == want.shape and rel_l2_error(got, want) <= 1e-5
         assert runner._meta[4].data_ptr() == ptr
         tokens = step.token_ids()
@@ -181,7 +182,8 @@ def test_a_device_fed_step_needs_a_previous_step_of_its_bucket(model):
     cache = model.make_cache(16, page_size=4)
     for s, p in enumerate(PROMPTS[:3]):
         cache.add_sequence(s)
-        model.prefill(torch.tensor(p), cache.prepare_step([s], [len(p)]), cache)
+        ids = torch.tensor(p, device=model.device)
+        model.prefill(ids, cache.prepare_step([s], [len(p)]), cache)
     runner = DecodeRunner(model, cache, max_batch_size=4, max_pages=8)
     with pytest.raises(ValueError, match="tokens: None"):
         runner.step([0, 1, 2], None)
@@ -263,7 +265,8 @@ def test_fp8_prefill_calibrates_per_layer_and_kv_head(model):
     cache = model.make_cache(16, page_size=4, dtype=torch.float8_e4m3fn)
     assert cache.needs_calibration
     cache.add_sequence(0)
-    model.prefill(torch.tensor(PROMPTS[1]), cache.prepare_step([0], [len(PROMPTS[1])]), cache)
+    ids = torch.tensor(PROMPTS[1], device=model.device)
+    model.prefill(ids, cache.prepare_step([0], [len(ids)]), cache)
     assert not cache.needs_calibration
     for layer in range(CFG.num_layers):
         ks, vs = cache.scales(layer)
@@ -272,7 +275,8 @@ def test_fp8_prefill_calibrates_per_layer_and_kv_head(model):
             assert c.float().abs().amax(dim=(0, 1, 3)).tolist() == [448.0] * CFG.num_kv_heads
     before = cache._scales.clone()
     cache.add_sequence(1)
-    model.prefill(torch.tensor(PROMPTS[4]), cache.prepare_step([1], [len(PROMPTS[4])]), cache)
+    ids = torch.tensor(PROMPTS[4], device=model.device)
+    model.prefill(ids, cache.prepare_step([1], [len(ids)]), cache)
     assert torch.equal(cache._scales, before)
     fixed = model.make_cache(4, page_size=4, dtype=torch.float8_e4m3fn, k_scale=0.5,
                              v_scale=0.25)
