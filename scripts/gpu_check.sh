@@ -7,6 +7,9 @@
 # Session 5 ran final5c (carry .ext2), final5b (carry .ext3 .whl), final5a (carry .peers) on one
 #   H200 as consecutive warm calls: 222 + 166 + 186 s, about 10 device-minutes with the start.
 #   serveprof (prepared, not yet run): the serving step profile, after final5b on a warm machine.
+# Session 8 ran explore8 / explore8b (the serving step's host gap, then the overlapped engine),
+#   then final5c (carry .ext2), final5b (carry .ext3 .whl), fi074 (carry .ext4 .peers: FlashInfer
+#   0.7.4 beside auto and the floor, host time, variant rows) on the shipped tree.
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
@@ -156,6 +159,8 @@ case "$phase" in
     env_info
     setup_flashinfer074
     bench_beside_floor 380 flashinfer-tc,flashinfer-xqa
+    stamp "host time"
+    timeout 45 python3 scripts/host_time.py 2>&1 | tee "$RES/host.log"
     stamp "variant rows beside FlashInfer"
     timeout 150 python3 scripts/bench_variants.py --json "$RES/variants.json" 2>&1 | cut -c1-300
     ;;
@@ -180,6 +185,12 @@ case "$phase" in
     stamp "serving benchmark"
     timeout 400 python3 -m pagedattn.cli bench-model --gguf .model/smollm2.gguf \
       --out "$RES/serving-h200" 2>&1 | tee "$RES/serving.log" | tail -40
+    for a in "--batch 1" "--batch 64"; do
+      stamp "serving step profile (random weights): $a"
+      # shellcheck disable=SC2086
+      timeout 60 python3 scripts/profile_serving_step.py --random $a --top 12 \
+        --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | grep -v Warn | head -3
+    done
     ;;
   serveprof)  # prepared in session 5, not yet run: where a SmolLM2 decode step's time goes
     # (scripts/profile_serving_step.py), batch 1 and 64, graphs and eager; run right after
@@ -206,6 +217,9 @@ case "$phase" in
     # shellcheck disable=SC2086
     timeout 200 python3 -m pytest -q -m "gpu or gpu2" -p no:cacheprovider $XDIST -rfE \
       --durations=10 tests > "$RES/pytest-gpu.log" 2>&1; tail -15 "$RES/pytest-gpu.log"
+    stamp "the engine's tests on the GPU (unmarked: they take the GPU when there is one)"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_engine.py \
+      > "$RES/pytest-engine.log" 2>&1; tail -3 "$RES/pytest-engine.log"
     stamp "sanitizers"
     OUT=$RES SANITIZE_S=${SANITIZE_S:-70} timeout 340 bash scripts/gpu_hardening.sh sanitize \
       | tail -14

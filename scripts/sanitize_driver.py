@@ -18,7 +18,9 @@ PyTorch's caching allocator on: capture forbids ``cudaMalloc``); and ``auto``'s 
 specializations (window, soft-cap, sinks, ALiBi, multi-token queries, batch invariance).
 The last line lists the kernels launched (from the launchers' compile records).
 
-Shapes (tiny, so the sanitizer finishes in a minute or two): page_size 1, 5 and 16; context
+Shapes (tiny, so the sanitizer finishes in a minute or two; all but the last fit ``auto``'s
+smallest chunk, so it runs them as one unit per sequence, ``ONE_UNIT``, and the last one with
+splits planned on the device): page_size 1, 5 and 16; context
 lengths 0, 1 and a last page holding one token; every page of the cache used, so the
 highest page id (num_pages - 1) is read; GQA group 7; head_dim 80; table padding of -1 and
 out-of-range ids; forced and automatic split counts; for ``auto`` also fp8 with per-head
@@ -51,6 +53,9 @@ SHAPES = [
     # batch 17 x 8 kv heads = 136 >= 132 SMs: auto merges per (sequence, kv head)
     ("b17-hkv8-per-group-merge", [(7 * i) % 40 for i in range(17)], 16, 8, 64, 16,
      torch.bfloat16),
+    # a table of more than the smallest chunk (256 tokens): auto plans its splits on the device
+    # (the shapes above hold at most 256 tokens, so auto runs them as one unit per sequence)
+    ("ragged-auto-splits", [0, 300, 5, 700], 8, 2, 64, 16, torch.bfloat16),
 ]
 
 
