@@ -182,6 +182,9 @@ case "$phase" in
     python3 -m pip install --quiet --no-index --no-deps --target /tmp/gguf_pkg .whl/gguf-*.whl \
       2>&1 | tail -2
     export PYTHONPATH=$PYTHONPATH:/tmp/gguf_pkg
+    stamp "the engine's tests on the GPU (unmarked: they take the GPU when there is one)"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_engine.py \
+      > "$RES/pytest-engine.log" 2>&1; tail -3 "$RES/pytest-engine.log"
     stamp "serving benchmark"
     timeout 400 python3 -m pagedattn.cli bench-model --gguf .model/smollm2.gguf \
       --out "$RES/serving-h200" 2>&1 | tee "$RES/serving.log" | tail -40
