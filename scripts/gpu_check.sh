@@ -84,6 +84,16 @@ assemble_gguf() {  # the 98 MB GGUF travels in two halves over two consecutive (
   fi
 }
 
+serveprof_random() {  # serveprof_random SECONDS TOP LINES: the serving step profile at batch
+  # 1 and 64 (SmolLM2-135M's shapes, random weights), JSON per batch under $RES
+  for a in "--batch 1" "--batch 64"; do
+    stamp "serving step profile (random weights): $a"
+    # shellcheck disable=SC2086
+    timeout "$1" python3 scripts/profile_serving_step.py --random $a --top "$2" \
+      --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | grep -v -i warn | head -"$3"
+  done
+}
+
 pack() {  # the device returns at most 8 files: ship the run as one archive plus its logs
   tar czf "$OUT/results-$phase.tgz" -C "$RES" . && ls -la "$OUT"
 }
@@ -108,12 +118,7 @@ case "$phase" in
     # back (GPU only): how much of a step is the host's
     RES=$OUT
     env_info
-    for a in "--batch 1" "--batch 64"; do
-      stamp "serving step profile: $a"
-      # shellcheck disable=SC2086
-      timeout 120 python3 scripts/profile_serving_step.py --random $a --top 20 \
-        --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | tail -45
-    done
+    serveprof_random 120 20 30
     ;;
   explore8b)  # session 8: the engine overlapping host and GPU (step k + 1 launched before step
     # k is read): the GPU tests of the serving path, then the step profile again
@@ -128,11 +133,21 @@ case "$phase" in
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider $XDIST -rfE \
       tests/test_cuda_graph.py tests/test_model.py tests/test_cache.py tests/test_layers.py \
       tests/test_serving_cli.py > "$RES/pytest.log" 2>&1; tail -6 "$RES/pytest.log"
-    for a in "--batch 1" "--batch 64"; do
-      stamp "serving step profile: $a"
+    serveprof_random 100 8 18
+    ;;
+  explore8c)  # session 8: the trace run alone, A/B: session 6's tree (f7f6d72, copied untracked
+    # into .abold/src) against the shipped one, with and without the overlapped decode
+    RES=$OUT
+    for t in old new new-no-overlap; do
+      case $t in
+        old) P=$PWD/.abold/src; A="" ;;
+        new) P=$PWD/src; A="" ;;
+        new-no-overlap) P=$PWD/src; A="--no-overlap" ;;
+      esac
+      stamp "trace $t"
       # shellcheck disable=SC2086
-      timeout 100 python3 scripts/profile_serving_step.py --random $a --top 8 \
-        --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | tail -20
+      PYTHONPATH=$P timeout 100 python3 scripts/trace_ab.py --label "$t" $A 2>&1 \
+        | grep -v -i warn | tail -2 | tee -a "$RES/trace_ab.log"
     done
     ;;
   explore7b)  # session 7: one unit per sequence (ONE_UNIT) and the reused staging buffers:
@@ -145,12 +160,7 @@ case "$phase" in
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider $XDIST -rfE tests/test_plan.py \
       tests/test_decode.py tests/test_variants.py tests/test_cuda_graph.py tests/test_engine.py \
       tests/test_cache.py > "$RES/pytest.log" 2>&1; tail -6 "$RES/pytest.log"
-    for a in "--batch 1" "--batch 64"; do
-      stamp "serving step profile: $a"
-      # shellcheck disable=SC2086
-      timeout 120 python3 scripts/profile_serving_step.py --random $a --top 12 \
-        --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | tail -28
-    done
+    serveprof_random 120 12 22
     ;;
   fi074)  # prepared in session 4, not yet run: FlashInfer 0.7.4 (TC and XQA) beside auto and
     # the floor in one run (carry .ext4 and .peers), then its same-variant rows. A first
@@ -188,12 +198,7 @@ case "$phase" in
     stamp "serving benchmark"
     timeout 400 python3 -m pagedattn.cli bench-model --gguf .model/smollm2.gguf \
       --out "$RES/serving-h200" 2>&1 | tee "$RES/serving.log" | tail -40
-    for a in "--batch 1" "--batch 64"; do
-      stamp "serving step profile (random weights): $a"
-      # shellcheck disable=SC2086
-      timeout 60 python3 scripts/profile_serving_step.py --random $a --top 12 \
-        --json "$RES/serveprof-$(echo $a | tr -d ' -').json" 2>&1 | grep -v Warn | head -3
-    done
+    serveprof_random 60 12 22
     ;;
   serveprof)  # prepared in session 5, not yet run: where a SmolLM2 decode step's time goes
     # (scripts/profile_serving_step.py), batch 1 and 64, graphs and eager; run right after
