@@ -12,17 +12,13 @@ import argparse
 import json
 
 import torch
+from profile_serving_step import SMOLLM2_135M  # scripts/ is on sys.path when run as a script
 
 from pagedattn.serving import baselines
 from pagedattn.serving.bench_model import run_engine, trace_requests
 from pagedattn.serving.engine import Engine
 from pagedattn.serving.gguf_loader import LlamaConfig
 from pagedattn.serving.model import Transformer
-
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                    num_q_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-                    rms_eps=1e-5, max_position=8192, tie_word_embeddings=True,
-                    bos_token_id=None, eos_token_id=None)
 
 
 def main() -> int:
