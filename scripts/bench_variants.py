@@ -52,6 +52,8 @@ TUNE_ROWS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
     f"plain-{s}": (s, {}, ()) for s in (
         "llama8b-b8-c8k", "qwen7b-b64-c4k", "tp8-70b-b128-c8k", "hd256-b32-c4k",
         "hd64-smollm-b64-c2k", "mooncake-b16-llama8b")
+} | {  # the work of a 1,024-token window (1,025 keys) without one: is the gap the window's?
+    "plain-b64-c1025": ("llama8b-b64-c1025", {}, ()),
 }
 
 
@@ -61,6 +63,8 @@ def _shape(name: str, dry: bool):
                           page_size=4)
     if name == "llama8b-b1-c4k":
         return make_shape(name, "llama-3-8b", [4096])
+    if name == "llama8b-b64-c1025":
+        return make_shape(name, "llama-3-8b", [1025] * 64)
     return get_shape(name)
 
 
@@ -80,10 +84,13 @@ def ours(shape, b: BenchBatch, query, plan_kw: dict, layer: dict, config: str = 
     :class:`~pagedattn.launch.decode.DecodeConfig` such as ``"maxnreg=128,num_stages=3"``
     (a tuning aid: the plan's launcher is rebuilt with that config)."""
     m = shape.model
+    # planned with the host copy of the lengths, as `pagedattn bench` plans `auto` and as
+    # FlashInfer's plan() takes its host index pointers (a ragged batch pipelines deeper)
     plan = pagedattn.plan_decode(b.block_tables, b.context_lens, num_q_heads=m.num_q_heads,
                                  num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                  page_size=shape.page_size, q_dtype=shape.dtype,
-                                 kv_dtype=shape.cache_dtype, **plan_kw)
+                                 kv_dtype=shape.cache_dtype,
+                                 host_context_lens=list(shape.context_lens), **plan_kw)
     if config != "default":
         from dataclasses import replace
 

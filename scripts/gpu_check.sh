@@ -101,6 +101,67 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  explore9b)  # session 9: the window kernel in 128 registers (tile-aligned window start,
+    # clamped addresses) and the per-head merge in one round, A/B against the last shipped
+    # tree (ab9/head, untracked copy) in the same call; then the GPU tests of the new kernel
+    RES=$OUT
+    env_info
+    setup_flashinfer074
+    rows=window1024-b64-c2k,window1024-azure,window4096-b1-c32k,plain-b1-c32k,plain-llama8b-b8-c8k,plain-b64-c1025,plain-b64-c2k,qlen4-b64-c2k
+    for t in head new head new; do
+      stamp "A/B tree $t (eager medians)"
+      p=$PWD/src; [ $t = head ] && p=$PWD/ab9/head/src
+      PYTHONPATH=$p timeout 100 python3 scripts/bench_variants.py --rows $rows --reps 60 \
+        --configs "default;num_stages=3" --json "$RES/ab-$t.json" 2>&1 | cut -c1-300 | tail -8
+    done
+    stamp "new tree beside FlashInfer (eager, graph)"
+    timeout 120 python3 scripts/bench_variants.py --rows $rows --json "$RES/rows-new.json" 2>&1 \
+      | cut -c1-400
+    stamp "GPU tests of the kernel"
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -x -rfE tests/test_variants.py \
+      tests/test_decode.py tests/test_plan.py > "$RES/pytest.log" 2>&1; tail -4 "$RES/pytest.log"
+    ;;
+  explore9)  # session 9: the 1,024-token window behind FlashInfer (issue 11): the window rows
+    # beside a plain batch of the same work (64 x 1,025 keys), split/tile A/B, and ncu of
+    # ours beside FlashInfer's window kernel; ncu of b1-c32k ours beside the floor with the
+    # merges (carry .ext4 .peers)
+    RES=$OUT
+    env_info
+    setup_flashinfer074
+    rows=window1024-b64-c2k,window1024-azure,plain-b64-c1025,plain-b64-c2k
+    stamp "rows beside FlashInfer"
+    timeout 120 python3 scripts/bench_variants.py --rows $rows --json "$RES/rows.json" 2>&1 \
+      | cut -c1-400
+    stamp "config A/B (eager)"
+    timeout 150 python3 scripts/bench_variants.py --rows $rows --reps 60 --json "$RES/ab.json" \
+      --configs "default;ctas_per_sm=2;ctas_per_sm=8;num_stages=3;block_n=32,num_stages=3;block_n=128;min_chunk=512" \
+      2>&1 | cut -c1-600
+    ncu_summary() {  # ncu_summary CSV: the headline metrics per kernel
+      python3 - "$1" <<'PY'
+import csv, sys
+keep = ("Duration", "DRAM Throughput", "Registers Per Thread", "Grid Size",
+        "Achieved Occupancy", "Waves Per SM", "Theoretical Occupancy", "Block Size")
+lines = open(sys.argv[1]).read().splitlines()
+start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+for r in csv.DictReader(lines[start:] if start is not None else []):
+    if r["Metric Name"] in keep:
+        print(r["ID"], r["Kernel Name"][:40], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
+PY
+    }
+    for row in window1024-b64-c2k plain-b64-c1025; do
+      stamp "ncu: $row (ours, FlashInfer)"
+      timeout 90 ncu --clock-control none --section SpeedOfLight --section LaunchStats \
+        --section Occupancy -k regex:'paged_decode|merge|Merge|Prefill|Decode' --csv \
+        --page details python3 scripts/ncu_variant_row.py --row $row > "$RES/ncu-$row.csv" \
+        2> "$RES/ncu-$row.err"; ncu_summary "$RES/ncu-$row.csv"
+    done
+    stamp "ncu: llama8b-b1-c32k (ours, floor, with merges)"
+    timeout 60 ncu --clock-control none --section SpeedOfLight --section LaunchStats \
+      --section Occupancy -k regex:'_paged_decode_kernel|_merge|_floor_' --csv \
+      --page details python3 scripts/ncu_side_by_side.py --shape llama8b-b1-c32k \
+      --peer-file .peers/plain_floor.py > "$RES/ncu-b1-c32k.csv" 2> "$RES/ncu-b1-c32k.err"
+    ncu_summary "$RES/ncu-b1-c32k.csv"
+    ;;
   explore7)  # session 7: the one-tile split remainder (perf-notes step 20) on the variant rows,
     # and where a batch-1 serving step's time goes (SmolLM2-135M's shapes, random weights)
     RES=$OUT

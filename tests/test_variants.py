@@ -98,11 +98,12 @@ def test_window_ending_mid_page_reads_no_page_before_it(device, num_splits):
 
 
 def test_window_splits_count_visible_tokens(device):
-    """The planner cuts the window's tokens, not the context: 1,000 keys with a window of 41
-    make one split row by default (under the interpreter's 128-token minimum), and two
-    32-token rows when three splits are forced (the whole context would make three)."""
+    """The planner cuts the window's tiles, not the context: 1,000 keys with a window of 41
+    keys (from 959; its tiles from 928, a multiple of the interpreter's 32-token tile: 72
+    keys) make one split row by default (under the interpreter's 128-token minimum), and
+    three 32-token rows when 40 splits are forced (the whole context would make 32)."""
     inp = _inputs([1000], device, seed=16)
-    for num_splits, rows in ((None, 1), (3, 2)):
+    for num_splits, rows in ((None, 1), (40, 3)):
         plan = plan_decode(inp.block_tables, inp.context_lens, q_dtype=torch.float32,
                            window_left=40, num_splits=num_splits, **SHAPE)
         out = plan.run(*inp[:3])

@@ -53,11 +53,12 @@ is the plain kernel's, instruction for instruction (the new runtime arguments ar
 their flag only):
 
 * ``HAS_WINDOW`` (``window_left``): the ``Q_LEN`` query tokens together see keys ``[first,
-  len)`` with ``first = max(0, len - Q_LEN - window_left)``. The planner splits only those
-  visible tokens (``_visible_tokens`` in both scans), each unit's tile loop starts at
-  ``first`` and block-table entries before ``first // PAGE_SIZE`` are never read, so bytes
-  and time scale with the window. With one query token the unit's range *is* the window (no
-  per-token mask); with several, each row also masks ``p < i - window_left``.
+  len)`` with ``first = max(0, len - Q_LEN - window_left)``. The planner splits only the
+  tiles that hold them, from ``first`` rounded down to a multiple of ``BLOCK_N``
+  (``_visible_tokens`` in both scans), so tiles stay aligned as without a window; the first
+  tile's keys before ``first`` read ``first``'s own row and are masked from the scores, so
+  no byte and no block-table entry before the window is read, and bytes and time scale with
+  the window. With several query tokens each row also masks ``p < i - window_left``.
 * ``HAS_SOFTCAP`` (``softcap``): ``cap·tanh(s / cap)`` on the natural-domain logit
   (``_soft_cap`` converts from and back to the exp2 domain), before any bias.
 * ``HAS_ALIBI`` (``alibi_ptr``): ``+ slope_h·(p - i)`` (times ``log2 e``) after the soft-cap.
@@ -99,18 +100,29 @@ from pagedattn.kernels.common import (
 
 
 @triton.jit
-def _visible_tokens(n, window_left, Q_LEN: tl.constexpr):
-    """``(first, count)``: with a sliding window, the key range ``[first, n)`` that the
-    ``Q_LEN`` query tokens of a sequence of ``n`` keys see together (vector or scalar ``n``).
-    The first token sits at ``n - Q_LEN`` and its window starts ``window_left`` keys before
-    it; causality ends every window at or before ``n - 1``. (Without a window: ``[0, n)``.)"""
-    first = tl.maximum(n - Q_LEN - window_left, 0)
-    return first, n - first
+def _window_first(n, window_left, Q_LEN: tl.constexpr):
+    """The first key that any of the ``Q_LEN`` query tokens of a sequence of ``n`` keys sees
+    through a sliding window (vector or scalar ``n``): the first token sits at ``n - Q_LEN``
+    and its window starts ``window_left`` keys before it."""
+    return tl.maximum(n - Q_LEN - window_left, 0)
+
+
+@triton.jit
+def _visible_tokens(n, window_left, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(start, count)``: the key range ``[start, n)`` that the planner splits and the tiles
+    walk: from :func:`_window_first` rounded down to a whole tile, so every tile and split
+    starts at a multiple of ``BLOCK_N`` as without a window. The compiler then knows that
+    tiles are page-aligned (a window starting mid-tile cost 160 registers against 118, and
+    so a quarter of the resident programs: perf-notes step 23); keys before the window in
+    the first tile are masked, never read."""
+    start = _window_first(n, window_left, Q_LEN) // BLOCK_N * BLOCK_N
+    return start, n - start
 
 
 @triton.jit
 def _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity, window_left,
-                          BLOCK_B: tl.constexpr, Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                          BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, Q_LEN: tl.constexpr,
+                          HAS_WINDOW: tl.constexpr):
     """Σ clamped lengths (with a window, the visible tokens only: the split work scales with
     the window) (64-bit: with shared, prefix-cached pages the batch's tokens are not
     bounded by the cache size, and 1,024 sequences of 256 k tokens pass 2^31) and the longest
@@ -122,7 +134,7 @@ def _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity, window_
         n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
         n = tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity)
         if HAS_WINDOW:
-            _, n = _visible_tokens(n, window_left, Q_LEN)
+            _, n = _visible_tokens(n, window_left, Q_LEN, BLOCK_N)
         total += tl.sum(n.to(tl.int64))
         longest = tl.maximum(longest, tl.max(n))
     return total, longest
@@ -152,7 +164,7 @@ def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_
         n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
         n = tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity)
         if HAS_WINDOW:  # split the visible tokens only
-            _, n = _visible_tokens(n, window_left, Q_LEN)
+            _, n = _visible_tokens(n, window_left, Q_LEN, BLOCK_N)
         rows = tl.cdiv(n, _chunk_of(n, chunk, forced_splits, BLOCK_N))
         ends = running + tl.cumsum(rows, axis=0)
         before = (ends <= r) & (offs_b < batch)
@@ -219,15 +231,16 @@ def _paged_decode_kernel(
     kv_head = u % num_kv_heads
     num_q_heads = num_kv_heads * group
     capacity = max_pages * PAGE_SIZE
-    if ONE_UNIT:  # the launcher knows no sequence splits: row r is sequence b, no scans
-        chunk = min_chunk.to(tl.int32)  # unused
-    elif BATCH_INVARIANT:
+    # ONE_UNIT: the launcher knows no sequence splits: row r is sequence b, and there is no
+    # chunk to size and no scan of the lengths
+    if BATCH_INVARIANT:
         # a fixed split size in tokens (the launcher passes a multiple of BLOCK_N): a
         # sequence's splits, and so its arithmetic, never depend on the rest of the batch
         chunk = min_chunk.to(tl.int32)
-    else:
+    elif not ONE_UNIT:
         total, longest = _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity,
-                                               window_left, BLOCK_B, Q_LEN, HAS_WINDOW)
+                                               window_left, BLOCK_B, BLOCK_N, Q_LEN,
+                                               HAS_WINDOW)
         work = total * num_kv_heads  # int64
         # a ragged batch (mean length under half the longest) is cut finer: whole-sequence
         # units of unequal lengths leave a tail that smaller units fill
@@ -248,11 +261,14 @@ def _paged_decode_kernel(
         return
     ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
     n_vis = ctx
-    if HAS_WINDOW:  # the window's keys only: splits cut [first, ctx), no page before is read
-        first, n_vis = _visible_tokens(ctx, window_left, Q_LEN)
+    if HAS_WINDOW:  # the window's tiles only: splits cut [start, ctx), no page before is read
+        win_first = _window_first(ctx, window_left, Q_LEN)
+        first, n_vis = _visible_tokens(ctx, window_left, Q_LEN, BLOCK_N)
     if ONE_UNIT:  # the whole visible range; an empty sequence writes 0 (and -inf or the sink)
         n_rows = 1
-        tok_start = ctx - n_vis
+        tok_start = 0
+        if HAS_WINDOW:
+            tok_start = first
         tok_end = ctx
     else:
         chunk_b = _chunk_of(n_vis, chunk, forced_splits, BLOCK_N)
@@ -308,12 +324,23 @@ def _paged_decode_kernel(
     # iteration ahead, so the K/V loads never wait on a block-table load of their own
     # iteration and the pipeliner can keep several tiles in flight
     tok = tok_start + offs_n
+    if HAS_WINDOW:
+        # a window's first tile may start before the window (tiles are whole, from a
+        # multiple of BLOCK_N): its keys before ``win_first`` take the address of
+        # ``win_first`` itself (a row already read, so no byte outside the window is fetched
+        # and no block-table entry before it is read) and are masked out of the scores;
+        # clamping addresses rather than masking loads keeps the kernel in 128 registers
+        # (a load mask cost 156: perf-notes step 23). Later tiles start past ``win_first``.
+        tok = tl.maximum(tok, win_first)
     page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // PAGE_SIZE,
                         tok < tok_end)
     for n0 in range(tok_start, tok_end, BLOCK_N):
         tok = n0 + offs_n
         mask_n = tok < tok_end
-        slot = (tok % PAGE_SIZE).to(tl.int64)
+        if HAS_WINDOW:  # keys before the window read win_first's row (see above)
+            slot = (tl.maximum(tok, win_first) % PAGE_SIZE).to(tl.int64)
+        else:
+            slot = (tok % PAGE_SIZE).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(key_cache_ptr + (page_id * stride_k_page + slot * stride_k_tok
                                      + k_head)[:, None] + offs_d[None, :] * stride_k_d,
@@ -338,7 +365,9 @@ def _paged_decode_kernel(
             if HAS_WINDOW:
                 seen = seen & (tok[None, :] >= q_pos[:, None] - window_left)
             s = tl.where(seen, s, float("-inf"))
-        else:  # one token: the unit's range is exactly its window
+        elif HAS_WINDOW:  # one token: the unit's range, less the first tile's keys before
+            s = tl.where((mask_n & (tok >= win_first))[None, :], s, float("-inf"))
+        else:
             s = tl.where(mask_n[None, :], s, float("-inf"))
         m, alpha, p, l = _softmax_block_step(m, l, s)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
@@ -486,6 +515,11 @@ def _merge_per_head_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
+    # loaded beside the length, not after it (one round of loads fewer before the rows: the
+    # per-head merge runs at low occupancy, where each round is latency); an empty
+    # sequence's entry is stale (or the launcher's zeros) and is never used
+    start = tl.load(seq_rows_ptr + b * 2)
+    n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
     offs_d = tl.arange(0, BLOCK_D)
     offs_r = tl.arange(0, BLOCK_R)
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
@@ -500,8 +534,6 @@ def _merge_per_head_kernel(
             else:
                 tl.store(lse_out, float("-inf"))
     else:
-        start = tl.load(seq_rows_ptr + b * 2)
-        n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
         if n_rows > 1:
             m = float("-inf")
             l = 0.0
