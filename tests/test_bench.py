@@ -329,7 +329,7 @@ def test_bench_main_without_gpu(capsys, tmp_path):
     harness.add_arguments(parser)
     if not torch.cuda.is_available():
         assert harness.main(parser.parse_args(["--out-dir", str(tmp_path)])) == 2
-        assert "nothing was measured: no CUDA GPU" in capsys.readouterr().out
+        assert "nothing was measured: no CUDA GPU" in capsys.readouterr().err
         assert not tmp_path.joinpath("bench.md").exists()
     assert harness.main(parser.parse_args(["--list"])) == 0
     listing = capsys.readouterr().out

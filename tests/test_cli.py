@@ -1,6 +1,7 @@
 """The ``pagedattn`` command line: every numeric argument is range-checked by argparse (one line,
-exit status 2, no traceback), and ``profile``/``ladder`` without a GPU say that nothing was
-measured and exit non-zero. Charts label their axis by its scale."""
+exit status 2, no traceback), so is every output path (before any work), and ``profile``/
+``ladder``/``bench`` without a GPU say that nothing was measured and exit 2. Charts label their
+axis by its scale."""
 
 from __future__ import annotations
 
@@ -87,32 +88,111 @@ def test_type_functions():
 
 
 @cpu_only
-@pytest.mark.parametrize("command", ["profile", "ladder"])
-def test_profile_and_ladder_without_a_gpu_measure_nothing_and_say_so(command, tmp_path, capsys):
+@pytest.mark.parametrize("command", ["profile", "ladder", "bench"])
+def test_without_a_gpu_profile_ladder_and_bench_exit_2_and_say_so(command, tmp_path, capsys):
+    """The three measuring commands agree: no GPU and no --dry-run is exit status 2 and one
+    line on stderr saying nothing was measured; nothing is written."""
     out = ["--out-dir", str(tmp_path / "o")] + (["--out", str(tmp_path / "l.md")]
                                                 if command == "ladder" else [])
-    assert cli.main([command, *out]) == 1
+    assert cli.main([command, *out]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"pagedattn {command}: nothing was measured: no CUDA GPU")
+    assert "--dry-run" in captured.err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "l.md").exists()
+
+
+#: (argv before the path, the option named, the path under tmp_path)
+OUTPUTS = [(["run", "--csv"], "--csv", "file/x.csv"),
+           (["run", "--csv"], "--csv", "."),  # a directory where a file goes
+           (["bench", "--out-dir"], "--out-dir", "file/o"),
+           (["bench", "--out-dir"], "--out-dir", "file"),  # a file where a directory goes
+           (["profile", "--out-dir"], "--out-dir", "file/o"),
+           (["ladder", "--out"], "--out", "file/l.md"),
+           (["ladder", "--out-dir"], "--out-dir", "file/o")]
+
+
+@pytest.mark.parametrize("argv,option,path", OUTPUTS, ids=lambda v: " ".join(v)
+                         if isinstance(v, list) else v)
+def test_an_unwritable_output_is_an_argument_error_before_any_work(argv, option, path, tmp_path,
+                                                                     capsys, monkeypatch):
+    (tmp_path / "file").write_text("")  # "file/x.csv": under a regular file
+    import pagedattn.api as api
+
+    def no_work(*a, **k):
+        raise AssertionError("a kernel ran before the output path was checked")
+    monkeypatch.setattr(api, "_decode", no_work)
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, str(tmp_path / path)])
+    assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert f"pagedattn {command}: nothing was measured: no CUDA GPU" in err
-    assert "--dry-run" in err and not (tmp_path / "o").exists() and not (tmp_path / "l.md").exists()
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"pagedattn {argv[0]}: error: argument {option}: cannot write"), err
+
+
+def test_an_output_write_that_fails_later_exits_2_in_one_line(capsys, monkeypatch):
+    """A path that passed the check but fails at the write (e.g. /proc/x.csv as root, a full
+    disk): still one line and exit status 2, never a traceback."""
+    from pagedattn.bench import harness
+
+    def fail(args):
+        raise FileNotFoundError(2, "No such file or directory", "/proc/x.csv")
+    monkeypatch.setattr(harness.RUN, "main", fail)
+    assert cli.main(["run"]) == 2
+    err = capsys.readouterr().err
+    assert err == "pagedattn run: error: [Errno 2] No such file or directory: '/proc/x.csv'\n"
+
+
+def test_output_path_types_accept_writable_paths(tmp_path):
+    assert T.output_file(str(tmp_path / "new" / "deeper" / "x.csv")).endswith("x.csv")
+    assert T.output_dir(str(tmp_path / "new" / "dir")) == str(tmp_path / "new" / "dir")
+    assert T.output_dir(str(tmp_path)) == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # the check creates nothing
+    for fn, bad in ((T.output_file, ""), (T.output_file, str(tmp_path))):
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(bad)
 
 
 @cpu_only
-def test_an_unwritable_output_is_one_line(tmp_path, capsys, monkeypatch):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    import pagedattn.api as api
-    from pagedattn.reference import paged_decode_reference
+def test_bench_dry_run_shows_no_interpreter_or_flex_warnings(tmp_path, capsys):
+    """The interpreter's numpy RuntimeWarnings (log2 / divide of the discarded tl.where side
+    on padding rows, fp8 shape) and torch's eager-flex_attention UserWarning are filtered
+    around the measuring, and only there."""
+    import warnings
 
-    monkeypatch.setattr(api, "_decode", lambda *a, impl="auto", **k: (
-        paged_decode_reference(*a).out.to(a[0].dtype), {}))
-    rc = cli.main(["run", "--batch", "1", "--max-context", "3", "--impls", "auto",
-                   "--csv", str(blocker / "x.csv")])
-    assert rc == 1
-    err = capsys.readouterr().err  # the progress bar also writes to stderr, on its own line
-    errors = [ln for ln in err.splitlines() if "error" in ln.lower()]
-    assert len(errors) == 1 and errors[0].startswith("pagedattn run: error: [Errno")
-    assert "Traceback" not in err
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rc = cli.main(["bench", "--dry-run", "--shapes", "llama8b-b1-c1k,fp8-llama8b-b64-c8k",
+                       "--impls", "auto", "--peers", "flex-paged", "--out-dir",
+                       str(tmp_path)])
+    assert rc == 0
+    noisy = [str(w.message) for w in seen if "divide by zero" in str(w.message)
+             or "flex_attention called without torch.compile" in str(w.message)]
+    assert noisy == []
+    assert "flex_attention" not in capsys.readouterr().err
+
+
+def test_the_interpreter_warning_filter_is_narrow(monkeypatch):
+    import warnings
+
+    from pagedattn._env import quiet_interpreter_warnings
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def emitted(message, category, module):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with quiet_interpreter_warnings():
+                warnings.warn_explicit(message, category, "x.py", 1, module=module)
+        return len(seen)
+
+    interp = "triton.runtime.interpreter"
+    assert emitted("divide by zero encountered in log2", RuntimeWarning, interp) == 0
+    assert emitted("divide by zero encountered in divide", RuntimeWarning, interp) == 0
+    assert emitted("invalid value encountered in log2", RuntimeWarning, interp) == 1
+    assert emitted("divide by zero encountered in log2", RuntimeWarning, "mymodule") == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # on a GPU nothing is filtered
+    assert emitted("divide by zero encountered in log2", RuntimeWarning, interp) == 1
 
 
 # --- chart axes say the scale they have ----------------------------------------------------------

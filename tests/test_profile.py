@@ -277,7 +277,7 @@ def test_profile_cli_main_writes_report_and_csv(tmp_path, capsys):
     profile.add_arguments(parser)
     argv = ["--impl", "vectorized_v2", "--shape", "hd64-smollm-b64-c2k", "--out-dir",
             str(tmp_path)]
-    assert profile.main(parser.parse_args(argv)) == 1  # no GPU: nothing measured, no page
+    assert profile.main(parser.parse_args(argv)) == 2  # no GPU: nothing measured, no page
     assert "nothing was measured" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
     assert profile.main(parser.parse_args([*argv, "--dry-run"])) == 0
@@ -297,7 +297,7 @@ def test_ladder_on_cpu_refuses_then_dry_runs_honestly(tmp_path, capsys):
     ladder.add_arguments(parser)
     out = tmp_path / "docs" / "ladder.md"
     argv = ["--out", str(out), "--out-dir", str(tmp_path / "o")]
-    assert ladder.main(parser.parse_args(argv)) == 1
+    assert ladder.main(parser.parse_args(argv)) == 2
     assert "nothing was measured" in capsys.readouterr().err and not out.exists()
     assert ladder.main(parser.parse_args([*argv, "--dry-run"])) == 0
     md = out.read_text()

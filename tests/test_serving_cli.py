@@ -1,8 +1,9 @@
 """``pagedattn generate`` / ``bench-model`` argument checks (one line on stderr, exit status 2,
-before any model loads), the chat-template choice of the tokenizer module, and the benchmark's
-CPU smoke run on a tiny random model."""
+before any model loads; a bad GGUF file too), the chat-template choice of the tokenizer module,
+the stats line and report wording, and the benchmark's CPU smoke run on a tiny random model."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -50,9 +51,107 @@ def test_generate_rejects_bad_arguments_in_one_line(args, names, capsys, monkeyp
     assert names in lines[0] and "Traceback" not in err
 
 
-def test_bench_model_rejects_bad_batches(capsys):
-    rc, _, err = run(["bench-model", "--batches", "1,0", "--tiny"], capsys)
-    assert rc == 2 and err.count("\n") == 1 and "--batches" in err
+@pytest.mark.parametrize("batches", ["1,0", "a,b", "1,,2", "", "300", "1.5"])
+def test_bench_model_rejects_bad_batches(batches, capsys):
+    rc, _, err = run(["bench-model", "--batches", batches, "--tiny"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err == ("pagedattn bench-model: error: argument --batches: expected comma-separated "
+                   f"integers in [1, 256], got {batches!r}\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "bench-model"])
+@pytest.mark.parametrize("content, says", [
+    (None, "no file at"),
+    (b"hello, not a model\n", "is not a GGUF file"),
+    (b"GGUF\x03\x00\x00\x00junk", "cannot load a llama model from"),  # the magic, then junk
+])
+def test_a_missing_or_bad_gguf_is_one_line_naming_gguf(command, content, says, tmp_path, capsys):
+    """generate and bench-model say the same thing, ``--gguf: ...``, and exit 2."""
+    path = tmp_path / "model.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    argv = [command, *([PROMPT] if command == "generate" else ["--no-hf", "--trace-requests",
+                                                                "0"]), "--gguf", str(path)]
+    rc, out, err = run(argv, capsys)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"pagedattn {command}: error: --gguf: ") and says in err, err
+
+
+def _tiny():
+    from pagedattn.serving.baselines import random_weights
+    from pagedattn.serving.bench_model import TINY_CFG
+    from pagedattn.serving.gguf_loader import LlamaConfig
+
+    cfg = LlamaConfig(**TINY_CFG)
+    return model_module.Transformer(cfg, random_weights(cfg), device="cpu")
+
+
+def test_stats_line_of_a_request_ended_by_eos_at_its_first_token():
+    """A request whose first token (from the prefill) is EOS: the stats line says it stopped
+    at end-of-sequence after 1 token, that no decode step ran, and the batch held 1."""
+    from pagedattn.serving.engine import generate_greedy
+    from pagedattn.serving.generate import summary
+
+    model, prompt = _tiny(), [5, 17, 3]
+    first = generate_greedy(model, [prompt], 1).requests[0].output[0]
+    res = generate_greedy(model, [prompt], 5, eos_token_ids=[first])
+    assert res.requests[0].output == [first] and res.stats.decode_steps == 0
+    line = summary(res, 0.5, graphs=False)
+    assert line.startswith("1 token in 0.50 s = 2.0 tokens/s, stopped at end-of-sequence "
+                           "after 1 token; prefill 3 prompt tokens in "), line
+    assert "no decode step" in line and "max batch 1," in line
+    assert "1 tokens" not in line and "0 steps" not in line
+    res = generate_greedy(model, [prompt, [9, 1]], 3)
+    line = summary(res, 1.0, graphs=False)
+    assert "6 tokens in" in line and "0 stopped at end-of-sequence, 2 at --max-new-tokens" in line
+    assert "decode 4 tokens in 2 steps" in line
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the CPU user's path")
+def test_generate_raw_readme_question_says_why_the_answer_is_empty(capsys):
+    """The README's question with --raw: SmolLM2-Instruct (and transformers' greedy run on the
+    same file) ends its turn at once without the chat template. The output says so."""
+    from pagedattn.serving.gguf_loader import find_gguf
+
+    try:
+        find_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(f"no SmolLM2 GGUF file: {e}")
+    rc, out, err = run(["generate", PROMPT, "--max-new-tokens", "12", "--raw"], capsys)
+    assert rc == 0 and out == "\n"
+    assert ("pagedattn generate: empty answer: the first token was the end-of-sequence token "
+            "'<|im_end|>'; with --raw") in err
+    assert "1 token in" in err and "stopped at end-of-sequence after 1 token" in err
+    assert "no decode step" in err and "max batch 1," in err and "1 tokens" not in err
+
+
+def test_bench_model_report_words_for_none_and_unmeasured():
+    """The page says "no divergence" for a None divergence, gives small tokens/s as they are
+    (0.28, not 0) and says "not measured" with the reason where no decode step was timed."""
+    from pagedattn.serving.bench_model import to_markdown
+
+    per_prompt = [{"first_divergence": None, "logits_rel_l2": 0.02},
+                  {"first_divergence": 3, "logits_rel_l2": 0.05}]
+    res = {"model": "m", "dtype": "bfloat16", "gpu": None, "git_commit": "c", "src_dirty": "no",
+           "torch": "t", "new_tokens": 2, "page_size": 16, "command": "pagedattn bench-model",
+           "modes": ["eager"], "transformers": False,
+           "fixed": {"1": {"eager": {"decode_tokens_per_s": 0.28, "decode_steps": 1}},
+                     "2": {"eager": {"decode_tokens_per_s": 0.0, "decode_steps": 0}}},
+           "graphs_vs_eager": {},
+           "transformers_agreement": {"mode": "eager", "first_divergence": None,
+                                      "logits_rel_l2": 1e-6},
+           "fp8": {"cache_dtype": "fp8_e4m3", "mode": "eager", "per_prompt": per_prompt,
+                   "batch1": {"decode_tokens_per_s": 0.0, "decode_steps": 0}}}
+    md = to_markdown(res)
+    assert "None" not in md and "| 0 |" not in md
+    assert "| 1 | 0.28 | not run (--no-hf) |" in md
+    assert "| 2 | not measured (no decode step timed) | not run (--no-hf) |" in md
+    assert "eager vs transformers (prompt 0): no divergence in 2 tokens" in md
+    assert "prompt 0: no divergence in 2 tokens" in md
+    assert "prompt 1: first divergence at token index 3" in md
+    assert "fp8_e4m3 decode tokens/s at batch 1: not measured (no decode step timed)" in md
+    assert "Triton's interpreter" in md  # a CPU page says its tokens/s are not performance
 
 
 class _Tok:
@@ -79,9 +178,13 @@ def test_bench_model_tiny_smoke(tmp_path, capsys):
     """Every section of the benchmark on a tiny random model (eager only on the CPU): the
     JSON names the commit, the paged model agrees with transformers on the same weights."""
     out = tmp_path / "serving-cpu"
-    rc, stdout, _ = run(["bench-model", "--tiny", "--dtype", "float32", "--out", str(out)],
-                        capsys)
+    with warnings.catch_warnings(record=True) as seen:  # fp8 steps pad rows: log2(0), x / 0
+        warnings.simplefilter("always")
+        rc, stdout, _ = run(["bench-model", "--tiny", "--dtype", "float32", "--out", str(out)],
+                            capsys)
     assert rc == 0 and "| batch |" in stdout
+    assert not [w for w in seen if "divide by zero" in str(w.message)]
+    assert "first divergence None" not in stdout and "no divergence in 4 tokens" in stdout
     res = json.loads(out.with_suffix(".json").read_text())
     assert set(res["fixed"]) == {"1", "2"} and res["modes"] == ["eager"] + (
         [] if NO_GPU else ["graphs"])

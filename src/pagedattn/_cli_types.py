@@ -9,16 +9,23 @@ line (no usage block, no traceback), so every user mistake reads the same way::
 
 Subparsers created from a :class:`OneLineParser` are of the same class, so a subcommand module
 (``bench``, ``serving.generate``, ...) only needs ``type=positive_int`` and friends.
+
+:func:`output_file` and :func:`output_dir` check an output path before any work starts (an
+unwritable ``--csv`` fails at once, not after the run); they create nothing. Give such an option
+a non-string default (``None``, a ``Path``): argparse runs ``type`` on string defaults too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["OneLineParser", "name_list", "nonneg_float", "nonneg_int", "positive_float",
-           "positive_int"]
+__all__ = ["OneLineParser", "name_list", "nonneg_float", "nonneg_int", "output_dir",
+           "output_file", "positive_float", "positive_int"]
 
 
 def _number(text: str, kind: type, what: str, ok: Callable[[float], bool]):
@@ -80,6 +87,45 @@ def name_list(known: Iterable[str], *, what: str,
 
     parse.__name__ = f"{what}_list"  # argparse names the type in some messages
     return parse
+
+
+def _check_writable(text: str, *, directory: bool) -> str:
+    """``text`` if a file (``directory`` False) or a directory could be written there: the
+    nearest existing ancestor is a directory that takes a new file (probed with a temporary
+    file, removed at once). Raises ArgumentTypeError saying why not."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    path = Path(text).expanduser().absolute()
+    if path.exists() and not directory and path.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a directory")
+    if path.exists() and directory and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: it is not a directory")
+    if path.is_file() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the file is read-only")
+    base = path if directory else path.parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(base)!r} is not a "
+                                         "directory")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text!r}: {str(base)!r} does not take new files "
+            f"({e.strerror or e})") from None
+    return text
+
+
+def output_file(text: str) -> str:
+    """A path a file can be written to (missing parent directories are made when written)."""
+    return _check_writable(text, directory=False)
+
+
+def output_dir(text: str) -> str:
+    """A directory that exists or can be made, and that takes new files."""
+    return _check_writable(text, directory=True)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,6 +19,30 @@ def is_interpreter() -> bool:
     The variable must be set before ``triton`` is imported; this library never sets it.
     """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def quiet_interpreter_warnings() -> Iterator[None]:
+    """Under Triton's interpreter, hide two kinds of known, harmless warnings while the block
+    runs (nothing is filtered on a GPU, and nothing outside the block):
+
+    * numpy's ``RuntimeWarning: divide by zero encountered in log2`` / ``in divide``, raised
+      by ``triton.runtime.interpreter``: the interpreter evaluates both sides of a kernel's
+      ``tl.where`` with numpy, so the discarded side of a guard such as the fp8 query's
+      power-of-two scale ``where(amax > 0, 14 - ceil(log2(amax)), 0)`` or the final
+      ``where(l > 0, v_scale / l, 0)`` is computed for padding rows (all-zero query, empty
+      context) too. The kept values are right; a GPU computes the same without a warning.
+    * torch's ``UserWarning: flex_attention called without torch.compile()``: the
+      flex_attention peers run eagerly off CUDA on purpose (see
+      :func:`pagedattn.bench.peers._flex_callable`).
+    """
+    with warnings.catch_warnings():
+        if is_interpreter():
+            warnings.filterwarnings("ignore", r"divide by zero encountered in (log2|divide)",
+                                    RuntimeWarning, r"triton\.runtime\.interpreter")
+            warnings.filterwarnings("ignore", r"flex_attention called without torch\.compile",
+                                    UserWarning, r"torch\.nn\.attention\.flex_attention")
+        yield
 
 
 @functools.cache

@@ -4,7 +4,9 @@ Every subcommand lives in a module (or an object of one) with ``add_arguments(pa
 ``main(args) -> int``; a loader function per subcommand imports it, with a real import
 statement, only when that subcommand runs. Parsers are
 :class:`pagedattn._cli_types.OneLineParser`: a bad value is one line on stderr and exit status 2,
-and a failed output write is one line and exit status 1, never a traceback. Without a CUDA GPU
+and an output path that cannot be written is one line and exit status 2 too (checked by the
+option's type before any work, see :func:`pagedattn._cli_types.output_file`; a write that still
+fails later is reported the same way), never a traceback. Without a CUDA GPU
 the CLI sets ``TRITON_INTERPRET=1`` for itself before anything imports Triton (the library
 never does), so the kernels run on the CPU through Triton's interpreter.
 """
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(_command(args.command).main(args) or 0)
     except OSError as e:  # an output path the user gave that cannot be written
         print(f"pagedattn {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         print(f"pagedattn {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedattn._cli_types import name_list, nonneg_int, positive_int
+from pagedattn._cli_types import name_list, nonneg_int, output_dir, output_file, positive_int
+from pagedattn._env import quiet_interpreter_warnings
 from pagedattn.bench import report
 from pagedattn.bench.peers import DEFAULT_PEERS, PEERS, PeerUnsupported, peer_file
 from pagedattn.bench.report import TO_BEAT_SLACK
@@ -299,7 +301,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-check", action="store_true",
                         help="skip the float64 oracle (faster; the error column stays empty)")
     parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the K/V/q draws")
-    parser.add_argument("--out-dir", default="out/bench", help="where the reports go")
+    parser.add_argument("--out-dir", default=Path("out/bench"), type=output_dir,
+                        help="where the reports go (default: out/bench)")
     parser.add_argument("--dry-run", action="store_true",
                         help="shrunken shapes, checked and untimed (the CPU interpreter)")
     parser.add_argument("--list", action="store_true", help="list the shapes and exit")
@@ -324,7 +327,7 @@ def main(args: argparse.Namespace) -> int:
     if not on_gpu and not args.dry_run:
         print("pagedattn bench: nothing was measured: no CUDA GPU (timing under the CPU "
               "interpreter is not performance). Use --dry-run to check impls and peers on "
-              "shrunken shapes, or `pagedattn run` for a correctness run.")
+              "shrunken shapes, or `pagedattn run` for a correctness run.", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     shapes = [resolve_shape(n, small=args.dry_run) for n in args.shapes]
@@ -340,8 +343,9 @@ def main(args: argparse.Namespace) -> int:
     progress = tqdm(total=len(shapes) * len(columns), unit="run", mininterval=5)
     for shape in shapes:
         t0 = time.perf_counter()
-        rows += measure_shape(shape, columns, device, timers=timers, check=not args.no_check,
-                              seed=args.seed, progress=progress)
+        with quiet_interpreter_warnings():  # CPU (--dry-run): the interpreter's numpy noise
+            rows += measure_shape(shape, columns, device, timers=timers,
+                                  check=not args.no_check, seed=args.seed, progress=progress)
         write_reports(rows, meta, roof_start, args.out_dir)
         tqdm.write(f"{shape.describe()}  [{time.perf_counter() - t0:.0f} s]")
         gc.collect()
@@ -386,7 +390,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=nonneg_int, default=10, help="untimed calls on a GPU")
     parser.add_argument("--host-calls", type=positive_int, default=50,
                         help="back-to-back eager calls for the host-time column on a GPU")
-    parser.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    parser.add_argument("--csv", default=None, type=output_file,
+                        help="also write the rows to this CSV file")
 
 
 def run_main(args: argparse.Namespace) -> int:
@@ -418,7 +423,7 @@ def run_main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    with tqdm(total=len(args.impls), unit="impl") as progress:
+    with tqdm(total=len(args.impls), unit="impl") as progress, quiet_interpreter_warnings():
         rows = measure_shape(shape, entries(args.impls, []), device, timers=timers,
                              seed=args.seed, poison=True, progress=progress)
     finalize(rows, meta, roofline)

@@ -11,7 +11,7 @@ the environment and the read roofline of the same run, the profile table per sha
 study-versus-measured table, up to three PNG charts, and a commentary rendered from
 :data:`TEMPLATES` over the measured values: no figure in the prose is typed in by hand. The
 study's own figures come from ``pagedattn/data/study_ladder.csv`` and are always labelled as
-the study's. Without a GPU nothing is measured: the command says so and exits 1, unless
+the study's. Without a GPU nothing is measured: the command says so and exits 2, unless
 ``--dry-run``; a page then says it holds no measurement, and a chart is drawn only where there is
 data to draw.
 """
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import name_list
+from pagedattn._cli_types import name_list, output_dir, output_file
+from pagedattn._env import quiet_interpreter_warnings
 from pagedattn.bench.profile import ImplProfile, add_profiling_arguments, smem_bytes
 from pagedattn.bench.report import fmt_bytes, fmt_count, fmt_pct, fmt_time
 from pagedattn.bench.shapes import SHAPES
@@ -439,10 +440,10 @@ def write_report(out: Path, by_shape: dict[str, list[ImplProfile]], descriptions
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pagedattn ladder``."""
-    parser.add_argument("--out", default=None,
+    parser.add_argument("--out", default=None, type=output_file,
                         help=f"markdown report [{DEFAULT_OUT}; {SMALL_OUT} with shrunken "
                              "shapes]; charts and the tidy CSV go beside it")
-    parser.add_argument("--out-dir", default="out/ladder",
+    parser.add_argument("--out-dir", default=Path("out/ladder"), type=output_dir,
                         help="ncu reports and their CSV exports [out/ladder]")
     parser.add_argument("--shapes", default=list(LADDER_SHAPES),
                         type=name_list(SHAPES, what="shape"),
@@ -463,7 +464,7 @@ def main(args: argparse.Namespace) -> int:
     from pagedattn.bench.shapes import resolve_shape
 
     if nothing_measurable("ladder", args):
-        return 1
+        return 2
     on_gpu = torch.cuda.is_available()
     small = args.small or not on_gpu
     impls = [*STAGES, "auto"]
@@ -472,8 +473,9 @@ def main(args: argparse.Namespace) -> int:
     for name in args.shapes:
         shape = resolve_shape(name, small)
         print(f"[ladder] {shape.describe()}")
-        by_shape[shape.name] = profile_impls(impls, name, args.out_dir, small=small,
-                                             use_ncu=not args.no_ncu, warmup=args.warmup)
+        with quiet_interpreter_warnings():  # --dry-run: the interpreter's numpy noise
+            by_shape[shape.name] = profile_impls(impls, name, args.out_dir, small=small,
+                                                 use_ncu=not args.no_ncu, warmup=args.warmup)
         descriptions[shape.name] = shape.describe()
     env = environment_meta("cuda" if on_gpu else None)
     out = write_report(Path(args.out or (SMALL_OUT if small else DEFAULT_OUT)), by_shape,

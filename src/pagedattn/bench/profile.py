@@ -13,9 +13,9 @@ Without ncu, or when ncu fails or is refused the counters for an impl, the **fal
 the impl through the harness's one pipeline (:func:`pagedattn.bench.harness.measure`: checked
 against the oracle, cold-L2 CUDA-event median) and adds Triton's compile metadata; no hardware
 counter is ever estimated. Without a GPU nothing can be measured: the command says so and exits
-1, unless ``--dry-run`` runs the impls on a shrunken shape in the Triton interpreter (checked,
-nothing measured) to exercise the pipeline. With a GPU but no counters read, it exits 1 too
-unless ``--no-ncu`` or ``--dry-run`` asked for that.
+2 (as ``pagedattn bench`` does), unless ``--dry-run`` runs the impls on a shrunken shape in the
+Triton interpreter (checked, nothing measured) to exercise the pipeline. With a GPU but no
+counters read, it exits 1 unless ``--no-ncu`` or ``--dry-run`` asked for that.
 
 The table follows the study's ncu reading: duration; DRAM, L1/TEX, L2 and compute (SM)
 throughput; registers/thread and shared memory per block; theoretical and achieved occupancy;
@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import name_list, nonneg_int, positive_int
+from pagedattn._cli_types import name_list, nonneg_int, output_dir, positive_int
+from pagedattn._env import quiet_interpreter_warnings
 from pagedattn.bench import ncu
 from pagedattn.bench.ncu import METRIC_KEYS, METRICS, KernelCounters
 from pagedattn.bench.report import (
@@ -389,8 +390,8 @@ def add_profiling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def nothing_measurable(command: str, args: argparse.Namespace) -> bool:
-    """Without a GPU and without ``--dry-run``: say plainly that nothing can be measured (the
-    caller exits 1 and writes nothing)."""
+    """Without a GPU and without ``--dry-run``: say plainly, in one line on stderr, that nothing
+    can be measured (the caller exits 2, as ``pagedattn bench`` does, and writes nothing)."""
     if torch.cuda.is_available() or args.dry_run:
         return False
     print(f"pagedattn {command}: nothing was measured: no CUDA GPU, so neither Nsight Compute "
@@ -406,7 +407,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="seed-fp32-b64-c2048", choices=SHAPES,
                         metavar="SHAPE", help="a shape of pagedattn.bench.shapes "
                                               "[seed-fp32-b64-c2048]")
-    parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+    parser.add_argument("--out-dir", default=Path(DEFAULT_OUT_DIR), type=output_dir,
                         help=f"reports, CSV and markdown go here [{DEFAULT_OUT_DIR}]")
     add_profiling_arguments(parser)
     parser.add_argument("--repeat", type=positive_int, default=1,
@@ -419,13 +420,15 @@ def main(args: argparse.Namespace) -> int:
     from pagedattn.bench.report import environment_meta
 
     if nothing_measurable("profile", args):
-        return 1
+        return 2
     on_gpu = torch.cuda.is_available()
     small = args.small or not on_gpu
     shape = resolve_shape(args.shape, small)
     out = Path(args.out_dir)
-    profiles = profile_impls(args.impl, args.shape, out, small=small, use_ncu=not args.no_ncu,
-                             warmup=args.warmup, repeat=args.repeat)
+    with quiet_interpreter_warnings():  # --dry-run: the interpreter's numpy noise
+        profiles = profile_impls(args.impl, args.shape, out, small=small,
+                                 use_ncu=not args.no_ncu, warmup=args.warmup,
+                                 repeat=args.repeat)
     roofline = measure_roofline()
     env = environment_meta("cuda" if on_gpu else None)
     print(shape.describe())

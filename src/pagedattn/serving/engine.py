@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -225,14 +225,26 @@ class Engine:
         with torch.inference_mode():
             logits = self.model.prefill(flat.to(self.model.device), meta, self.cache)
         self.running.extend(reqs)
+        # counted before the step's tokens retire anyone (a request may end at its first token)
+        self.stats.max_running = max(self.stats.max_running, len(self.running))
         self._emit(reqs, logits.argmax(dim=-1).tolist(), logits)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += int(flat.numel())
         self.stats.prefill_s += time.perf_counter() - t0
-        self.stats.max_running = max(self.stats.max_running, len(self.running))
+
+    @contextlib.contextmanager
+    def _decode_clock(self) -> Iterator[None]:
+        """Adds the block's time to ``stats.decode_s`` (the one place decode time is counted;
+        a block that raises adds nothing)."""
+        t0 = time.perf_counter()
+        yield
+        self.stats.decode_s += time.perf_counter() - t0
 
     def _decode(self) -> None:
-        t0 = time.perf_counter()
+        with self._decode_clock():
+            self._decode_step()
+
+    def _decode_step(self) -> None:
         prev, self._inflight = self._inflight, None
         reqs = list(self.running)
         if prev is not None:
@@ -243,12 +255,8 @@ class Engine:
                 with contextlib.suppress(CacheFullError):
                     self._inflight = (reqs, self.runner.step([r.rid for r in reqs], None))
             self._finish(*prev)
-            if self._inflight is not None:
-                self.stats.decode_s += time.perf_counter() - t0
-                return
             reqs = list(self.running)
-            if not reqs:
-                self.stats.decode_s += time.perf_counter() - t0
+            if self._inflight is not None or not reqs:
                 return
         while True:
             try:
@@ -263,7 +271,6 @@ class Engine:
             self._finish(reqs, step)
         else:
             self._inflight = (reqs, step)
-        self.stats.decode_s += time.perf_counter() - t0
 
     def _finish(self, reqs: list[Request], step: DecodeStep) -> None:
         """Read a launched decode step (the sync) and append its tokens."""
@@ -273,10 +280,9 @@ class Engine:
     def _drain(self) -> None:
         """Read the decode step in flight, if any."""
         if self._inflight is not None:
-            t0 = time.perf_counter()
-            prev, self._inflight = self._inflight, None
-            self._finish(*prev)
-            self.stats.decode_s += time.perf_counter() - t0
+            with self._decode_clock():
+                prev, self._inflight = self._inflight, None
+                self._finish(*prev)
 
     def _preempt(self, r: Request) -> None:
         self.cache.free(r.rid)

@@ -8,7 +8,9 @@ Each prompt goes through the model's chat template (when it has one) as one user
 ``--raw`` feeds the text as it is. One prompt streams its answer as the tokens come; several
 prompts run with continuous batching (:class:`pagedattn.serving.engine.Engine`) and each
 completion is printed when it finishes. Generation stops at EOS or ``--max-new-tokens``; the
-timings (load, prefill, decode, tokens/s) go to stderr.
+timings (load, prefill, decode, tokens/s) and why generation stopped go to stderr. An answer
+left empty because the first token was EOS says so (SmolLM2-Instruct given a bare question with
+``--raw`` often ends its turn at once: transformers' own greedy run does the same).
 
 Every argument is checked before the model loads: a bad value prints one line and exits with
 status 2. On CUDA the decode steps replay CUDA graphs (``--no-graphs``: eager); without a GPU
@@ -26,8 +28,16 @@ import time
 
 import torch
 
+from pagedattn._env import quiet_interpreter_warnings
 from pagedattn.api import IMPLS
-from pagedattn.serving.cli_args import int_in, one_line_errors, resolve_device
+from pagedattn.serving.cli_args import (
+    ArgumentError,
+    gguf_path,
+    int_in,
+    one_line_errors,
+    reading_gguf,
+    resolve_device,
+)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CACHE_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -62,15 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache pages (default: enough for every prompt at full length)")
 
 
-class ArgumentError(ValueError):
-    """A bad command-line value found after parsing (one line, exit status 2)."""
-
-
 def check_args(args: argparse.Namespace):
     """Device, dtype, graphs and model file, before anything loads: ``(device, dtype, graphs,
     gguf path)``. Raises ArgumentError naming the option."""
-    from pagedattn.serving.gguf_loader import find_gguf
-
     try:
         device = resolve_device(args.device)
     except ValueError as e:
@@ -82,10 +86,7 @@ def check_args(args: argparse.Namespace):
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     if any(not p.strip() for p in args.prompt):
         raise ArgumentError("prompt: expected non-empty text")
-    try:
-        path = find_gguf(args.gguf)
-    except FileNotFoundError as e:
-        raise ArgumentError(f"--{e}") from None
+    path = gguf_path(args.gguf)
     fp8 = args.cache_dtype in ("fp8_e4m3", "fp8_e5m2")
     if args.impl is None:
         args.impl = CPU_IMPL if device.type == "cpu" and not fp8 else "auto"
@@ -105,8 +106,13 @@ def main(args: argparse.Namespace) -> int:
     from pagedattn.serving.tokenizer import encode, eos_ids, load_tokenizer
 
     t0 = time.perf_counter()
-    tokenizer = load_tokenizer(path)
-    model = Transformer.from_gguf(path, dtype=dtype, device=device, impl=args.impl)
+    try:
+        with reading_gguf(path):
+            tokenizer = load_tokenizer(path)
+            model = Transformer.from_gguf(path, dtype=dtype, device=device, impl=args.impl)
+    except ArgumentError as e:
+        print(f"pagedattn generate: error: {e}", file=sys.stderr)
+        return 2
     print(f"loaded {path.name} ({dtype}, {device}) in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     prompts = [encode(tokenizer, p, chat=False if args.raw else None) for p in args.prompt]
@@ -135,23 +141,51 @@ def main(args: argparse.Namespace) -> int:
     def report(req, tok):  # several prompts: print each completion when it finishes
         if len(req.output) >= req.max_new_tokens or tok in eos:
             text = tokenizer.decode(req.output, skip_special_tokens=True)
-            print(f"[{req.rid}] {args.prompt[req.rid]!r} -> {text!r}", flush=True)
+            first_eos = req.output == [tok] and tok in eos
+            why = " (end-of-sequence was its first token)" if first_eos else ""
+            print(f"[{req.rid}] {args.prompt[req.rid]!r} -> {text!r}{why}", flush=True)
 
     eos = eos_ids(tokenizer, model.cfg)
     cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else None
     t0 = time.perf_counter()
-    res = generate_greedy(model, prompts, args.max_new_tokens, num_pages=args.num_pages,
-                          page_size=args.page_size, max_batch_size=args.max_batch_size,
-                          eos_token_ids=eos, cache_dtype=cache_dtype, graphs=graphs,
-                          compile=args.compile, on_token=stream if single else report)
+    with quiet_interpreter_warnings():  # the interpreter's numpy noise (CPU only)
+        res = generate_greedy(model, prompts, args.max_new_tokens, num_pages=args.num_pages,
+                              page_size=args.page_size, max_batch_size=args.max_batch_size,
+                              eos_token_ids=eos, cache_dtype=cache_dtype, graphs=graphs,
+                              compile=args.compile, on_token=stream if single else report)
     took = time.perf_counter() - t0
     if single:
         print()
-    s = res.stats
-    total = sum(len(r.output) for r in res.requests)
-    print(f"{total} tokens in {took:.2f} s = {total / took:.1f} tokens/s; prefill "
-          f"{s.prefill_tokens} prompt tokens in {s.prefill_s:.2f} s; decode {s.decode_tokens} "
-          f"tokens in {s.decode_steps} steps, {s.decode_s:.2f} s = {s.decode_tokens_per_s:.1f} "
-          f"tokens/s ({'CUDA graphs' if graphs else 'eager'}, max batch {s.max_running}, "
-          f"preemptions {s.preemptions})", file=sys.stderr)
+        r = res.requests[0]
+        if r.finish_reason == "eos" and len(r.output) == 1:
+            hint = ("; with --raw the text goes in without the chat template, and an instruct "
+                    "model often ends its turn at once" if args.raw else "")
+            print(f"pagedattn generate: empty answer: the first token was the end-of-sequence "
+                  f"token {tokenizer.convert_ids_to_tokens(r.output[0])!r}{hint}",
+                  file=sys.stderr)
+    print(summary(res, took, graphs), file=sys.stderr)
     return 0
+
+
+def _count(n: int, unit: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
+
+
+def summary(res, took: float, graphs: bool) -> str:
+    """The stats line: tokens and tokens/s, why generation stopped, prefill, decode."""
+    s, reqs = res.stats, res.requests
+    total = sum(len(r.output) for r in reqs)
+    eos = sum(r.finish_reason == "eos" for r in reqs)
+    if len(reqs) == 1:
+        stop = (f"stopped at end-of-sequence after {_count(total, 'token')}" if eos else
+                f"stopped at --max-new-tokens ({reqs[0].max_new_tokens})")
+    else:
+        stop = f"{eos} stopped at end-of-sequence, {len(reqs) - eos} at --max-new-tokens"
+    decode = (f"decode {_count(s.decode_tokens, 'token')} in {_count(s.decode_steps, 'step')}, "
+              f"{s.decode_s:.2f} s = {s.decode_tokens_per_s:.1f} tokens/s" if s.decode_steps
+              else "no decode step: each request ended at its first token, from the prefill")
+    return (f"{_count(total, 'token')} in {took:.2f} s = {total / took:.1f} tokens/s, {stop}; "
+            f"prefill {_count(s.prefill_tokens, 'prompt token')} in {s.prefill_s:.2f} s; "
+            f"{decode} ({'CUDA graphs' if graphs else 'eager'}, max batch {s.max_running}, "
+            f"preemptions {s.preemptions})")

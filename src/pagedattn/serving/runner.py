@@ -136,9 +136,9 @@ class DecodeRunner:
             ids[:n] = tokens
             ids[n:] = 0
             self._tokens[b].copy_(tokens_host, non_blocking=True)
-        stream = (torch.cuda.current_stream(self.model.device) if self._copied is not None
-                  else None)
+        stream = None
         if self._copied is not None:
+            stream = torch.cuda.current_stream(self.model.device)
             self._copied.record(stream)
         logits, next_ids = self._run(b, meta)
         self._last = (b, next_ids)
