@@ -259,7 +259,7 @@ PY
     stamp "serving benchmark"
     timeout 400 python3 -m pagedattn.cli bench-model --gguf .model/smollm2.gguf \
       --out "$RES/serving-h200" 2>&1 | tee "$RES/serving.log" | tail -40
-    serveprof_random 60 12 22
+    [ "${SERVEPROF:-1}" = 1 ] && serveprof_random 60 12 22  # SERVEPROF=0: skip (device time)
     ;;
   serveprof)  # prepared in session 5, not yet run: where a SmolLM2 decode step's time goes
     # (scripts/profile_serving_step.py), batch 1 and 64, graphs and eager; run right after
