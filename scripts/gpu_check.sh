@@ -10,6 +10,9 @@
 # Session 8 ran explore8 / explore8b (the serving step's host gap, then the overlapped engine),
 #   then final5c (carry .ext2), final5b (carry .ext3 .whl), fi074 (carry .ext4 .peers: FlashInfer
 #   0.7.4 beside auto and the floor, host time, variant rows) on the shipped tree.
+# Session 9 ran explore9 / explore9b (the window kernel's registers, the per-head merge; A/B
+#   against an untracked copy of the previous src/ in ab9/head), then final5c, final5b
+#   (SERVEPROF=0) and fi074 on the shipped tree; fi074 needed more than the 490 s left.
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
