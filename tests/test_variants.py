@@ -382,27 +382,30 @@ def test_torch_compile_fullgraph_variants(device):
 def test_kernels_compile_for_sm90(tmp_path):
     """The interpreter never runs Triton's code generator: compile the plain kernel and the
     variant specializations for sm_90 in a subprocess without it (no GPU needed). Then
-    Triton's bundled ``ptxas`` states the registers: the one-token bf16 kernel and the
-    multi-token one (capped by the launcher) both fit four 4-warp programs per SM
-    (≤ 128 registers), as the split planner's ``ctas_per_sm=4`` assumes; uncapped, q_len=4
-    took 168 and ran 1.34x the one-token time on the H200."""
+    Triton's bundled ``ptxas`` states the registers: the one-token bf16 kernel, the
+    multi-token one (capped by the launcher) and the sliding window without LSE (as
+    ``plan.run`` serves it) all fit four 4-warp programs per SM (≤ 128 registers), as the
+    split planner's ``ctas_per_sm=4`` assumes; uncapped, q_len=4 took 168 and ran 1.34x the
+    one-token time on the H200, and a window that masked its loads took 160 and ran 1.17x
+    its 128-register form (perf-notes steps 15 and 23)."""
     import re
 
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
-    cases = "plain-bf16,everything,sinks-per-head-merge,q_len2-fp8-sinks,q_len4,one-unit-fp8"
+    cases = ("plain-bf16,everything,sinks-per-head-merge,q_len2-fp8-sinks,q_len4,one-unit-fp8,"
+             "window-no-lse")
     run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"),
                           "--cases", cases, "--ptx-dir", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count(" ok,") == 11  # five mains and merges, one main alone
+    assert run.stdout.count(" ok,") == 13  # six mains and merges, one main alone
     import triton
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
         pytest.skip("no ptxas bundled with this Triton")
-    for case in ("plain-bf16", "q_len4"):
+    for case in ("plain-bf16", "q_len4", "window-no-lse"):
         log = subprocess.run([str(ptxas), "-lineinfo", "-v", "--gpu-name=sm_90a",
                               str(tmp_path / f"{case}.paged_decode.ptx"), "-o",
                               str(tmp_path / f"{case}.cubin")], capture_output=True,
