@@ -99,6 +99,19 @@ serveprof_random() {  # serveprof_random SECONDS TOP LINES: the serving step pro
   done
 }
 
+ncu_summary() {  # ncu_summary CSV: the headline metrics per kernel
+  python3 - "$1" <<'PY'
+import csv, sys
+keep = ("Duration", "DRAM Throughput", "Registers Per Thread", "Grid Size",
+    "Achieved Occupancy", "Waves Per SM", "Theoretical Occupancy", "Block Size")
+lines = open(sys.argv[1]).read().splitlines()
+start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+for r in csv.DictReader(lines[start:] if start is not None else []):
+    if r["Metric Name"] in keep:
+        print(r["ID"], r["Kernel Name"][:40], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
+PY
+}
+
 pack() {  # the device returns at most 8 files: ship the run as one archive plus its logs
   tar czf "$OUT/results-$phase.tgz" -C "$RES" . && ls -la "$OUT"
 }
@@ -141,23 +154,11 @@ case "$phase" in
     timeout 150 python3 scripts/bench_variants.py --rows $rows --reps 60 --json "$RES/ab.json" \
       --configs "default;ctas_per_sm=2;ctas_per_sm=8;num_stages=3;block_n=32,num_stages=3;block_n=128;min_chunk=512" \
       2>&1 | cut -c1-600
-    ncu_summary() {  # ncu_summary CSV: the headline metrics per kernel
-      python3 - "$1" <<'PY'
-import csv, sys
-keep = ("Duration", "DRAM Throughput", "Registers Per Thread", "Grid Size",
-        "Achieved Occupancy", "Waves Per SM", "Theoretical Occupancy", "Block Size")
-lines = open(sys.argv[1]).read().splitlines()
-start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
-for r in csv.DictReader(lines[start:] if start is not None else []):
-    if r["Metric Name"] in keep:
-        print(r["ID"], r["Kernel Name"][:40], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
-PY
-    }
     for row in window1024-b64-c2k plain-b64-c1025; do
       stamp "ncu: $row (ours, FlashInfer)"
       timeout 90 ncu --clock-control none --section SpeedOfLight --section LaunchStats \
         --section Occupancy -k regex:'paged_decode|merge|Merge|Prefill|Decode' --csv \
-        --page details python3 scripts/ncu_variant_row.py --row $row > "$RES/ncu-$row.csv" \
+        --page details python3 scripts/ncu_side_by_side.py --row $row > "$RES/ncu-$row.csv" \
         2> "$RES/ncu-$row.err"; ncu_summary "$RES/ncu-$row.csv"
     done
     stamp "ncu: llama8b-b1-c32k (ours, floor, with merges)"
@@ -366,16 +367,7 @@ PY
         --section Occupancy -k regex:'_paged_decode_kernel|_floor_split_kernel' --csv \
         --page details python3 scripts/ncu_side_by_side.py --shape "$s" \
         --peer-file .peers/plain_floor.py > "$RES/ncu-$s.csv" 2> "$RES/ncu-$s.err"
-      python3 - "$RES/ncu-$s.csv" <<'PY'
-import csv, sys
-keep = ("Duration", "DRAM Throughput", "Registers Per Thread", "Grid Size",
-        "Achieved Occupancy", "Waves Per SM", "Theoretical Occupancy")
-lines = open(sys.argv[1]).read().splitlines()
-start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
-for r in csv.DictReader(lines[start:] if start is not None else []):
-    if r["Metric Name"] in keep:
-        print(r["ID"], r["Kernel Name"][:22], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
-PY
+      ncu_summary "$RES/ncu-$s.csv"
     done
     pack
     ;;

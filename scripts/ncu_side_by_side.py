@@ -1,15 +1,22 @@
-"""Run ``auto`` and a measuring peer's kernel twice each on one shape, for Nsight Compute.
+"""Run ``auto`` and a peer's kernel twice each on one batch, for Nsight Compute.
 
-Meant to run under ``ncu`` with a kernel-name filter, so the profile holds our main kernel
-and the peer's split kernel on the same batch, side by side::
+Meant to run under ``ncu`` with a kernel-name filter, so the profile holds our kernels and the
+peer's on the same batch, side by side. Two forms:
+
+* ``--shape NAME --peer-file PATH``: a benchmark shape, ``auto`` beside a measuring peer file
+  that exposes ``floor_runner(query, key_cache, value_cache, block_tables, context_lens,
+  scale, **config)`` (run with its default config)::
 
     ncu --clock-control none --section SpeedOfLight --section LaunchStats \\
         --section Occupancy -k regex:'_paged_decode_kernel|_floor_split_kernel' --csv \\
         --page details python3 scripts/ncu_side_by_side.py --shape llama8b-b64-c2k \\
         --peer-file .peers/plain_floor.py
 
-The peer file must expose ``floor_runner(query, key_cache, value_cache, block_tables,
-context_lens, scale, **config)``; it runs with its default config.
+* ``--row NAME``: a row of ``scripts/bench_variants.py`` (a variant such as a sliding window),
+  ``auto`` beside FlashInfer's same variant (when ``import flashinfer`` works)::
+
+    ncu ... -k regex:'paged_decode|merge|Merge|Prefill|Decode' --csv --page details \\
+        python3 scripts/ncu_side_by_side.py --row window1024-b64-c2k
 """
 
 from __future__ import annotations
@@ -24,27 +31,52 @@ import torch
 import pagedattn
 from pagedattn.bench.shapes import build_batch, get_shape
 
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_variants as bv  # noqa: E402  (a sibling script: its rows and runners)
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", required=True)
-    ap.add_argument("--peer-file", required=True)
-    args = ap.parse_args()
-    spec = importlib.util.spec_from_file_location(Path(args.peer_file).stem, args.peer_file)
+
+def _shape_runs(shape_name: str, peer_file: str) -> list:
+    """``plan.run`` of ``auto`` and the peer file's runner on a benchmark shape."""
+    spec = importlib.util.spec_from_file_location(Path(peer_file).stem, peer_file)
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
-    shape = get_shape(args.shape)
+    shape = get_shape(shape_name)
     m = shape.model
     b = build_batch(shape, "cuda")
     plan = pagedattn.plan_decode(b.block_tables, b.context_lens, num_q_heads=m.num_q_heads,
                                  num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                  page_size=shape.page_size, q_dtype=shape.dtype,
                                  kv_dtype=shape.cache_dtype)
-    for _ in range(2):
-        plan.run(*b.tensors[:3], **b.scales)
-    run = peer.floor_runner(*b.tensors, m.head_dim ** -0.5)
-    for _ in range(2):
-        run()
+    return [lambda: plan.run(*b.tensors[:3], **b.scales),
+            peer.floor_runner(*b.tensors, m.head_dim ** -0.5)]
+
+
+def _row_runs(row: str) -> list:
+    """``auto`` and FlashInfer (if it runs the variant) on a variant row."""
+    shape_name, plan_kw, per_layer = {**bv.ROWS, **bv.TUNE_ROWS}[row]
+    shape = bv._shape(shape_name, False)
+    b = build_batch(shape, "cuda")
+    query, layer = bv._inputs(shape, b, plan_kw, per_layer)
+    fi = bv.flashinfer(shape, b, query, plan_kw, layer)
+    if not callable(fi):
+        print("flashinfer:", fi)
+    return [bv.ours(shape, b, query, plan_kw, layer)] + ([fi] if callable(fi) else [])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", help="a benchmark shape (with --peer-file)")
+    ap.add_argument("--peer-file", help="a measuring peer's file (with --shape)")
+    ap.add_argument("--row", choices=sorted({**bv.ROWS, **bv.TUNE_ROWS}),
+                    help="a variant row, beside FlashInfer")
+    args = ap.parse_args()
+    if (args.row is None) == (args.shape is None) or (args.shape is None) != (
+            args.peer_file is None):
+        ap.error("give either --shape and --peer-file, or --row")
+    runs = _row_runs(args.row) if args.row else _shape_runs(args.shape, args.peer_file)
+    for run in runs:
+        for _ in range(2):
+            run()
     torch.cuda.synchronize()
     return 0
 
