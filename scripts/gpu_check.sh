@@ -15,6 +15,9 @@
 #   (SERVEPROF=0) and fi074 on the shipped tree; fi074 needed more than the 490 s left, so it
 #   is now two calls: fi074 (the benchmark, carry .ext4 .peers) and fi074v (host time and the
 #   variant rows, carry .ext4), about 15 device-minutes for the three final phases together.
+# Session 10 ran fi074 then fi074v on de57610 (src/ = fce3882; 391 + 134 s, all 16 shapes),
+#   then explore10 / explore10b / explore10c (config A/B on the rows auto trails, ncu of the
+#   window on Azure beside FlashInfer, the window rows with one unit per sequence).
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
@@ -112,6 +115,15 @@ for r in csv.DictReader(lines[start:] if start is not None else []):
 PY
 }
 
+ab_plain_rows() {  # ab_plain_rows SECONDS: split target, stages and tiles A/B (eager
+  # medians) on the plain rows where auto trails the fastest peer (session 10)
+  stamp "config A/B, plain rows (eager medians)"
+  timeout "$1" python3 scripts/bench_variants.py --reps 60 --json "$RES/ab-plain.json" \
+    --rows plain-hd64-smollm-b64-c2k,plain-llama8b-b8-c8k,plain-b1-c32k,plain-llama8b-b256-c1k,plain-qwen7b-b64-c4k,plain-tp8-70b-b128-c8k,plain-hd256-b32-c4k,plain-mooncake-b16-llama8b \
+    --configs "default;ctas_per_sm=2;ctas_per_sm=6;ctas_per_sm=8;num_stages=2;num_stages=3;block_n=32;block_n=128" \
+    2>&1 | cut -c1-900
+}
+
 pack() {  # the device returns at most 8 files: ship the run as one archive plus its logs
   tar czf "$OUT/results-$phase.tgz" -C "$RES" . && ls -la "$OUT"
 }
@@ -119,6 +131,45 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  explore10c)  # session 10: the window rows with one unit per sequence and kv head
+    # (num_splits=1: no split, no merge, as FlashInfer runs them) beside FlashInfer (carry .ext4)
+    RES=$OUT
+    setup_flashinfer074
+    [ "${NOSPLIT_ROWS:-1}" = 1 ] && stamp "window rows, split and unsplit, beside FlashInfer"
+    [ "${NOSPLIT_ROWS:-1}" = 1 ] && timeout 200 python3 scripts/bench_variants.py --json "$RES/window-nosplit.json" \
+      --rows window1024-azure,window1024-azure-nosplit,window1024-b64-c2k,window1024-b64-c2k-nosplit \
+      2>&1 | cut -c1-500
+    stamp "unsplit window rows: stages A/B (eager medians)"
+    timeout 120 python3 scripts/bench_variants.py --reps 60 --json "$RES/window-nosplit-ab.json" \
+      --rows ${AB_ROWS:-window1024-azure-nosplit,window1024-b64-c2k-nosplit} \
+      --configs "${AB_CONFIGS:-default;num_stages=2;num_stages=3;block_n=128,num_stages=2;block_n=32,num_stages=3}" \
+      2>&1 | cut -c1-700
+    ;;
+  explore10b)  # session 10: explore10's plain-row A/B again (hd256 at 128-token tiles ran
+    # out of shared memory and ended the script; a config that does not fit is now recorded)
+    RES=$OUT
+    env_info
+    ab_plain_rows 400
+    ;;
+  explore10)  # session 10: config A/B of the split target, stages and tiles on the rows
+    # where auto trails (issue 10) and on the window rows (issue 11), then ncu of the
+    # 1,024-token window on Azure, ours beside FlashInfer 0.7.4 (carry .ext4)
+    RES=$OUT
+    env_info
+    setup_flashinfer074
+    ab_plain_rows 260
+    stamp "config A/B, window rows (eager medians)"
+    timeout 120 python3 scripts/bench_variants.py --reps 60 --json "$RES/ab-window.json" \
+      --rows window1024-azure,window1024-b64-c2k \
+      --configs "default;num_stages=2,ctas_per_sm=4;num_stages=3,ctas_per_sm=4;num_stages=3,ctas_per_sm=6;num_stages=4;num_stages=2;block_n=32,num_stages=4;block_n=128,num_stages=2" \
+      2>&1 | cut -c1-700
+    stamp "ncu: window1024-azure (ours, FlashInfer)"
+    timeout 100 ncu --clock-control none --section SpeedOfLight --section LaunchStats \
+      --section Occupancy -k regex:'paged_decode|merge|Merge|Prefill|Decode' --csv \
+      --page details python3 scripts/ncu_side_by_side.py --row window1024-azure \
+      > "$RES/ncu-window1024-azure.csv" 2> "$RES/ncu-window1024-azure.err"
+    ncu_summary "$RES/ncu-window1024-azure.csv"
+    ;;
   explore9b)  # session 9: the window kernel in 128 registers (tile-aligned window start,
     # clamped addresses) and the per-head merge in one round, A/B against the last shipped
     # tree (ab9/head, untracked copy) in the same call; then the GPU tests of the new kernel
