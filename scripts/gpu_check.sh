@@ -131,6 +131,20 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  explore10d)  # session 10: branch next/window-one-unit (copied untracked to ab10/new): its
+    # GPU tests of the kernel and plan, then the window rows beside FlashInfer (carry .ext4)
+    RES=$OUT
+    setup_flashinfer074
+    stamp "GPU tests of the kernel (ab10/new)"
+    (cd ab10/new && PYTHONPATH=$PWD/src:/tmp/fi074 timeout 200 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider -rfE tests/test_variants.py tests/test_plan.py tests/test_decode.py) \
+      > "$RES/pytest.log" 2>&1; tail -4 "$RES/pytest.log"
+    stamp "window rows beside FlashInfer (ab10/new)"
+    PYTHONPATH=$PWD/ab10/new/src:/tmp/fi074 timeout 200 python3 ab10/new/scripts/bench_variants.py \
+      --json "$RES/window-rows-branch.json" \
+      --rows window1024-azure,window1024-b64-c2k,window1024-b32-c2k,window1024-b16-c2k,window4096-b1-c32k,plain-azure,plain-b64-c2k \
+      2>&1 | cut -c1-400
+    ;;
   explore10c)  # session 10: the window rows with one unit per sequence and kv head
     # (num_splits=1: no split, no merge, as FlashInfer runs them) beside FlashInfer (carry .ext4)
     RES=$OUT
