@@ -131,6 +131,18 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  racecheck10)  # session 10: racecheck alone with the time session 9's lacked (it stopped
+    # after 76 of 80 calls at 70 s), on the shipped src/
+    RES=$OUT
+    env_info
+    stamp "warm-up (compiles every kernel the driver calls)"
+    timeout 60 python3 scripts/sanitize_driver.py > "$RES/sanitize-warm.log" 2>&1
+    tail -2 "$RES/sanitize-warm.log"
+    stamp "racecheck"
+    timeout 170 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 50 \
+      python3 scripts/sanitize_driver.py > "$RES/sanitize-racecheck.log" 2>&1
+    echo "exit $?" >> "$RES/sanitize-racecheck.log"; tail -4 "$RES/sanitize-racecheck.log"
+    ;;
   explore10d)  # session 10: branch next/window-one-unit (copied untracked to ab10/new): its
     # GPU tests of the kernel and plan, then the window rows beside FlashInfer (carry .ext4)
     RES=$OUT
