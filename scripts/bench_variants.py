@@ -51,7 +51,8 @@ ROWS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
 TUNE_ROWS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
     f"plain-{s}": (s, {}, ()) for s in (
         "llama8b-b8-c8k", "llama8b-b256-c1k", "qwen7b-b64-c4k", "tp8-70b-b128-c8k",
-        "hd256-b32-c4k", "hd64-smollm-b64-c2k", "mooncake-b16-llama8b")
+        "hd256-b32-c4k", "hd64-smollm-b64-c2k", "mooncake-b16-llama8b",
+        "fp8-llama8b-b64-c8k", "fp8-llama8b-b1-c32k")
 } | {  # the work of a 1,024-token window (1,025 keys) without one: is the gap the window's?
     "plain-b64-c1025": ("llama8b-b64-c1025", {}, ()),
 } | {  # windows on smaller batches and a wider window, for the unsplit rows below

@@ -131,6 +131,18 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  explore11)  # prepared in session 10, not yet run: eight warps per program, which the
+    # sweeps never varied; compiled for sm_90 (bundled ptxas), the fp8 kernel takes 255
+    # registers at 4 warps x 128-token tiles (8 warps per SM), 184 at 8 warps (still 8 per
+    # SM) and 128 at 8 warps x 64-token tiles (16 per SM, 8 bytes spilled); perf-notes step 25
+    RES=$OUT
+    env_info
+    stamp "num_warps A/B (eager medians)"
+    timeout 300 python3 scripts/bench_variants.py --reps 60 --json "$RES/ab-warps.json" \
+      --rows plain-fp8-llama8b-b64-c8k,plain-fp8-llama8b-b1-c32k,plain-hd256-b32-c4k,plain-hd64-smollm-b64-c2k,plain-llama8b-b8-c8k \
+      --configs "default;num_warps=8;num_warps=8,block_n=64;num_warps=8,block_n=64,ctas_per_sm=4;num_warps=8,num_stages=2" \
+      2>&1 | cut -c1-900
+    ;;
   racecheck10)  # session 10: racecheck alone with the time session 9's lacked (it stopped
     # after 76 of 80 calls at 70 s), on the shipped src/
     RES=$OUT
