@@ -142,6 +142,13 @@ case "$phase" in
       --rows plain-fp8-llama8b-b64-c8k,plain-fp8-llama8b-b1-c32k,plain-hd256-b32-c4k,plain-hd64-smollm-b64-c2k,plain-llama8b-b8-c8k \
       --configs "default;num_warps=8;num_warps=8,block_n=64;num_warps=8,block_n=64,ctas_per_sm=4;num_warps=8,num_stages=2" \
       2>&1 | cut -c1-900
+    # q_len=4 is capped at 128 registers and spills 92 bytes at 4 warps; at 8 warps and two
+    # programs per SM it fits 128 with no spill (106 with 32-token tiles 3 deep)
+    stamp "num_warps A/B on the variant rows that trail FlashInfer (eager medians)"
+    timeout 200 python3 scripts/bench_variants.py --reps 60 --json "$RES/ab-warps-variants.json" \
+      --rows qlen4-b64-c2k,softcap50-b64-c2k,plain-b64-c2k \
+      --configs "default;num_warps=8,ctas_per_sm=2;num_warps=8,ctas_per_sm=2,block_n=32,num_stages=3" \
+      2>&1 | cut -c1-900
     ;;
   racecheck10)  # session 10: racecheck alone with the time session 9's lacked (it stopped
     # after 76 of 80 calls at 70 s), on the shipped src/
