@@ -61,23 +61,25 @@ TUNE_ROWS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
     "window4096-b64-c8k": ("llama8b-b64-c8k", dict(window_left=4096), ()),
 }
 TUNE_ROWS |= {  # a window bounds every sequence's keys: one unit per sequence and kv head?
-    f"{w}-nosplit": ({**ROWS, **TUNE_ROWS}[w][0], dict({**ROWS, **TUNE_ROWS}[w][1],
-                                                       num_splits=1), ())
-    for w in ("window1024-b64-c2k", "window1024-azure", "window1024-b32-c2k",
-              "window1024-b16-c2k", "window4096-b64-c8k")
+    f"{w}-nosplit": (shape, dict(kw, num_splits=1), ())
+    for w, (shape, kw, _) in {**ROWS, **TUNE_ROWS}.items()
+    if w in ("window1024-b64-c2k", "window1024-azure", "window1024-b32-c2k",
+             "window1024-b16-c2k", "window4096-b64-c8k")
 }
+#: every row by name, the default set and the tuning rows
+ALL_ROWS = {**ROWS, **TUNE_ROWS}
+
+#: the rows' llama-3-8b batches that the benchmark's shape table does not hold (lengths)
+_EXTRA_SHAPES = {"llama8b-b1-c4k": [4096], "llama8b-b64-c1025": [1025] * 64,
+                 "llama8b-b32-c2k": [2048] * 32, "llama8b-b16-c2k": [2048] * 16}
 
 
 def _shape(name: str, dry: bool):
     if dry:  # a tiny stand-in: the rows' options on an interpreter-sized batch
         return make_shape(name, "smollm2-135m", [37, 0, 150], dtype=torch.float32,
                           page_size=4)
-    if name == "llama8b-b1-c4k":
-        return make_shape(name, "llama-3-8b", [4096])
-    if name == "llama8b-b64-c1025":
-        return make_shape(name, "llama-3-8b", [1025] * 64)
-    if name in ("llama8b-b32-c2k", "llama8b-b16-c2k"):
-        return make_shape(name, "llama-3-8b", [2048] * int(name[9:11]))
+    if name in _EXTRA_SHAPES:
+        return make_shape(name, "llama-3-8b", _EXTRA_SHAPES[name])
     return get_shape(name)
 
 
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         from pagedattn.bench.timing import time_cold, time_graph
     results = []
     for name in args.rows.split(","):
-        shape_name, plan_kw, per_layer = {**ROWS, **TUNE_ROWS}[name]
+        shape_name, plan_kw, per_layer = ALL_ROWS[name]
         shape = _shape(shape_name, args.dry_run)
         b = build_batch(shape, device)
         query, layer = _inputs(shape, b, plan_kw, per_layer)

@@ -180,10 +180,12 @@ case "$phase" in
     # (num_splits=1: no split, no merge, as FlashInfer runs them) beside FlashInfer (carry .ext4)
     RES=$OUT
     setup_flashinfer074
-    [ "${NOSPLIT_ROWS:-1}" = 1 ] && stamp "window rows, split and unsplit, beside FlashInfer"
-    [ "${NOSPLIT_ROWS:-1}" = 1 ] && timeout 200 python3 scripts/bench_variants.py --json "$RES/window-nosplit.json" \
-      --rows window1024-azure,window1024-azure-nosplit,window1024-b64-c2k,window1024-b64-c2k-nosplit \
-      2>&1 | cut -c1-500
+    if [ "${NOSPLIT_ROWS:-1}" = 1 ]; then  # NOSPLIT_ROWS=0: the A/B below only
+      stamp "window rows, split and unsplit, beside FlashInfer"
+      timeout 200 python3 scripts/bench_variants.py --json "$RES/window-nosplit.json" \
+        --rows window1024-azure,window1024-azure-nosplit,window1024-b64-c2k,window1024-b64-c2k-nosplit \
+        2>&1 | cut -c1-500
+    fi
     stamp "unsplit window rows: stages A/B (eager medians)"
     timeout 120 python3 scripts/bench_variants.py --reps 60 --json "$RES/window-nosplit-ab.json" \
       --rows ${AB_ROWS:-window1024-azure-nosplit,window1024-b64-c2k-nosplit} \

@@ -53,7 +53,7 @@ def _shape_runs(shape_name: str, peer_file: str) -> list:
 
 def _row_runs(row: str) -> list:
     """``auto`` and FlashInfer (if it runs the variant) on a variant row."""
-    shape_name, plan_kw, per_layer = {**bv.ROWS, **bv.TUNE_ROWS}[row]
+    shape_name, plan_kw, per_layer = bv.ALL_ROWS[row]
     shape = bv._shape(shape_name, False)
     b = build_batch(shape, "cuda")
     query, layer = bv._inputs(shape, b, plan_kw, per_layer)
@@ -67,7 +67,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", help="a benchmark shape (with --peer-file)")
     ap.add_argument("--peer-file", help="a measuring peer's file (with --shape)")
-    ap.add_argument("--row", choices=sorted({**bv.ROWS, **bv.TUNE_ROWS}),
+    ap.add_argument("--row", choices=sorted(bv.ALL_ROWS),
                     help="a variant row, beside FlashInfer")
     args = ap.parse_args()
     if (args.row is None) == (args.shape is None) or (args.shape is None) != (
