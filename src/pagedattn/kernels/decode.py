@@ -77,7 +77,8 @@ their flag only):
   ``BLOCK_N``) instead of a batch-wide target, so a sequence's splits, tiles and merge order
   depend on its own length only; the launcher also fixes the merge kernel (per group).
 * ``ONE_UNIT``: the launcher knows from shapes that no sequence splits (the table's capacity
-  is at most the smallest chunk, or ``num_splits=1``): program ``(b, kv head)`` takes the
+  is at most the smallest chunk, or ``num_splits=1``), or plans none (a sliding window whose
+  (sequence, kv head) pairs fill the GPU: ``window_one_unit``): program ``(b, kv head)`` takes the
   whole sequence, without the two scans of ``context_lens``, writes the result (an empty
   sequence: 0, LSE ``-inf`` or the sink) and no merge is launched. The arithmetic of a
   non-empty sequence is the one-row path's, bit for bit.
