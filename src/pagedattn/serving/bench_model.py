@@ -192,9 +192,11 @@ def compare_runs(a, b) -> list[dict]:
     return rows
 
 
-def run_benchmark(a: argparse.Namespace, device: torch.device) -> dict:
+def run_benchmark(a: argparse.Namespace, device: torch.device, path: Path | None) -> dict:
+    """Every section; ``path`` is the model file :func:`gguf_path` checked (None with
+    ``--tiny``)."""
     from pagedattn.serving import baselines
-    from pagedattn.serving.gguf_loader import LlamaConfig, find_gguf, load_gguf
+    from pagedattn.serving.gguf_loader import LlamaConfig, load_gguf
     from pagedattn.serving.model import Transformer
 
     dtype = DTYPES[a.dtype]
@@ -207,7 +209,7 @@ def run_benchmark(a: argparse.Namespace, device: torch.device) -> dict:
     else:
         from pagedattn.serving.tokenizer import encode, load_tokenizer
 
-        path = find_gguf(a.gguf)
+        assert path is not None, "run_benchmark: no model file (gguf_path) without --tiny"
         with reading_gguf(path):  # raises ArgumentError naming --gguf
             cfg, weights = load_gguf(path)
             tok = load_tokenizer(path)
@@ -350,8 +352,8 @@ def to_markdown(res: dict) -> str:
 def main(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
-        if not args.tiny:
-            gguf_path(args.gguf)  # a missing or non-GGUF file fails now, not after the setup
+        # a missing or non-GGUF file fails now, not after the setup
+        path = None if args.tiny else gguf_path(args.gguf)
     except ValueError as e:  # ArgumentError, or resolve_device's ValueError naming --device
         print(f"pagedattn bench-model: error: {e}", file=sys.stderr)
         return 2
@@ -361,7 +363,7 @@ def main(args: argparse.Namespace) -> int:
         args.trace_max_batch, args.batches = min(args.trace_max_batch, 4), [1, 2]
     try:
         with quiet_interpreter_warnings():  # the interpreter's numpy noise (CPU only)
-            res = run_benchmark(args, device)
+            res = run_benchmark(args, device, path)
     except ArgumentError as e:  # a GGUF file that has the magic but no usable model
         print(f"pagedattn bench-model: error: {e}", file=sys.stderr)
         return 2
