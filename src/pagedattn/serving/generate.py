@@ -74,11 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace):
     """Device, dtype, graphs and model file, before anything loads: ``(device, dtype, graphs,
-    gguf path)``. Raises ArgumentError naming the option."""
-    try:
-        device = resolve_device(args.device)
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
+    gguf path)``. Raises ArgumentError naming the option (:func:`pagedattn.cli.main` reports
+    it as one line, exit status 2)."""
+    device = resolve_device(args.device)
     if args.graphs and device.type != "cuda":
         raise ArgumentError(f"--graphs: CUDA graphs need a CUDA device, got {device}")
     graphs = device.type == "cuda" if args.graphs is None else args.graphs
@@ -96,23 +94,15 @@ def check_args(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        device, dtype, graphs, path = check_args(args)
-    except ArgumentError as e:
-        print(f"pagedattn generate: error: {e}", file=sys.stderr)
-        return 2
+    device, dtype, graphs, path = check_args(args)
     from pagedattn.serving.engine import generate_greedy
     from pagedattn.serving.model import Transformer
     from pagedattn.serving.tokenizer import encode, eos_ids, load_tokenizer
 
     t0 = time.perf_counter()
-    try:
-        with reading_gguf(path):
-            tokenizer = load_tokenizer(path)
-            model = Transformer.from_gguf(path, dtype=dtype, device=device, impl=args.impl)
-    except ArgumentError as e:
-        print(f"pagedattn generate: error: {e}", file=sys.stderr)
-        return 2
+    with reading_gguf(path):  # raises ArgumentError naming --gguf
+        tokenizer = load_tokenizer(path)
+        model = Transformer.from_gguf(path, dtype=dtype, device=device, impl=args.impl)
     print(f"loaded {path.name} ({dtype}, {device}) in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     prompts = [encode(tokenizer, p, chat=False if args.raw else None) for p in args.prompt]
