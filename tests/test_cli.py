@@ -169,7 +169,7 @@ def test_output_path_types_accept_writable_paths(tmp_path):
 def test_bench_dry_run_shows_no_interpreter_or_flex_warnings(tmp_path, capsys):
     """The interpreter's numpy RuntimeWarnings (log2 / divide of the discarded tl.where side
     on padding rows, fp8 shape) and torch's eager-flex_attention UserWarning are filtered
-    around the measuring, and only there."""
+    while cli.main runs the subcommand (quiet_interpreter_warnings), and only there."""
     import warnings
 
     with warnings.catch_warnings(record=True) as seen:

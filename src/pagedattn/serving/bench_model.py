@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from pagedattn._cli_types import output_file
-from pagedattn._env import git_state, quiet_interpreter_warnings
+from pagedattn._env import git_state
 from pagedattn.serving.cli_args import (
     gguf_path,
     int_in,
@@ -358,8 +358,7 @@ def main(args: argparse.Namespace) -> int:
         args.new_tokens, args.trace_requests = min(args.new_tokens, 4), min(args.trace_requests, 6)
         args.trace_max_output = min(args.trace_max_output, 5)
         args.trace_max_batch, args.batches = min(args.trace_max_batch, 4), [1, 2]
-    with quiet_interpreter_warnings():  # the interpreter's numpy noise (CPU only)
-        res = run_benchmark(args, device, path)  # a GGUF without a usable model: ArgumentError
+    res = run_benchmark(args, device, path)  # a GGUF without a usable model: ArgumentError
     out = Path(args.out or f"docs/results/serving-{device_slug(res['gpu'])}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")

@@ -28,7 +28,6 @@ import time
 
 import torch
 
-from pagedattn._env import quiet_interpreter_warnings
 from pagedattn.api import IMPLS
 from pagedattn.serving.cli_args import (
     ArgumentError,
@@ -138,11 +137,10 @@ def main(args: argparse.Namespace) -> int:
     eos = eos_ids(tokenizer, model.cfg)
     cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else None
     t0 = time.perf_counter()
-    with quiet_interpreter_warnings():  # the interpreter's numpy noise (CPU only)
-        res = generate_greedy(model, prompts, args.max_new_tokens, num_pages=args.num_pages,
-                              page_size=args.page_size, max_batch_size=args.max_batch_size,
-                              eos_token_ids=eos, cache_dtype=cache_dtype, graphs=graphs,
-                              compile=args.compile, on_token=stream if single else report)
+    res = generate_greedy(model, prompts, args.max_new_tokens, num_pages=args.num_pages,
+                          page_size=args.page_size, max_batch_size=args.max_batch_size,
+                          eos_token_ids=eos, cache_dtype=cache_dtype, graphs=graphs,
+                          compile=args.compile, on_token=stream if single else report)
     took = time.perf_counter() - t0
     if single:
         print()
