@@ -115,7 +115,8 @@ def _visible_tokens(n, window_left, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr):
     starts at a multiple of ``BLOCK_N`` as without a window. The compiler then knows that
     tiles are page-aligned (a window starting mid-tile cost 160 registers against 118, and
     so a quarter of the resident programs: perf-notes step 23); keys before the window in
-    the first tile are masked, never read."""
+    the first tile read the window's first row instead (their addresses are clamped to it)
+    and are masked from the scores only, so no byte before the window is fetched."""
     start = _window_first(n, window_left, Q_LEN) // BLOCK_N * BLOCK_N
     return start, n - start
 
