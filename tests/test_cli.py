@@ -143,6 +143,18 @@ def test_an_output_write_that_fails_later_exits_2_in_one_line(capsys, monkeypatc
     assert err == "pagedattn run: error: [Errno 2] No such file or directory: '/proc/x.csv'\n"
 
 
+def test_an_argument_error_after_parsing_exits_2_in_one_line(capsys, monkeypatch):
+    """A value a subcommand finds bad only after parsing (T.ArgumentError: a model file, a
+    device) is reported by the dispatcher for every subcommand: one line, exit status 2."""
+    from pagedattn.bench import harness
+
+    def bad(args):
+        raise T.ArgumentError("--device: 'tpu' is not a device")
+    monkeypatch.setattr(harness.RUN, "main", bad)
+    assert cli.main(["run"]) == 2
+    assert capsys.readouterr().err == "pagedattn run: error: --device: 'tpu' is not a device\n"
+
+
 def test_output_path_types_accept_writable_paths(tmp_path):
     assert T.output_file(str(tmp_path / "new" / "deeper" / "x.csv")).endswith("x.csv")
     assert T.output_dir(str(tmp_path / "new" / "dir")) == str(tmp_path / "new" / "dir")
@@ -157,7 +169,7 @@ def test_output_path_types_accept_writable_paths(tmp_path):
 def test_bench_dry_run_shows_no_interpreter_or_flex_warnings(tmp_path, capsys):
     """The interpreter's numpy RuntimeWarnings (log2 / divide of the discarded tl.where side
     on padding rows, fp8 shape) and torch's eager-flex_attention UserWarning are filtered
-    around the measuring, and only there."""
+    while cli.main runs the subcommand (quiet_interpreter_warnings), and only there."""
     import warnings
 
     with warnings.catch_warnings(record=True) as seen:

@@ -394,18 +394,18 @@ def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
     cases = ("plain-bf16,everything,sinks-per-head-merge,q_len2-fp8-sinks,q_len4,one-unit-fp8,"
-             "window-no-lse")
+             "window-no-lse,window-one-unit-no-lse")
     run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"),
                           "--cases", cases, "--ptx-dir", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count(" ok,") == 13  # six mains and merges, one main alone
+    assert run.stdout.count(" ok,") == 14  # six mains and merges, two mains alone
     import triton
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
         pytest.skip("no ptxas bundled with this Triton")
-    for case in ("plain-bf16", "q_len4", "window-no-lse"):
+    for case in ("plain-bf16", "q_len4", "window-no-lse", "window-one-unit-no-lse"):
         log = subprocess.run([str(ptxas), "-lineinfo", "-v", "--gpu-name=sm_90a",
                               str(tmp_path / f"{case}.paged_decode.ptx"), "-o",
                               str(tmp_path / f"{case}.cubin")], capture_output=True,
@@ -413,6 +413,59 @@ def test_kernels_compile_for_sm90(tmp_path):
         assert log.returncode == 0, log.stderr[-2000:]
         regs = int(re.search(r"Used (\d+) registers", log.stderr).group(1))
         assert regs <= 128, (case, regs)
+
+
+@pytest.mark.parametrize("change, unit", [
+    ({}, True),  # a 1,024-token window over 64 x 8 pairs on 132 SMs
+    (dict(batch=25), True), (dict(batch=24), False),  # 2 x 25 x 8 >= 3 x 132 > 2 x 24 x 8
+    (dict(window_left=2047), True), (dict(window_left=2048), False),  # at most 2,048 keys
+    (dict(window_left=-1), False), (dict(q_len=2), False), (dict(batch_invariant=True), False),
+    (dict(forced_splits=3), False), (dict(forced_splits=1), False),  # one unit anyway
+    (dict(kv_dtype=torch.float16), True), (dict(kv_dtype=torch.float32), False),
+    (dict(kv_dtype=torch.float8_e4m3fn), False), (dict(head_dim=256), False),
+    (dict(head_dim=64), True),
+])
+def test_window_one_unit_rule(change, unit):
+    """The launcher plans a sliding window one unit per (sequence, kv head), unsplit and
+    unmerged, only where that was measured faster (perf-notes step 25): a window of at most
+    2,048 keys, 16-bit caches, head_dim <= 128, one query token, pairs >= 1.5 x SMs, no batch
+    invariance and no forced split count."""
+    from pagedattn.launch.decode import window_one_unit
+
+    kw = dict(batch=64, num_kv_heads=8, sms=132, window_left=1024, q_len=1,
+              kv_dtype=torch.bfloat16, head_dim=128, batch_invariant=False, forced_splits=0)
+    assert window_one_unit(**{**kw, **change}) is unit
+
+
+def test_window_one_unit_plan_against_the_oracle(device):
+    """A window plan whose (sequence, kv head) pairs fill the stand-in SMs runs one unit per
+    pair (no split, no merge): against the oracle with an empty sequence (out 0, LSE = the
+    sink), a context shorter than the window, windows starting mid-page, NaN-poisoned
+    outputs, and the lengths and tables updated in place between two runs of one plan."""
+    lens, window = [0, 3, 50, 101, 90, 17], 40
+    inp = _inputs(lens, device, dtype=torch.bfloat16, seed=21)
+    sinks = _heads(device, 21)
+    bt, cl = inp.block_tables.clone(), inp.context_lens.clone()
+    plan = plan_decode(bt, cl, q_dtype=torch.bfloat16, window_left=window,
+                       host_context_lens=lens, **SHAPE)
+    assert plan._engine().window_unit and plan._engine().one_unit
+    for step, seed in enumerate((21, 22)):
+        if step:  # new lengths and pages, same shapes: the plan reads them at run time
+            inp = _inputs([77, 0, 12, 101, 5, 64], device, dtype=torch.bfloat16, seed=seed)
+            bt.copy_(inp.block_tables)
+            cl.copy_(inp.context_lens)
+        out = torch.full_like(inp.query, float("nan"))
+        res = plan.run(inp.query, inp.key_cache, inp.value_cache, out=out, return_lse=True,
+                       sinks=sinks)
+        ref = paged_decode_reference(*inp, window_left=window, sinks=sinks)
+        assert res.out is out
+        assert rel_l2_error(out, ref.out) <= tolerance_for(torch.bfloat16)
+        assert torch.allclose(res.lse.double().cpu(), ref.lse.cpu(), atol=1e-3, rtol=1e-4)
+        empty = (cl == 0).nonzero().flatten().tolist()
+        for b in empty:  # no key: out 0 and the LSE is the sink alone (to rounding: the
+            # unit folds the sink in the exp2 domain)
+            assert (out[b] == 0).all()
+            assert torch.allclose(res.lse[b], sinks, rtol=1e-6, atol=1e-6)
 
 
 # --- GPU, realistic sizes ------------------------------------------------------------------
@@ -434,6 +487,19 @@ def _gpu_check(lens, query=None, seed=0, **kw):
 def test_gpu_window_4096_on_32k():
     _gpu_check([32768], window_left=4096)
     _gpu_check([32768, 100, 5000, 0], window_left=4095, seed=1)
+
+
+@pytest.mark.gpu
+def test_gpu_window_1024_one_unit_batch_64():
+    """A 1,024-token window over 64 x 8 pairs: planned one unit per pair (no split, no
+    merge), on ragged lengths around the window's edge, empty and one-token sequences."""
+    lens = [2048] * 40 + [0, 1, 77, 1024, 1025, 1026, 1100, 6791] * 3
+    g = torch.Generator().manual_seed(6)
+    sinks = torch.randn(32, generator=g).cuda()
+    inp = _gpu_check(lens, window_left=1024, seed=6, sinks=sinks)
+    plan = plan_decode(inp.block_tables, inp.context_lens, q_dtype=torch.bfloat16,
+                       window_left=1024, **GPU_SHAPE)
+    assert plan._engine().window_unit and plan._engine().one_unit
 
 
 @pytest.mark.gpu

@@ -13,6 +13,10 @@ Subparsers created from a :class:`OneLineParser` are of the same class, so a sub
 :func:`output_file` and :func:`output_dir` check an output path before any work starts (an
 unwritable ``--csv`` fails at once, not after the run); they create nothing. Give such an option
 a non-string default (``None``, a ``Path``): argparse runs ``type`` on string defaults too.
+
+A value that can only be judged after parsing (a model file, a device) is reported by raising
+:class:`ArgumentError` from the subcommand's ``main``: :func:`pagedattn.cli.main` prints it as one
+line and exits with status 2, the same way.
 """
 
 from __future__ import annotations
@@ -24,8 +28,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["OneLineParser", "name_list", "nonneg_float", "nonneg_int", "output_dir",
-           "output_file", "positive_float", "positive_int"]
+__all__ = ["ArgumentError", "OneLineParser", "name_list", "nonneg_float", "nonneg_int",
+           "output_dir", "output_file", "positive_float", "positive_int"]
+
+
+class ArgumentError(ValueError):
+    """A bad command-line value found after parsing. Its text names the option (``--gguf: ...``);
+    :func:`pagedattn.cli.main` prints ``pagedattn <command>: error: <text>`` and returns 2."""
 
 
 def _number(text: str, kind: type, what: str, ok: Callable[[float], bool]):

@@ -24,7 +24,8 @@ def is_interpreter() -> bool:
 @contextlib.contextmanager
 def quiet_interpreter_warnings() -> Iterator[None]:
     """Under Triton's interpreter, hide two kinds of known, harmless warnings while the block
-    runs (nothing is filtered on a GPU, and nothing outside the block):
+    runs (nothing is filtered on a GPU, and nothing outside the block).
+    :func:`pagedattn.cli.main` runs every subcommand inside it:
 
     * numpy's ``RuntimeWarning: divide by zero encountered in log2`` / ``in divide``, raised
       by ``triton.runtime.interpreter``: the interpreter evaluates both sides of a kernel's

@@ -6,9 +6,12 @@ statement, only when that subcommand runs. Parsers are
 :class:`pagedattn._cli_types.OneLineParser`: a bad value is one line on stderr and exit status 2,
 and an output path that cannot be written is one line and exit status 2 too (checked by the
 option's type before any work, see :func:`pagedattn._cli_types.output_file`; a write that still
-fails later is reported the same way), never a traceback. Without a CUDA GPU
+fails later is reported the same way), and so is a value a subcommand finds bad after parsing
+(it raises :class:`pagedattn._cli_types.ArgumentError`): never a traceback. Without a CUDA GPU
 the CLI sets ``TRITON_INTERPRET=1`` for itself before anything imports Triton (the library
-never does), so the kernels run on the CPU through Triton's interpreter.
+never does), so the kernels run on the CPU through Triton's interpreter; a subcommand then runs
+inside :func:`pagedattn._env.quiet_interpreter_warnings`, which hides that interpreter's known,
+harmless warnings.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pagedattn._cli_types import OneLineParser
+from pagedattn._cli_types import ArgumentError, OneLineParser
+from pagedattn._env import quiet_interpreter_warnings
 
 
 def _run() -> Any:
@@ -90,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             _command(name).add_arguments(p)
     args = parser.parse_args(argv)
     try:
-        return int(_command(args.command).main(args) or 0)
-    except OSError as e:  # an output path the user gave that cannot be written
+        with quiet_interpreter_warnings():  # the interpreter's known, harmless noise (CPU only)
+            return int(_command(args.command).main(args) or 0)
+    except (ArgumentError, OSError) as e:  # a bad --gguf/--device; an unwritable output path
         print(f"pagedattn {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -38,7 +38,6 @@ from typing import Any, NamedTuple
 import torch
 
 from pagedattn._cli_types import name_list, nonneg_int, output_dir, output_file, positive_int
-from pagedattn._env import quiet_interpreter_warnings
 from pagedattn.bench import report
 from pagedattn.bench.peers import DEFAULT_PEERS, PEERS, PeerUnsupported, peer_file
 from pagedattn.bench.report import TO_BEAT_SLACK
@@ -343,9 +342,8 @@ def main(args: argparse.Namespace) -> int:
     progress = tqdm(total=len(shapes) * len(columns), unit="run", mininterval=5)
     for shape in shapes:
         t0 = time.perf_counter()
-        with quiet_interpreter_warnings():  # CPU (--dry-run): the interpreter's numpy noise
-            rows += measure_shape(shape, columns, device, timers=timers,
-                                  check=not args.no_check, seed=args.seed, progress=progress)
+        rows += measure_shape(shape, columns, device, timers=timers, check=not args.no_check,
+                              seed=args.seed, progress=progress)
         write_reports(rows, meta, roof_start, args.out_dir)
         tqdm.write(f"{shape.describe()}  [{time.perf_counter() - t0:.0f} s]")
         gc.collect()
@@ -423,7 +421,7 @@ def run_main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    with tqdm(total=len(args.impls), unit="impl") as progress, quiet_interpreter_warnings():
+    with tqdm(total=len(args.impls), unit="impl") as progress:
         rows = measure_shape(shape, entries(args.impls, []), device, timers=timers,
                              seed=args.seed, poison=True, progress=progress)
     finalize(rows, meta, roofline)

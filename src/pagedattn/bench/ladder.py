@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from pagedattn._cli_types import name_list, output_dir, output_file
-from pagedattn._env import quiet_interpreter_warnings
 from pagedattn.bench.profile import ImplProfile, add_profiling_arguments, smem_bytes
 from pagedattn.bench.report import fmt_bytes, fmt_count, fmt_pct, fmt_time
 from pagedattn.bench.shapes import SHAPES
@@ -473,9 +472,8 @@ def main(args: argparse.Namespace) -> int:
     for name in args.shapes:
         shape = resolve_shape(name, small)
         print(f"[ladder] {shape.describe()}")
-        with quiet_interpreter_warnings():  # --dry-run: the interpreter's numpy noise
-            by_shape[shape.name] = profile_impls(impls, name, args.out_dir, small=small,
-                                                 use_ncu=not args.no_ncu, warmup=args.warmup)
+        by_shape[shape.name] = profile_impls(impls, name, args.out_dir, small=small,
+                                             use_ncu=not args.no_ncu, warmup=args.warmup)
         descriptions[shape.name] = shape.describe()
     env = environment_meta("cuda" if on_gpu else None)
     out = write_report(Path(args.out or (SMALL_OUT if small else DEFAULT_OUT)), by_shape,

@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 
 from pagedattn._cli_types import name_list, nonneg_int, output_dir, positive_int
-from pagedattn._env import quiet_interpreter_warnings
 from pagedattn.bench import ncu
 from pagedattn.bench.ncu import METRIC_KEYS, METRICS, KernelCounters
 from pagedattn.bench.report import (
@@ -425,10 +424,8 @@ def main(args: argparse.Namespace) -> int:
     small = args.small or not on_gpu
     shape = resolve_shape(args.shape, small)
     out = Path(args.out_dir)
-    with quiet_interpreter_warnings():  # --dry-run: the interpreter's numpy noise
-        profiles = profile_impls(args.impl, args.shape, out, small=small,
-                                 use_ncu=not args.no_ncu, warmup=args.warmup,
-                                 repeat=args.repeat)
+    profiles = profile_impls(args.impl, args.shape, out, small=small, use_ncu=not args.no_ncu,
+                             warmup=args.warmup, repeat=args.repeat)
     roofline = measure_roofline()
     env = environment_meta("cuda" if on_gpu else None)
     print(shape.describe())

@@ -77,7 +77,8 @@ their flag only):
   ``BLOCK_N``) instead of a batch-wide target, so a sequence's splits, tiles and merge order
   depend on its own length only; the launcher also fixes the merge kernel (per group).
 * ``ONE_UNIT``: the launcher knows from shapes that no sequence splits (the table's capacity
-  is at most the smallest chunk, or ``num_splits=1``): program ``(b, kv head)`` takes the
+  is at most the smallest chunk, or ``num_splits=1``), or plans none (a sliding window whose
+  (sequence, kv head) pairs fill the GPU: ``window_one_unit``): program ``(b, kv head)`` takes the
   whole sequence, without the two scans of ``context_lens``, writes the result (an empty
   sequence: 0, LSE ``-inf`` or the sink) and no merge is launched. The arithmetic of a
   non-empty sequence is the one-row path's, bit for bit.
@@ -114,7 +115,8 @@ def _visible_tokens(n, window_left, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr):
     starts at a multiple of ``BLOCK_N`` as without a window. The compiler then knows that
     tiles are page-aligned (a window starting mid-tile cost 160 registers against 118, and
     so a quarter of the resident programs: perf-notes step 23); keys before the window in
-    the first tile are masked, never read."""
+    the first tile read the window's first row instead (their addresses are clamped to it)
+    and are masked from the scores only, so no byte before the window is fetched."""
     start = _window_first(n, window_left, Q_LEN) // BLOCK_N * BLOCK_N
     return start, n - start
 

@@ -199,6 +199,32 @@ def _recorded(kernel, args: dict, slots: tuple[str, ...]) -> tuple[list, tuple[i
     return rec, tuple(names.index(n) for n in slots)
 
 
+# the widest sliding window (keys seen by the query) planned one unit per sequence: measured
+# at 1,025 keys; 4,097 also won on a uniform batch, but a ragged one is unmeasured there
+_WINDOW_UNIT_MAX_KEYS = 2048
+
+
+def window_one_unit(*, batch: int, num_kv_heads: int, sms: int, window_left: int,
+                    q_len: int, kv_dtype: torch.dtype, head_dim: int, batch_invariant: bool,
+                    forced_splits: int) -> bool:
+    """Plan a sliding window one unit per (sequence, kv head): no split and no merge.
+
+    A window bounds every sequence's keys by ``window_left + q_len`` (plus the part of the
+    first tile before the window), whatever ``context_lens`` holds, so the longest unit is
+    known from shapes. When the pairs alone fill the GPU (at least 1.5 per SM), splitting
+    them buys no parallelism and costs the partials' round trip and a merge launch: on the
+    H200 (perf-notes step 25) a 1,024-token window ran 77.8 µs unsplit against 85.6 split on
+    b64-c2k (FlashInfer 87.5), 68.8 against 72.8 on the Azure batch (FlashInfer 68.5), 49.7
+    against 53.2 at batch 32; at batch 16 (128 pairs) unsplit was slower (39.7 against
+    36.7). Measured for 16-bit caches at head_dim 128 and one query token; batch invariance
+    keeps its fixed split size (a batch-size rule would make a sequence's arithmetic depend
+    on the batch), and a forced ``num_splits`` is obeyed."""
+    return (window_left >= 0 and window_left + q_len <= _WINDOW_UNIT_MAX_KEYS and q_len == 1
+            and not batch_invariant and not forced_splits
+            and kv_dtype in (torch.float16, torch.bfloat16) and block_d(head_dim) <= 128
+            and 2 * batch * num_kv_heads >= 3 * sms)
+
+
 def merge_per_group(batch: int, num_kv_heads: int, sms: int) -> bool:
     """One merge program per (sequence, kv head) when those fill the SMs, else one per
     (sequence, query head)."""
@@ -250,6 +276,14 @@ class AutoLauncher:
         self.block_d = bd
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if on_gpu else 4
+        self.window_unit = window_one_unit(
+            batch=batch, num_kv_heads=num_kv_heads, sms=sms, window_left=window_left,
+            q_len=q_len, kv_dtype=kv_dtype, head_dim=head_dim,
+            batch_invariant=batch_invariant, forced_splits=self.forced_splits)
+        if self.window_unit and config is None and not interpret:
+            # unsplit units run one window each: 32-token tiles 3 deep measured 1.7-2.5 %
+            # faster than the split plan's 64 x 2 (or the ragged 64 x 3) on both rows
+            self.config = cfg = replace(cfg, block_n=32, num_stages=3)
         self.target_units = sms * cfg.ctas_per_sm
         self.target_units_ragged = sms * cfg.ragged_ctas_per_sm
         # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
@@ -263,9 +297,10 @@ class AutoLauncher:
         # one unit per sequence, known from shapes: a forced single split, or a table too
         # small to hold more than the smallest chunk (every chunk is at least min_chunk, so
         # no sequence splits); the kernel then skips its scans and no merge is launched
-        # (serving with a short max_model_len: perf-notes step 20)
-        self.one_unit = self.forced_splits == 1 or (not self.forced_splits
-                                                    and capacity <= self.min_chunk)
+        # (serving with a short max_model_len: perf-notes step 20), or a sliding window
+        # whose (sequence, kv head) pairs fill the GPU (window_one_unit: step 25)
+        self.one_unit = self.window_unit or self.forced_splits == 1 or (
+            not self.forced_splits and capacity <= self.min_chunk)
         if self.one_unit:
             self.rows_max = batch
         elif self.forced_splits:

@@ -36,9 +36,8 @@ from pathlib import Path
 import torch
 
 from pagedattn._cli_types import output_file
-from pagedattn._env import git_state, quiet_interpreter_warnings
+from pagedattn._env import git_state
 from pagedattn.serving.cli_args import (
-    ArgumentError,
     gguf_path,
     int_in,
     int_list_in,
@@ -192,9 +191,11 @@ def compare_runs(a, b) -> list[dict]:
     return rows
 
 
-def run_benchmark(a: argparse.Namespace, device: torch.device) -> dict:
+def run_benchmark(a: argparse.Namespace, device: torch.device, path: Path | None) -> dict:
+    """Every section; ``path`` is the model file :func:`gguf_path` checked (None with
+    ``--tiny``)."""
     from pagedattn.serving import baselines
-    from pagedattn.serving.gguf_loader import LlamaConfig, find_gguf, load_gguf
+    from pagedattn.serving.gguf_loader import LlamaConfig, load_gguf
     from pagedattn.serving.model import Transformer
 
     dtype = DTYPES[a.dtype]
@@ -207,7 +208,7 @@ def run_benchmark(a: argparse.Namespace, device: torch.device) -> dict:
     else:
         from pagedattn.serving.tokenizer import encode, load_tokenizer
 
-        path = find_gguf(a.gguf)
+        assert path is not None, "run_benchmark: no model file (gguf_path) without --tiny"
         with reading_gguf(path):  # raises ArgumentError naming --gguf
             cfg, weights = load_gguf(path)
             tok = load_tokenizer(path)
@@ -348,23 +349,16 @@ def to_markdown(res: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        device = resolve_device(args.device)
-        if not args.tiny:
-            gguf_path(args.gguf)  # a missing or non-GGUF file fails now, not after the setup
-    except ValueError as e:  # ArgumentError, or resolve_device's ValueError naming --device
-        print(f"pagedattn bench-model: error: {e}", file=sys.stderr)
-        return 2
+    """Run ``pagedattn bench-model``; a bad ``--device`` or ``--gguf`` raises ArgumentError
+    (:func:`pagedattn.cli.main` reports it as one line, exit status 2)."""
+    device = resolve_device(args.device)
+    # a missing or non-GGUF file fails now, not after the setup
+    path = None if args.tiny else gguf_path(args.gguf)
     if args.tiny:
         args.new_tokens, args.trace_requests = min(args.new_tokens, 4), min(args.trace_requests, 6)
         args.trace_max_output = min(args.trace_max_output, 5)
         args.trace_max_batch, args.batches = min(args.trace_max_batch, 4), [1, 2]
-    try:
-        with quiet_interpreter_warnings():  # the interpreter's numpy noise (CPU only)
-            res = run_benchmark(args, device)
-    except ArgumentError as e:  # a GGUF file that has the magic but no usable model
-        print(f"pagedattn bench-model: error: {e}", file=sys.stderr)
-        return 2
+    res = run_benchmark(args, device, path)  # a GGUF without a usable model: ArgumentError
     out = Path(args.out or f"docs/results/serving-{device_slug(res['gpu'])}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")

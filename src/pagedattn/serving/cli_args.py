@@ -1,7 +1,9 @@
 """Argument checks shared by ``pagedattn generate`` and ``pagedattn bench-model``: argparse
 type functions that reject bad values at parse time (exit 2), a one-line parser error, and the
 device and model-file checks. All of it runs before any model is loaded; a GGUF file that still
-fails to load is reported as a bad ``--gguf`` too (:func:`reading_gguf`)."""
+fails to load is reported as a bad ``--gguf`` too (:func:`reading_gguf`). The checks raise
+:class:`pagedattn._cli_types.ArgumentError`, which :func:`pagedattn.cli.main` reports as one line
+with exit status 2."""
 
 from __future__ import annotations
 
@@ -15,9 +17,7 @@ from pathlib import Path
 
 import torch
 
-
-class ArgumentError(ValueError):
-    """A bad command-line value found after parsing (one line, exit status 2)."""
+from pagedattn._cli_types import ArgumentError
 
 
 def int_in(lo: int, hi: int | None = None):
@@ -62,20 +62,21 @@ def one_line_errors(parser: argparse.ArgumentParser) -> None:
 
 def resolve_device(name: str | None) -> torch.device:
     """``name`` (``cpu``, ``cuda``, ``cuda:N``; None: CUDA when present) as a usable device.
-    Raises ValueError naming ``--device`` for an unknown name or an absent GPU."""
+    Raises ArgumentError (a ValueError) naming ``--device`` for an unknown name or an absent
+    GPU."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {name!r}") from None
+        raise ArgumentError(f"--device: expected cpu, cuda or cuda:N, got {name!r}") from None
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {name!r}")
+        raise ArgumentError(f"--device: expected cpu, cuda or cuda:N, got {name!r}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device: {name!r} asked for, but no CUDA GPU is available")
+            raise ArgumentError(f"--device: {name!r} asked for, but no CUDA GPU is available")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device: {name!r}, but only {torch.cuda.device_count()} GPU(s)")
+            raise ArgumentError(f"--device: {name!r}, but only {torch.cuda.device_count()} GPU(s)")
     return dev
 
 

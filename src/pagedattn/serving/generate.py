@@ -28,7 +28,6 @@ import time
 
 import torch
 
-from pagedattn._env import quiet_interpreter_warnings
 from pagedattn.api import IMPLS
 from pagedattn.serving.cli_args import (
     ArgumentError,
@@ -74,11 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace):
     """Device, dtype, graphs and model file, before anything loads: ``(device, dtype, graphs,
-    gguf path)``. Raises ArgumentError naming the option."""
-    try:
-        device = resolve_device(args.device)
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
+    gguf path)``. Raises ArgumentError naming the option (:func:`pagedattn.cli.main` reports
+    it as one line, exit status 2)."""
+    device = resolve_device(args.device)
     if args.graphs and device.type != "cuda":
         raise ArgumentError(f"--graphs: CUDA graphs need a CUDA device, got {device}")
     graphs = device.type == "cuda" if args.graphs is None else args.graphs
@@ -96,23 +93,15 @@ def check_args(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        device, dtype, graphs, path = check_args(args)
-    except ArgumentError as e:
-        print(f"pagedattn generate: error: {e}", file=sys.stderr)
-        return 2
+    device, dtype, graphs, path = check_args(args)
     from pagedattn.serving.engine import generate_greedy
     from pagedattn.serving.model import Transformer
     from pagedattn.serving.tokenizer import encode, eos_ids, load_tokenizer
 
     t0 = time.perf_counter()
-    try:
-        with reading_gguf(path):
-            tokenizer = load_tokenizer(path)
-            model = Transformer.from_gguf(path, dtype=dtype, device=device, impl=args.impl)
-    except ArgumentError as e:
-        print(f"pagedattn generate: error: {e}", file=sys.stderr)
-        return 2
+    with reading_gguf(path):  # raises ArgumentError naming --gguf
+        tokenizer = load_tokenizer(path)
+        model = Transformer.from_gguf(path, dtype=dtype, device=device, impl=args.impl)
     print(f"loaded {path.name} ({dtype}, {device}) in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     prompts = [encode(tokenizer, p, chat=False if args.raw else None) for p in args.prompt]
@@ -148,11 +137,10 @@ def main(args: argparse.Namespace) -> int:
     eos = eos_ids(tokenizer, model.cfg)
     cache_dtype = CACHE_DTYPES[args.cache_dtype] if args.cache_dtype else None
     t0 = time.perf_counter()
-    with quiet_interpreter_warnings():  # the interpreter's numpy noise (CPU only)
-        res = generate_greedy(model, prompts, args.max_new_tokens, num_pages=args.num_pages,
-                              page_size=args.page_size, max_batch_size=args.max_batch_size,
-                              eos_token_ids=eos, cache_dtype=cache_dtype, graphs=graphs,
-                              compile=args.compile, on_token=stream if single else report)
+    res = generate_greedy(model, prompts, args.max_new_tokens, num_pages=args.num_pages,
+                          page_size=args.page_size, max_batch_size=args.max_batch_size,
+                          eos_token_ids=eos, cache_dtype=cache_dtype, graphs=graphs,
+                          compile=args.compile, on_token=stream if single else report)
     took = time.perf_counter() - t0
     if single:
         print()
