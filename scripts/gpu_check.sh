@@ -131,6 +131,20 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  host11)  # session 11: where the one-shot paged_decode's host time goes (cProfile of
+    # scripts/host_time.py, by own and cumulative time), then explore11's second half: eight
+    # warps on the variant rows that trail FlashInfer (q_len=4, soft-cap)
+    RES=$OUT
+    env_info
+    stamp "host time with cProfile"
+    timeout 90 python3 scripts/host_time.py --profile 2>&1 | tee "$RES/host-profile.log" \
+      | grep -E "^batch=|^---"
+    stamp "num_warps A/B on the variant rows that trail FlashInfer (eager medians)"
+    timeout 200 python3 scripts/bench_variants.py --reps 60 --json "$RES/ab-warps-variants.json" \
+      --rows qlen4-b64-c2k,softcap50-b64-c2k,plain-b64-c2k \
+      --configs "default;num_warps=8,ctas_per_sm=2;num_warps=8,ctas_per_sm=2,block_n=32,num_stages=3" \
+      2>&1 | cut -c1-900
+    ;;
   explore11)  # prepared in session 10, not yet run: eight warps per program, which the
     # sweeps never varied; compiled for sm_90 (bundled ptxas), the fp8 kernel takes 255
     # registers at 4 warps x 128-token tiles (8 warps per SM), 184 at 8 warps (still 8 per

@@ -71,8 +71,9 @@ def main() -> int:
                     fn()
                 prof.disable()
                 torch.cuda.synchronize()
-                print(f"--- {label}: 500 calls")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+                for order in ("tottime", "cumulative"):
+                    print(f"--- {label}: 500 calls, by {order}")
+                    pstats.Stats(prof).sort_stats(order).print_stats(25)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in r.items()), flush=True)
     if args.json:
