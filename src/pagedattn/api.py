@@ -153,8 +153,11 @@ class DecodePlan:
 
     def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,
                  page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
-                 window_left=-1, logits_soft_cap=None, batch_invariant=False):
+                 window_left=-1, logits_soft_cap=None, batch_invariant=False, one_shot=False):
         self.block_tables, self.context_lens = block_tables, context_lens
+        # a one-shot plan (paged_decode) runs once: recording its launch would cost host
+        # time that no later run repays
+        self._one_shot = one_shot
         self.ragged = ragged
         self.q_len, self.window_left = q_len, window_left
         self.logits_soft_cap, self.batch_invariant = logits_soft_cap, batch_invariant
@@ -185,7 +188,8 @@ class DecodePlan:
                     head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
                     kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
                     ragged=self.ragged, q_len=self.q_len, window_left=self.window_left,
-                    softcap=self.logits_soft_cap, batch_invariant=self.batch_invariant)
+                    softcap=self.logits_soft_cap, batch_invariant=self.batch_invariant,
+                    record=not self._one_shot)
         return self._launcher
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
@@ -474,7 +478,7 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
                           num_splits=num_splits, q_len=q_len, window_left=window_left,
                           logits_soft_cap=(None if logits_soft_cap is None
                                            else float(logits_soft_cap)),
-                          batch_invariant=batch_invariant)
+                          batch_invariant=batch_invariant, one_shot=True)
         result = plan._launch(query[:, 0] if squeeze else query, key_cache, value_cache,
                               scale, k_scale, v_scale, out[:, 0] if squeeze else out,
                               return_lse, sinks, alibi_slopes)

@@ -27,7 +27,8 @@ per-call pointers and scales and call ``CompiledKernel.run`` directly (the host 
 ``kernel[grid]`` re-derives the specialization from every argument each call). Everything
 else Triton specializes on (constexprs, integers, launch options) is fixed by the launcher,
 so the records live in the launcher object (one per plan), never in the module; a one-shot
-``paged_decode`` builds a fresh plan and so always launches through ``kernel[grid]``. On any
+``paged_decode`` builds a fresh plan and so always launches through ``kernel[grid]``, and
+records nothing (``record=False``). On any
 other Triton version or under the interpreter every launch goes through ``kernel[grid]``;
 launch hooks (profilers) are honoured on both paths. Calls with tensor scales always launch
 through ``kernel[grid]``; ``sinks`` and ``alibi_slopes`` (per-layer tensors, validated as
@@ -244,6 +245,9 @@ class AutoLauncher:
         ragged: the caller knows the batch is ragged (from a host copy of the lengths).
         q_len, window_left, softcap, batch_invariant: the plan-time variants (see
             :func:`pagedattn.plan_decode`); each is a constexpr of the kernels, off by default.
+        record: record each binding's launch for the direct path of later launches (see the
+            module docstring); ``False`` for a launcher that launches once (a one-shot
+            ``paged_decode``), which saves the record's host time.
     """
 
     def __init__(self, *, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
@@ -251,7 +255,7 @@ class AutoLauncher:
                  device: torch.device, num_splits: int | None,
                  config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
                  window_left: int = -1, softcap: float | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, record: bool = True):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         group = num_q_heads // num_kv_heads
@@ -362,7 +366,8 @@ class AutoLauncher:
         # recorded launches of this launcher, one per binding (see launch): every integer,
         # constexpr and launch option is fixed by the launcher, so the binding is the
         # tensors' dtypes, strides and 16-byte alignment and whether LSE is written
-        self._direct = on_gpu and device.index is not None and _direct_launch_supported()
+        self._direct = (record and on_gpu and device.index is not None
+                        and _direct_launch_supported())
         self._bindings: dict[tuple, tuple] = {}
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
