@@ -18,6 +18,10 @@
 # Session 10 ran fi074 then fi074v on de57610 (src/ = fce3882; 391 + 134 s, all 16 shapes),
 #   then explore10 / explore10b / explore10c (config A/B on the rows auto trails, ncu of the
 #   window on Azure beside FlashInfer, the window rows with one unit per sequence).
+# Session 11 ran host11 (cProfile of the one-shot host path; 8 warps on the variant rows), then
+#   final5c (carry .ext2), final5b (carry .ext3 .whl, SERVEPROF=0), fi074 (carry .ext4 .peers)
+#   and fi074v (carry .ext4) on the shipped tree as consecutive warm calls (301 + 206 + 345 +
+#   125 s), then host11b / host11c (host time A/B and medians) and explore11b (q_len=4 tiles).
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
@@ -41,7 +45,8 @@ env_info() {
     | tee "$OUT/env.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" \
     | tee -a "$OUT/env.txt"
-  git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.txt"
+  # the device's copy of the tree has a stale git HEAD: the commit sent is PAGEDATTN_GIT_SHA
+  echo "commit sent: ${PAGEDATTN_GIT_SHA:-unknown (PAGEDATTN_GIT_SHA unset)}" | tee -a "$OUT/env.txt"
 }
 
 setup_flashinfer() {  # the peers/README.md recipe: sdist, data links, CUDA 13 flag
@@ -131,6 +136,39 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  explore11b)  # session 11: q_len=4 without spills. Capped at 128 registers, its 64-token
+    # tiles 2 deep spill 92 bytes; ptxas fits 32-token tiles 3 deep in 128 with none and
+    # 16-token tiles 4 deep in 98 (the bundled ptxas, sm_90a); twice, plain b64-c2k beside
+    RES=$OUT
+    env_info
+    for i in 1 2; do
+      stamp "q_len=4 tile A/B, pass $i (eager medians)"
+      timeout 150 python3 scripts/bench_variants.py --reps 60 --json "$RES/ab-qlen4-$i.json" \
+        --rows qlen4-b64-c2k,plain-b64-c2k \
+        --configs "default;block_n=32,num_stages=3;block_n=16,num_stages=4;block_n=32,num_stages=4;block_n=32,num_stages=3,ctas_per_sm=3" \
+        2>&1 | cut -c1-900
+    done
+    ;;
+  host11c)  # session 11: host time of the shipped tree, each figure the median of seven
+    # timings of 2,000 calls (the host clock drifts between runs: host11b)
+    RES=$OUT
+    env_info
+    stamp "host time"
+    timeout 120 python3 scripts/host_time.py --repeats 7 --json "$RES/host.json" 2>&1 \
+      | tee "$RES/host.log"
+    ;;
+  host11b)  # session 11: host time of the one-shot without its launch record, A/B in one call:
+    # 6405c4f's src/ (copied untracked to ab11/old) and the tree's, alternated three times
+    RES=$OUT
+    for i in 1 2 3; do
+      for t in old new; do
+        if [ $t = old ]; then P=$PWD/ab11/old/src; else P=$PWD/src; fi
+        stamp "host time, $t tree, round $i"
+        PYTHONPATH=$P timeout 40 python3 scripts/host_time.py --json "$RES/host-$t-$i.json" \
+          2>&1 | tee -a "$RES/host-ab.log"
+      done
+    done
+    ;;
   host11)  # session 11: where the one-shot paged_decode's host time goes (cProfile of
     # scripts/host_time.py, by own and cumulative time), then explore11's second half: eight
     # warps on the variant rows that trail FlashInfer (q_len=4, soft-cap)

@@ -3,9 +3,12 @@
 With a tiny batch the GPU finishes each call long before the host issues the next, so the
 wall time per call is the host path: validation, allocation and the launches. Measures
 ``plan.run`` (the plan built once) and ``paged_decode`` (one-shot: validation + plan + run)
-on the three batches of the peers' host-time table. Usage (repo root, GPU machine)::
+on the three batches of the peers' host-time table. The host's CPU clock drifts from run to
+run (on the H200 machine the same tree measured 116 and 224 µs per one-shot call a few seconds
+apart), so each figure is the median of ``--repeats`` timings of ``--calls`` calls, with their
+minimum beside it (``*_min``). Usage (repo root, GPU machine)::
 
-    PYTHONPATH=src python3 scripts/host_time.py [--calls 2000] [--json out.json]
+    PYTHONPATH=src python3 scripts/host_time.py [--calls 2000] [--repeats 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sys
 import time
 
@@ -43,6 +47,8 @@ def per_call_us(fn, calls: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timings of --calls calls per figure (median reported, min beside)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="also print where plan.run and paged_decode spend host time (cProfile)")
@@ -57,9 +63,12 @@ def main() -> int:
         run = functools.partial(plan.run, *x[:3])
         run_out = functools.partial(plan.run, *x[:3], out=out)
         one_shot = functools.partial(pagedattn.paged_decode, *x)
-        r = dict(batch=name, plan_run_us=per_call_us(run, args.calls),
-                 plan_run_out_us=per_call_us(run_out, args.calls),
-                 paged_decode_us=per_call_us(one_shot, args.calls))
+        r = dict(batch=name)
+        for label, fn in (("plan_run", run), ("plan_run_out", run_out),
+                          ("paged_decode", one_shot)):
+            times = [per_call_us(fn, args.calls) for _ in range(args.repeats)]
+            r[f"{label}_us"] = statistics.median(times)
+            r[f"{label}_us_min"] = min(times)
         results.append(r)
         if args.profile and name == BATCHES[0][0]:
             import cProfile
