@@ -84,7 +84,8 @@ class DecodeConfig:
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
-#: written by ``scripts/tune_decode.py`` on that GPU
+#: written by ``scripts/sweep_decode.py --write-table`` on that GPU (none ships: the heuristic
+#: serves every GPU)
 _TUNED_DIR = Path(__file__).with_name("tuned")
 
 
