@@ -145,6 +145,23 @@ def test_sinks_with_an_empty_sequence(device, num_splits):
     assert torch.equal(res.lse[0], sinks)
 
 
+@pytest.mark.parametrize("num_splits", SPLITS)
+@pytest.mark.parametrize("lens", [[0, 9, 70], [0], [90]])  # batch 1: the per-head merge
+def test_a_sink_of_minus_inf_is_no_sink(device, num_splits, lens):
+    """``-inf`` is the natural sink of a head without one: its term is 0, and a row that saw
+    no key gets out 0 and LSE ``-inf`` (it was NaN, ``exp2(-inf - -inf)``, which then turned
+    a ``merge_states`` of that row into NaN)."""
+    inp = _inputs(lens, device, seed=14)
+    sinks = _heads(device, 14, -2.0, 3.0)
+    sinks[::2] = float("-inf")
+    res, ref = _check(inp, num_splits=num_splits, sinks=sinks)
+    assert not res.lse.isnan().any()
+    if lens[0] == 0:
+        assert (res.out[0] == 0).all() and torch.equal(res.lse[0].cpu(), sinks.cpu())
+    merged = merge_states(torch.stack([res.out, res.out]), torch.stack([res.lse, res.lse]))
+    assert not merged.out.isnan().any() and not merged.lse.isnan().any()
+
+
 def test_sinks_merged_per_head(device):
     """Batch 1 merges per query head (the per-head merge kernel adds the sink)."""
     inp = _inputs([90], device, seed=6)

@@ -175,10 +175,12 @@ def _fold_sink(m, l, sink2):
     """Fold a sink logit ``sink2`` (exp2 domain) into a final state ``(m, l)``: the
     denominator gains ``2^sink2``, the numerator nothing. Returns ``(m_new, l_new, alpha)``;
     the caller scales its accumulator by ``alpha``. A row that saw no key (``m = -inf``,
-    ``l = 0``) gets ``m_new = sink2, l_new = 1``: out 0 and LSE = the sink."""
+    ``l = 0``) gets ``m_new = sink2, l_new = 1``: out 0 and LSE = the sink, also for a sink of
+    ``-inf`` (a head without one: the sink's term is 1 where it equals the new max, never
+    ``exp2(-inf - -inf)``)."""
     m_new = tl.maximum(m, sink2)
     alpha = _rescale(m, m_new)
-    return m_new, l * alpha + tl.exp2(sink2 - m_new), alpha
+    return m_new, l * alpha + tl.where(sink2 == m_new, 1.0, tl.exp2(sink2 - m_new)), alpha
 
 
 @triton.jit
