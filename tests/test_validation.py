@@ -232,6 +232,10 @@ def test_validate_false_skips_checks_and_kernels_clamp(impl, device):
     clamped = torch.tensor([0, capacity, 5], dtype=torch.int32, device=device)
     check(out, inputs._replace(context_lens=clamped))
     assert (out[0] == 0).all()
+    # int64 lengths past 2^31 clamp too (they were narrowed to int32 first, and wrapped)
+    wild64 = torch.tensor([-(1 << 40), (1 << 40) + 3, 5], dtype=torch.int64, device=device)
+    out = run(impl, inputs._replace(context_lens=wild64), validate=False)
+    check(out, inputs._replace(context_lens=clamped))
 
 
 @pytest.mark.gpu

@@ -43,8 +43,10 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): exp2-domain LSE -> natural log
 
 @triton.jit
 def _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity):
-    n = tl.load(context_lens_ptr + b * stride_ctx).to(tl.int32)
-    return tl.minimum(tl.maximum(n, 0), capacity)
+    """A sequence's length clamped to ``[0, capacity]`` in the dtype it is stored in, then
+    narrowed to int32 (an int64 length past 2^31 clamps to the capacity, never wraps)."""
+    n = tl.load(context_lens_ptr + b * stride_ctx)
+    return tl.minimum(tl.maximum(n, 0), capacity).to(tl.int32)
 
 
 @triton.jit
