@@ -162,6 +162,20 @@ def test_a_sink_of_minus_inf_is_no_sink(device, num_splits, lens):
     assert not merged.out.isnan().any() and not merged.lse.isnan().any()
 
 
+def test_merge_states_keeps_nan_and_ignores_empty_states():
+    """A NaN LSE stays NaN (it was reported as an empty merge, -inf, beside a NaN out); an
+    empty state (LSE -inf) adds nothing even when its out holds NaN (0 x NaN); merging only
+    empty states still gives 0 and -inf."""
+    outs = torch.ones(2, 1, 1, 16)
+    m = merge_states(outs, torch.tensor([float("nan"), 0.0]).view(2, 1, 1))
+    assert m.lse.isnan().all() and m.out.isnan().all()
+    outs[0] = float("nan")
+    m = merge_states(outs, torch.tensor([float("-inf"), 0.0]).view(2, 1, 1))
+    assert torch.equal(m.out, torch.ones(1, 1, 16)) and torch.equal(m.lse, torch.zeros(1, 1))
+    m = merge_states(outs, torch.full((2, 1, 1), float("-inf")))
+    assert (m.out == 0).all() and torch.equal(m.lse, torch.full((1, 1), float("-inf")))
+
+
 def test_sinks_merged_per_head(device):
     """Batch 1 merges per query head (the per-head merge kernel adds the sink)."""
     inp = _inputs([90], device, seed=6)

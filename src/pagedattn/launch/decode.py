@@ -303,7 +303,10 @@ class AutoLauncher:
         self.batch, self.num_q_heads, self.num_kv_heads = batch, num_q_heads, num_kv_heads
         self.group, self.page_size, self.max_pages = group, page_size, max_pages
         self.device = device
-        self.forced_splits = int(num_splits or 0)
+        # a split holds at least one tile: forced splits past the table's tiles would only
+        # launch programs that find no token (the pieces are the same either way)
+        self.forced_splits = min(int(num_splits or 0),
+                                 max(1, cdiv(max_pages * page_size, cfg.block_n)))
         self.block_d = bd
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if on_gpu else 4
