@@ -411,3 +411,42 @@ def test_messages_name_the_likely_mistake():
         pagedattn.paged_decode(*args, kv_layout="HND")  # an NHD cache
     with pytest.raises(TypeError, match="return_lse: expected a Python bool, got numpy.bool"):
         pagedattn.paged_decode(*args, return_lse=np.bool_(True))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_fp8_scales_must_be_positive(scale):
+    """A dequantization scale of 0 or below divided by zero (``append_kv`` stored saturated
+    values silently): refused by name, for ``append_kv`` and ``paged_decode``."""
+    inp = make_paged_inputs([5, 33], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            dtype=torch.bfloat16, cache_dtype=FP8)
+    k = torch.randn(2, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_scale: expected a finite scale > 0"):
+        pagedattn.append_kv(k, k, inp.key_cache, inp.value_cache, torch.tensor([0, 1]),
+                            k_scale=scale)
+    with pytest.raises(ValueError, match="v_scale: expected a finite scale > 0"):
+        pagedattn.paged_decode(*inp, v_scale=scale)
+
+
+def test_a_window_leaves_the_pages_before_it_free():
+    """With a sliding window the pages wholly before the earliest query token's window are
+    never read, so a server may free them (-1 in the table): the value checks accept that,
+    still refuse a freed page inside the window, and the result is the oracle's on the
+    intact table."""
+    lens = [70, 5, 0, 33]
+    inp = make_paged_inputs(lens, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                            dtype=torch.float32)
+    freed = inp.block_tables.clone()
+    for b, n in enumerate(lens):
+        freed[b, :max(0, n - 1 - 9) // 4] = -1
+    ref = pagedattn.paged_decode_reference(*inp, window_left=9).out
+    out = pagedattn.paged_decode(*inp[:3], freed, inp.context_lens, window_left=9)
+    assert torch.allclose(out.double(), ref, atol=1e-4)
+    plan = pagedattn.plan_decode(freed, inp.context_lens, num_q_heads=4, num_kv_heads=2,
+                                 head_dim=32, page_size=4, q_dtype=torch.float32,
+                                 window_left=9)
+    assert torch.allclose(plan.run(*inp[:3]).double(), ref, atol=1e-4)
+    with pytest.raises(ValueError, match=r"block_tables.*row 0, column 0"):
+        pagedattn.paged_decode(*inp[:3], freed, inp.context_lens)  # no window: all used
+    freed[0, (70 - 1 - 9) // 4] = -1  # the window's first page
+    with pytest.raises(ValueError, match=r"block_tables.*row 0, column 15"):
+        pagedattn.paged_decode(*inp[:3], freed, inp.context_lens, window_left=9)

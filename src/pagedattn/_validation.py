@@ -133,8 +133,9 @@ def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) 
         return
     if isinstance(s, bool):
         _fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", "bool")
-    if isinstance(s, numbers.Real):
-        _check_float32(name, s, "a finite scale within float32's range")
+    if isinstance(s, numbers.Real):  # a dequantization scale: positive (0 divides by zero)
+        if _check_float32(name, s, "a finite scale > 0 within float32's range") <= 0:
+            _fail(ValueError, name, "a finite scale > 0", s)
         return
     if not isinstance(s, torch.Tensor):
         _fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", type(s).__name__)
@@ -304,11 +305,14 @@ def check_out_aliasing(out: torch.Tensor, query: torch.Tensor) -> None:
 
 
 def check_values(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, num_pages: int, page_size: int
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_pages: int, page_size: int,
+    window_left: int = -1, q_len: int = 1,
 ) -> None:
     """Value checks: lengths in ``[0, max_pages * page_size]`` and used page ids in
     ``[0, num_pages)``. Reads the data (a host sync on CUDA). Raises ValueError naming the
-    argument and the first offending batch row."""
+    argument and the first offending batch row. With a sliding window the pages wholly
+    before the earliest query token's window are never read, so they may hold anything
+    (a server frees them: -1)."""
     batch, max_pages = block_tables.shape
     if batch == 0:
         return
@@ -322,6 +326,9 @@ def check_values(
     used_pages = (lens.clamp(0, capacity) + page_size - 1) // page_size  # [batch]
     cols = torch.arange(max_pages, device=block_tables.device)
     used = cols[None, :] < used_pages[:, None]
+    if window_left >= 0:  # the first key any query token sees, and its page
+        first_page = (lens.clamp(0, capacity) - q_len - window_left).clamp(min=0) // page_size
+        used &= cols[None, :] >= first_page[:, None]
     ids = block_tables.long()
     bad_ids = used & ((ids < 0) | (ids >= num_pages))
     if bool(bad_ids.any()):
@@ -468,16 +475,23 @@ def check_host_context_lens(lens: Any, batch: int) -> list[int]:
     """``plan_decode``'s optional host copy of the lengths: a sequence of ``batch`` ints or a
     CPU integer tensor of shape ``[batch]``. Returns them as a list of ints."""
     if isinstance(lens, torch.Tensor):
-        if lens.device.type != "cpu" or lens.is_floating_point() or lens.dim() != 1:
+        if lens.device.type != "cpu" or lens.is_floating_point() or lens.dim() != 1 \
+                or lens.dtype == torch.bool:
             _fail(ValueError, "host_context_lens", "a 1-D integer CPU tensor (a host copy)",
                   f"{lens.dtype} {tuple(lens.shape)} on {lens.device}")
         values = lens.tolist()
     else:
         try:
-            values = [int(n) for n in lens]
-        except (TypeError, ValueError):
+            values = list(lens)
+        except TypeError:
             _fail(TypeError, "host_context_lens", "a sequence of ints or a CPU tensor",
                   type(lens).__name__)
+        bad = next((n for n in values if isinstance(n, bool)
+                    or not isinstance(n, numbers.Integral)), None)
+        if bad is not None:  # a float length would be truncated silently
+            _fail(TypeError, "host_context_lens", "a sequence of ints or a CPU tensor",
+                  f"an entry {bad!r}")
+        values = [int(n) for n in values]
     if len(values) != batch:
         _fail(ValueError, "host_context_lens", f"{batch} entries (the batch)", len(values))
     return values

@@ -117,14 +117,16 @@ def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
         raise ValueError(f"return_lse: impl={impl!r} does not return the LSE; use impl='auto'")
 
 
-def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate) -> None:
+def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
+                      window_left=-1, q_len=1) -> None:
     on_cpu = query.device.type == "cpu"
     if validate is False or (validate is None and not on_cpu):
         return
     if validate and not on_cpu and torch.cuda.is_current_stream_capturing():
         raise ValueError("validate: True needs a device-to-host sync, which CUDA-graph capture "
                          "forbids; validate eagerly before capturing, or pass validate=None")
-    V.check_values(block_tables, context_lens, num_pages, page_size)
+    V.check_values(block_tables, context_lens, num_pages, page_size,
+                   window_left=min(int(window_left), _INT32_MAX), q_len=q_len)
 
 
 def _on_device(device: torch.device):
@@ -227,7 +229,8 @@ class DecodePlan:
             V.check_head_tensor("alibi_slopes", alibi_slopes, self.num_q_heads, self.device)
         if self._on_cpu or validate:
             _run_value_checks(query, self.block_tables, self.context_lens,
-                              key_cache.shape[0], self.page_size, validate)
+                              key_cache.shape[0], self.page_size, validate,
+                              window_left=self.window_left, q_len=self.q_len)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                             return_lse, sinks, alibi_slopes)
 
@@ -480,7 +483,9 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
     _check_capabilities(spec, key_cache, kv_layout, k_scale, v_scale, return_lse, query,
                         variants)
     num_pages, page_size, num_kv_heads, head_dim = V.cache_dims(key_cache, kv_layout)
-    _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate)
+    _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
+                      window_left=window_left if IMPLS[impl].planned else -1,
+                      q_len=query.shape[1] if query.dim() == 4 else 1)
     batch, num_q_heads = query.shape[0], query.shape[-2]
     if spec.planned:
         q_len = query.shape[1] if query.dim() == 4 else 1
