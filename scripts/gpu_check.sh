@@ -136,6 +136,21 @@ RES=/tmp/res-$phase
 mkdir -p "$RES"
 
 case "$phase" in
+  explore11c)  # session 11: branch next/qlen-tiles (multi_token_config): its gpu-marked tests of
+    # the kernel and plan, then q_len=4 beside plain b64-c2k under the new default
+    RES=$OUT
+    env_info
+    XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadfile")
+    stamp "GPU tests: variants, plan, decode"
+    # shellcheck disable=SC2086
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider $XDIST -rfE tests/test_variants.py \
+      tests/test_plan.py tests/test_decode.py > "$RES/pytest-gpu-kernel.log" 2>&1
+    tail -4 "$RES/pytest-gpu-kernel.log"
+    stamp "q_len=4 and plain b64-c2k, default configs (eager medians)"
+    timeout 90 python3 scripts/bench_variants.py --reps 60 --json "$RES/qlen4-branch.json" \
+      --rows qlen4-b64-c2k,plain-b64-c2k --configs "default;block_n=64,num_stages=2,ctas_per_sm=4" \
+      2>&1 | cut -c1-600
+    ;;
   explore11b)  # session 11: q_len=4 without spills. Capped at 128 registers, its 64-token
     # tiles 2 deep spill 92 bytes; ptxas fits 32-token tiles 3 deep in 128 with none and
     # 16-token tiles 4 deep in 98 (the bundled ptxas, sm_90a); twice, plain b64-c2k beside

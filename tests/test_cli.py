@@ -240,3 +240,27 @@ def test_chart_labels_match_their_scale(tmp_path, monkeypatch):
     assert ladder.plot_durations(empty, tmp_path / "e.png") is None
     assert ladder.plot_bandwidth(empty, None, tmp_path / "e.png") is None
     assert ladder.plot_occupancy(empty, tmp_path / "e.png") is None
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                 "memory: you tried to allocate 799999999992 bytes"),
+    MemoryError(),
+])
+def test_out_of_memory_exits_2_in_one_line(error, capsys, monkeypatch):
+    """A batch too large for the machine (``run --batch 99999999999`` fails in the CPU
+    allocator) is one line and exit status 2; any other RuntimeError is still raised."""
+    from pagedattn.bench import harness
+
+    def fail(args):
+        raise error
+    monkeypatch.setattr(harness.RUN, "main", fail)
+    assert cli.main(["run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pagedattn run: error: out of memory"), err
+
+    def bug(args):
+        raise RuntimeError("an unexpected failure")
+    monkeypatch.setattr(harness.RUN, "main", bug)
+    with pytest.raises(RuntimeError, match="unexpected"):
+        cli.main(["run"])

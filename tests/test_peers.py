@@ -77,6 +77,10 @@ def test_peer_file_names_and_errors(peer_path):
     broken.write_text("import not_a_module_anywhere\n")
     with pytest.raises(ValueError, match="import failed: ModuleNotFoundError"):
         load_peer_file(str(broken))
+    quits = peer_path.with_name("quits.py")
+    quits.write_text("import sys\nsys.exit(0)\n")  # ended `bench` silently with status 0
+    with pytest.raises(ValueError, match="import failed: SystemExit"):
+        load_peer_file(str(quits))
 
 
 def test_peer_file_rows_are_checked_against_the_oracle(peer_path):

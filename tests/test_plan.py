@@ -129,6 +129,9 @@ def test_host_lengths_refine_the_plan(device):
         _plan(inputs, host_context_lens=[1, 2])
     with pytest.raises(TypeError, match="host_context_lens"):
         _plan(inputs, host_context_lens=3)
+    for floats in ([1.5, 3, 200, 7], [True, 3, 200, 7], torch.tensor([1, 0, 1, 1]).bool()):
+        with pytest.raises((TypeError, ValueError), match="host_context_lens"):
+            _plan(inputs, host_context_lens=floats)  # truncated silently before
 
 
 @pytest.mark.parametrize("field,value,exc,name", [

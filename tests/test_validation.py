@@ -232,6 +232,10 @@ def test_validate_false_skips_checks_and_kernels_clamp(impl, device):
     clamped = torch.tensor([0, capacity, 5], dtype=torch.int32, device=device)
     check(out, inputs._replace(context_lens=clamped))
     assert (out[0] == 0).all()
+    # int64 lengths past 2^31 clamp too (they were narrowed to int32 first, and wrapped)
+    wild64 = torch.tensor([-(1 << 40), (1 << 40) + 3, 5], dtype=torch.int64, device=device)
+    out = run(impl, inputs._replace(context_lens=wild64), validate=False)
+    check(out, inputs._replace(context_lens=clamped))
 
 
 @pytest.mark.gpu
@@ -286,3 +290,163 @@ def test_validate_true_under_graph_capture_raises():
     graph.replay()
     torch.cuda.synchronize()
     check(out, inputs)
+
+
+# --- found by an adversarial pass (session 11) ---------------------------------------------
+
+
+def test_an_out_that_overlaps_itself_or_the_query_is_refused(device):
+    """Many programs write ``out`` at once: a broadcast (stride 0) or self-overlapping ``out``
+    and one that partly overlaps the query came back as garbage. They are refused before any
+    launch, by ``paged_decode`` and by ``plan.run``; ``out`` = the query itself still works
+    (each program reads its query rows before writing them)."""
+    inp = make_paged_inputs([5, 33], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            dtype=torch.float32, device=device)
+    plan = pagedattn.plan_decode(inp.block_tables, inp.context_lens, num_q_heads=4,
+                                 num_kv_heads=2, head_dim=32, page_size=16,
+                                 q_dtype=torch.float32)
+    buf = torch.randn(3, 4, 32, device=device)
+    bad = [
+        (inp.query, torch.empty(1, 4, 32, device=device).expand(2, -1, -1), "do not overlap"),
+        (inp.query, torch.empty(2, 4, 16, device=device).repeat_interleave(2, dim=2)
+         .as_strided((2, 4, 32), (64, 16, 1)), "do not overlap"),
+        (buf[:2], buf[1:], "apart from the query"),
+    ]
+    for query, out, words in bad:
+        with pytest.raises(ValueError, match=f"out: .*{words}"):
+            pagedattn.paged_decode(query, *inp[1:], out=out)
+        with pytest.raises(ValueError, match=f"out: .*{words}"):
+            plan.run(query, inp.key_cache, inp.value_cache, out=out)
+    ref = pagedattn.paged_decode_reference(*inp).out
+    for call in (lambda q: pagedattn.paged_decode(q, *inp[1:], out=q),
+                 lambda q: plan.run(q, inp.key_cache, inp.value_cache, out=q)):
+        q = inp.query.clone()
+        assert call(q) is q
+        assert torch.allclose(q.double().cpu(), ref.cpu(), atol=1e-4)
+    # two halves of one buffer, apart: accepted
+    both = torch.empty(4, 4, 32, device=device)
+    both[:2] = inp.query
+    out = pagedattn.paged_decode(both[:2], *inp[1:], out=both[2:])
+    assert torch.allclose(out.double().cpu(), ref.cpu(), atol=1e-4)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("scale", 1e39), ("scale", -1e39), ("scale", 10 ** 400), ("logits_soft_cap", 1e39),
+    ("logits_soft_cap", 10 ** 400), ("k_scale", 1e39), ("v_scale", 10 ** 400),
+])
+def test_values_past_float32_are_refused(name, value):
+    """A finite Python value past float32's range became inf (then NaN) in the kernels, and a
+    huge int raised OverflowError: a ValueError naming the argument now."""
+    args = _base()
+    with pytest.raises(ValueError, match=f"^{name}: .*float32"):
+        pagedattn.paged_decode(*args, **{name: value})
+
+
+def test_numpy_integers_work_like_ints():
+    """numpy integers pass validation (``numbers.Integral``) and reached Triton or the
+    launcher as numpy values (InterpreterError, AttributeError): they now run as ints."""
+    np = pytest.importorskip("numpy")
+    inp = make_paged_inputs([5, 33], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            dtype=torch.float32)
+    ref = pagedattn.paged_decode_reference(*inp, window_left=3).out
+    out = pagedattn.paged_decode(*inp, window_left=np.int64(3), num_splits=np.int32(2))
+    assert torch.allclose(out.double(), ref, atol=1e-4)
+    plan = pagedattn.plan_decode(inp.block_tables, inp.context_lens, num_q_heads=np.int64(4),
+                                 num_kv_heads=np.int64(2), head_dim=np.int64(32),
+                                 page_size=np.int64(16), q_dtype=torch.float32,
+                                 num_splits=np.int64(3), window_left=np.int64(3))
+    out = plan.run(inp.query, inp.key_cache, inp.value_cache)
+    assert torch.allclose(out.double(), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("window_left", [(1 << 31) - 1, 1 << 31, 1 << 63, 10 ** 30])
+def test_a_window_past_int32_sees_every_key(window_left):
+    """The kernels hold the window in 32 bits: 2^63 read as unsigned gave zeros, 10^30 an
+    OverflowError. Any window at least as wide as the context is no window."""
+    inp = make_paged_inputs([5, 33], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            dtype=torch.float32)
+    ref = pagedattn.paged_decode_reference(*inp).out
+    out = pagedattn.paged_decode(*inp, window_left=window_left)
+    assert torch.allclose(out.double(), ref, atol=1e-4)
+
+
+def test_num_splits_is_bounded():
+    """``num_splits=10**9`` tried to allocate a terabyte of partials; any count past the
+    table's tiles only launched programs with no token (2,048 on 40 tokens took a minute
+    in the interpreter). Past 65,536 it is refused; within, it is capped at the tiles."""
+    inp = make_paged_inputs([5, 33], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"num_splits: expected an int in \[1, 65536\]"):
+        pagedattn.paged_decode(*inp, num_splits=10 ** 9)
+    with pytest.raises(ValueError, match="num_splits"):
+        pagedattn.plan_decode(inp.block_tables, inp.context_lens, num_q_heads=4,
+                              num_kv_heads=2, head_dim=32, page_size=16,
+                              q_dtype=torch.float32, num_splits=1 << 17)
+    plan = pagedattn.plan_decode(inp.block_tables, inp.context_lens, num_q_heads=4,
+                                 num_kv_heads=2, head_dim=32, page_size=16,
+                                 q_dtype=torch.float32, num_splits=2048)
+    ref = pagedattn.paged_decode_reference(*inp).out
+    out = plan.run(inp.query, inp.key_cache, inp.value_cache)
+    assert torch.allclose(out.double(), ref, atol=1e-4)
+    capacity = inp.block_tables.shape[1] * 16
+    assert plan._engine().forced_splits <= capacity
+
+
+def test_tensors_on_another_device_type_are_refused():
+    """A ``meta`` tensor failed inside Triton (NotImplementedError): refused by name."""
+    inp = make_paged_inputs([5, 33], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            dtype=torch.float32)
+    with pytest.raises(ValueError, match="query: expected a CUDA tensor .* got a tensor on meta"):
+        pagedattn.paged_decode(*(t.to("meta") for t in inp))
+    with pytest.raises(ValueError, match="block_tables: expected a CUDA tensor"):
+        pagedattn.plan_decode(inp.block_tables.to("meta"), inp.context_lens.to("meta"),
+                              num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
+                              q_dtype=torch.float32)
+
+
+def test_messages_name_the_likely_mistake():
+    np = pytest.importorskip("numpy")
+    args = _base()
+    with pytest.raises(ValueError, match="in layout HND: is kv_layout right"):
+        pagedattn.paged_decode(*args, kv_layout="HND")  # an NHD cache
+    with pytest.raises(TypeError, match="return_lse: expected a Python bool, got numpy.bool"):
+        pagedattn.paged_decode(*args, return_lse=np.bool_(True))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_fp8_scales_must_be_positive(scale):
+    """A dequantization scale of 0 or below divided by zero (``append_kv`` stored saturated
+    values silently): refused by name, for ``append_kv`` and ``paged_decode``."""
+    inp = make_paged_inputs([5, 33], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            dtype=torch.bfloat16, cache_dtype=FP8)
+    k = torch.randn(2, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_scale: expected a finite scale > 0"):
+        pagedattn.append_kv(k, k, inp.key_cache, inp.value_cache, torch.tensor([0, 1]),
+                            k_scale=scale)
+    with pytest.raises(ValueError, match="v_scale: expected a finite scale > 0"):
+        pagedattn.paged_decode(*inp, v_scale=scale)
+
+
+def test_a_window_leaves_the_pages_before_it_free():
+    """With a sliding window the pages wholly before the earliest query token's window are
+    never read, so a server may free them (-1 in the table): the value checks accept that,
+    still refuse a freed page inside the window, and the result is the oracle's on the
+    intact table."""
+    lens = [70, 5, 0, 33]
+    inp = make_paged_inputs(lens, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                            dtype=torch.float32)
+    freed = inp.block_tables.clone()
+    for b, n in enumerate(lens):
+        freed[b, :max(0, n - 1 - 9) // 4] = -1
+    ref = pagedattn.paged_decode_reference(*inp, window_left=9).out
+    out = pagedattn.paged_decode(*inp[:3], freed, inp.context_lens, window_left=9)
+    assert torch.allclose(out.double(), ref, atol=1e-4)
+    plan = pagedattn.plan_decode(freed, inp.context_lens, num_q_heads=4, num_kv_heads=2,
+                                 head_dim=32, page_size=4, q_dtype=torch.float32,
+                                 window_left=9)
+    assert torch.allclose(plan.run(*inp[:3]).double(), ref, atol=1e-4)
+    with pytest.raises(ValueError, match=r"block_tables.*row 0, column 0"):
+        pagedattn.paged_decode(*inp[:3], freed, inp.context_lens)  # no window: all used
+    freed[0, (70 - 1 - 9) // 4] = -1  # the window's first page
+    with pytest.raises(ValueError, match=r"block_tables.*row 0, column 15"):
+        pagedattn.paged_decode(*inp[:3], freed, inp.context_lens, window_left=9)

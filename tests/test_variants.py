@@ -145,6 +145,37 @@ def test_sinks_with_an_empty_sequence(device, num_splits):
     assert torch.equal(res.lse[0], sinks)
 
 
+@pytest.mark.parametrize("num_splits", SPLITS)
+@pytest.mark.parametrize("lens", [[0, 9, 70], [0], [90]])  # batch 1: the per-head merge
+def test_a_sink_of_minus_inf_is_no_sink(device, num_splits, lens):
+    """``-inf`` is the natural sink of a head without one: its term is 0, and a row that saw
+    no key gets out 0 and LSE ``-inf`` (it was NaN, ``exp2(-inf - -inf)``, which then turned
+    a ``merge_states`` of that row into NaN)."""
+    inp = _inputs(lens, device, seed=14)
+    sinks = _heads(device, 14, -2.0, 3.0)
+    sinks[::2] = float("-inf")
+    res, ref = _check(inp, num_splits=num_splits, sinks=sinks)
+    assert not res.lse.isnan().any()
+    if lens[0] == 0:
+        assert (res.out[0] == 0).all() and torch.equal(res.lse[0].cpu(), sinks.cpu())
+    merged = merge_states(torch.stack([res.out, res.out]), torch.stack([res.lse, res.lse]))
+    assert not merged.out.isnan().any() and not merged.lse.isnan().any()
+
+
+def test_merge_states_keeps_nan_and_ignores_empty_states():
+    """A NaN LSE stays NaN (it was reported as an empty merge, -inf, beside a NaN out); an
+    empty state (LSE -inf) adds nothing even when its out holds NaN (0 x NaN); merging only
+    empty states still gives 0 and -inf."""
+    outs = torch.ones(2, 1, 1, 16)
+    m = merge_states(outs, torch.tensor([float("nan"), 0.0]).view(2, 1, 1))
+    assert m.lse.isnan().all() and m.out.isnan().all()
+    outs[0] = float("nan")
+    m = merge_states(outs, torch.tensor([float("-inf"), 0.0]).view(2, 1, 1))
+    assert torch.equal(m.out, torch.ones(1, 1, 16)) and torch.equal(m.lse, torch.zeros(1, 1))
+    m = merge_states(outs, torch.full((2, 1, 1), float("-inf")))
+    assert (m.out == 0).all() and torch.equal(m.lse, torch.full((1, 1), float("-inf")))
+
+
 def test_sinks_merged_per_head(device):
     """Batch 1 merges per query head (the per-head merge kernel adds the sink)."""
     inp = _inputs([90], device, seed=6)
@@ -382,12 +413,13 @@ def test_torch_compile_fullgraph_variants(device):
 def test_kernels_compile_for_sm90(tmp_path):
     """The interpreter never runs Triton's code generator: compile the plain kernel and the
     variant specializations for sm_90 in a subprocess without it (no GPU needed). Then
-    Triton's bundled ``ptxas`` states the registers: the one-token bf16 kernel, the
-    multi-token one (capped by the launcher) and the sliding window without LSE (as
-    ``plan.run`` serves it) all fit four 4-warp programs per SM (≤ 128 registers), as the
-    split planner's ``ctas_per_sm=4`` assumes; uncapped, q_len=4 took 168 and ran 1.34x the
-    one-token time on the H200, and a window that masked its loads took 160 and ran 1.17x
-    its 128-register form (perf-notes steps 15 and 23)."""
+    Triton's bundled ``ptxas`` states the registers: the one-token bf16 kernel and the
+    sliding window without LSE (as ``plan.run`` serves it) fit four 4-warp programs per SM
+    (≤ 128 registers), as the split planner's ``ctas_per_sm=4`` assumes (a window that masked
+    its loads took 160 and ran 1.17x its 128-register form); so does the multi-token kernel
+    under its cap, with no spill in its 32-token tiles (uncapped 64-token tiles took 168 and
+    ran 1.34x the one-token time; capped they spilled 92 bytes; perf-notes steps 15, 23 and
+    26)."""
     import re
 
     root = Path(__file__).resolve().parents[1]
@@ -412,7 +444,8 @@ def test_kernels_compile_for_sm90(tmp_path):
                              text=True, timeout=300)
         assert log.returncode == 0, log.stderr[-2000:]
         regs = int(re.search(r"Used (\d+) registers", log.stderr).group(1))
-        assert regs <= 128, (case, regs)
+        spills = int(re.search(r"(\d+) bytes spill stores", log.stderr).group(1))
+        assert regs <= 128 and spills == 0, (case, regs, spills)
 
 
 @pytest.mark.parametrize("change, unit", [
@@ -435,6 +468,47 @@ def test_window_one_unit_rule(change, unit):
     kw = dict(batch=64, num_kv_heads=8, sms=132, window_left=1024, q_len=1,
               kv_dtype=torch.bfloat16, head_dim=128, batch_invariant=False, forced_splits=0)
     assert window_one_unit(**{**kw, **change}) is unit
+
+
+@pytest.mark.parametrize("head_dim, kv_dtype, ragged, choose_tiles, expect", [
+    # the launcher's own choice, 16-bit at head_dim 128: 32 x 3 tiles, a split target of
+    # three units per SM, the cap of four resident programs (128)
+    (128, torch.bfloat16, False, True, dict(block_n=32, num_stages=3, ctas_per_sm=3,
+                                            maxnreg=128)),
+    (80, torch.float16, False, True, dict(block_n=32, num_stages=3, ctas_per_sm=3,
+                                          maxnreg=128)),
+    # a ragged batch keeps its split target of eight units per SM; the cap counts four
+    # resident programs (not eight: 64 registers would spill most of the kernel)
+    (128, torch.bfloat16, True, True, dict(block_n=32, num_stages=3, ctas_per_sm=8,
+                                           maxnreg=128)),
+    # a tuning override keeps its tiles; the cap counts at most four resident programs
+    (128, torch.bfloat16, False, False, dict(block_n=64, num_stages=2, ctas_per_sm=4,
+                                             maxnreg=128)),
+    (128, torch.bfloat16, True, False, dict(block_n=64, num_stages=3, ctas_per_sm=8,
+                                            maxnreg=128)),
+    # two programs per SM already leave 256 registers: nothing changes
+    (64, torch.bfloat16, False, True, dict(block_n=64, num_stages=3, ctas_per_sm=2,
+                                           maxnreg=None)),
+    (128, torch.float8_e4m3fn, False, True, dict(block_n=128, num_stages=3, ctas_per_sm=2,
+                                                 maxnreg=None)),
+    (128, torch.float32, False, True, dict(block_n=32, num_stages=3, ctas_per_sm=2,
+                                           maxnreg=None)),
+    (256, torch.bfloat16, False, True, dict(block_n=32, num_stages=3, ctas_per_sm=4,
+                                            maxnreg=None)),
+])
+def test_multi_token_config(head_dim, kv_dtype, ragged, choose_tiles, expect):
+    """Plans with ``q_len > 1`` take 32-token tiles 3 deep and a split target of three units
+    per SM where the one-token default is 64 x 2 at four (perf-notes step 26), under a cap of
+    four resident programs; the cap never counts a ragged batch's split target as resident
+    programs."""
+    from dataclasses import asdict
+
+    from pagedattn.launch.decode import choose_config, multi_token_config
+
+    cfg = choose_config(head_dim, 4, kv_dtype, 16, interpret=False, ragged=ragged)
+    got = asdict(multi_token_config(cfg, head_dim=head_dim, kv_dtype=kv_dtype,
+                                    choose_tiles=choose_tiles))
+    assert {k: got[k] for k in expect} == expect
 
 
 def test_window_one_unit_plan_against_the_oracle(device):

@@ -28,10 +28,32 @@ FP8_DTYPES = tuple(
 INDEX_DTYPES = (torch.int32, torch.int64)
 KV_LAYOUTS = ("NHD", "HND")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+#: most forced splits per sequence (a split holds at least one token; more only allocate)
+MAX_SPLITS = 1 << 16
+#: the largest finite float32: a Python float past it is inf in the kernels
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _fail(exc: type[Exception], name: str, expected: str, got: Any) -> None:
     raise exc(f"{name}: expected {expected}, got {got}")
+
+
+def _type_name(x: Any) -> str:
+    """``bool`` for a Python bool, ``numpy.bool`` for numpy's (the two print alike)."""
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+
+
+def _check_float32(name: str, x: Any, expected: str) -> float:
+    """A real number the kernels can hold: finite and within float32's range (a Python float
+    past it becomes inf there). Returns it as a float."""
+    try:
+        value = float(x)
+    except OverflowError:  # an int past float64's range
+        _fail(ValueError, name, expected, f"an int of {len(str(abs(x)))} digits")
+    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        _fail(ValueError, name, expected, x)
+    return value
 
 
 def _check_tensor(name: str, t: Any, rank: int, dtypes: tuple, dtype_words: str) -> None:
@@ -63,9 +85,13 @@ def check_device_runnable(name: str, t: torch.Tensor) -> None:
     are defined: ``TRITON_INTERPRET=1`` must be in the environment before ``triton`` is
     imported (this library never sets it). Raise a ``ValueError`` naming ``name`` when a CPU
     tensor comes without it, before any launch (Triton itself would fail with "0 active
-    drivers"). Reads no data and imports nothing; for a CUDA tensor it is one attribute test."""
-    if t.device.type != "cpu":
+    drivers"), and for a tensor on any other device (``meta``, ``mps``...). Reads no data and
+    imports nothing; for a CUDA tensor it is one attribute test."""
+    if t.device.type == "cuda":
         return
+    if t.device.type != "cpu":
+        _fail(ValueError, name, "a CUDA tensor (or a CPU one under TRITON_INTERPRET=1)",
+              f"a tensor on {t.device}")
     if not _interpreter_on():
         _fail(ValueError, name,
               "a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set in the environment "
@@ -107,9 +133,9 @@ def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) 
         return
     if isinstance(s, bool):
         _fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", "bool")
-    if isinstance(s, numbers.Real):
-        if not math.isfinite(float(s)):
-            _fail(ValueError, name, "a finite scale", s)
+    if isinstance(s, numbers.Real):  # a dequantization scale: positive (0 divides by zero)
+        if _check_float32(name, s, "a finite scale > 0 within float32's range") <= 0:
+            _fail(ValueError, name, "a finite scale > 0", s)
         return
     if not isinstance(s, torch.Tensor):
         _fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", type(s).__name__)
@@ -132,10 +158,11 @@ def check_variant_options(*, window_left, logits_soft_cap, batch_invariant, q_le
         if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
             _fail(TypeError, "logits_soft_cap", "a float or None",
                   type(logits_soft_cap).__name__)
-        if not (math.isfinite(float(logits_soft_cap)) and logits_soft_cap > 0):
+        if _check_float32("logits_soft_cap", logits_soft_cap,
+                          "a finite float > 0 within float32's range") <= 0:
             _fail(ValueError, "logits_soft_cap", "a finite float > 0", logits_soft_cap)
     if not isinstance(batch_invariant, bool):
-        _fail(TypeError, "batch_invariant", "a bool", type(batch_invariant).__name__)
+        _fail(TypeError, "batch_invariant", "a Python bool", _type_name(batch_invariant))
     _check_int("q_len", q_len, 1)
 
 
@@ -156,18 +183,17 @@ def _check_run_options(k_scale, v_scale, num_kv_heads: int, device, return_lse,
     check_scale_arg("k_scale", k_scale, num_kv_heads, device)
     check_scale_arg("v_scale", v_scale, num_kv_heads, device)
     if not isinstance(return_lse, bool):
-        _fail(TypeError, "return_lse", "a bool", type(return_lse).__name__)
+        _fail(TypeError, "return_lse", "a Python bool", _type_name(return_lse))
     if validate is not None and not isinstance(validate, bool):
-        _fail(TypeError, "validate", "None, True or False", type(validate).__name__)
+        _fail(TypeError, "validate", "None, True or False", _type_name(validate))
 
 
 def check_softmax_scale(scale: Any) -> None:
     """``scale``: None or a finite Python float."""
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            _fail(TypeError, "scale", "a Python float or None", type(scale).__name__)
-        if not math.isfinite(float(scale)):
-            _fail(ValueError, "scale", "a finite float", scale)
+            _fail(TypeError, "scale", "a Python float or None", _type_name(scale))
+        _check_float32("scale", scale, "a finite float within float32's range")
 
 
 def check_metadata(
@@ -210,9 +236,14 @@ def check_metadata(
         _fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
     if page_size < 1:
         _fail(ValueError, "page_size", "at least 1 (key_cache dim)", page_size)
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
+    if num_kv_heads < 1:
+        _fail(ValueError, "key_cache", f"num_kv_heads >= 1 (dim {1 if kv_layout == 'HND' else 2} "
+              f"in layout {kv_layout})", num_kv_heads)
+    if num_q_heads % num_kv_heads != 0:
         _fail(ValueError, "num_q_heads",
-              f"a multiple of num_kv_heads={num_kv_heads}", num_q_heads)
+              f"a multiple of num_kv_heads={num_kv_heads} (key_cache's dim "
+              f"{1 if kv_layout == 'HND' else 2} in layout {kv_layout}: is kv_layout right?)",
+              num_q_heads)
     if block_tables.shape[0] != batch:
         _fail(ValueError, "block_tables", f"{batch} rows (the batch)", block_tables.shape[0])
     if context_lens.shape[0] != batch:
@@ -221,9 +252,9 @@ def check_metadata(
     check_softmax_scale(scale)
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-            _fail(TypeError, "num_splits", "an int or None", type(num_splits).__name__)
-        if num_splits < 1:
-            _fail(ValueError, "num_splits", "an int >= 1 or None", num_splits)
+            _fail(TypeError, "num_splits", "an int or None", _type_name(num_splits))
+        if not 1 <= num_splits <= MAX_SPLITS:
+            _fail(ValueError, "num_splits", f"an int in [1, {MAX_SPLITS}] or None", num_splits)
     if out is not None:
         if not isinstance(out, torch.Tensor):
             _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
@@ -232,6 +263,7 @@ def check_metadata(
         if out.dtype != query.dtype:
             _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
         check_same_device("query", query.device, (("out", out),))
+        check_out_aliasing(out, query)
     _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate)
     check_variant_options(window_left=window_left, logits_soft_cap=logits_soft_cap,
                           batch_invariant=batch_invariant)
@@ -240,12 +272,47 @@ def check_metadata(
     check_device_runnable("query", query)
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[start, end)`` that a tensor's elements can touch."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def check_out_aliasing(out: torch.Tensor, query: torch.Tensor) -> None:
+    """``out`` is written by many programs at once: no two of its elements may share memory
+    (a broadcast view with stride 0, or overlapping strides), and it may share none with the
+    query unless it is the query itself (each program reads its query rows before writing
+    the same rows). Metadata only. Raises ValueError naming ``out``."""
+    dims = sorted((stride, size) for size, stride in zip(out.shape, out.stride(), strict=True)
+                  if size > 1)
+    reach = 1
+    for stride, size in dims:
+        if stride < reach:
+            _fail(ValueError, "out", "a tensor whose elements do not overlap (no stride-0 or "
+                  "overlapping dims)", f"strides {tuple(out.stride())} for shape "
+                  f"{tuple(out.shape)}")
+        reach = stride * size
+    if out.numel() and query.numel() and \
+            out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
+        same = (out.data_ptr() == query.data_ptr() and out.stride() == query.stride())
+        (a0, a1), (b0, b1) = _span(out), _span(query)
+        if not same and a0 < b1 and b0 < a1:
+            _fail(ValueError, "out", "memory apart from the query's, or the query itself",
+                  "a view overlapping the query")
+
+
 def check_values(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, num_pages: int, page_size: int
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_pages: int, page_size: int,
+    window_left: int = -1, q_len: int = 1,
 ) -> None:
     """Value checks: lengths in ``[0, max_pages * page_size]`` and used page ids in
     ``[0, num_pages)``. Reads the data (a host sync on CUDA). Raises ValueError naming the
-    argument and the first offending batch row."""
+    argument and the first offending batch row. With a sliding window the pages wholly
+    before the earliest query token's window are never read, so they may hold anything
+    (a server frees them: -1)."""
     batch, max_pages = block_tables.shape
     if batch == 0:
         return
@@ -259,6 +326,9 @@ def check_values(
     used_pages = (lens.clamp(0, capacity) + page_size - 1) // page_size  # [batch]
     cols = torch.arange(max_pages, device=block_tables.device)
     used = cols[None, :] < used_pages[:, None]
+    if window_left >= 0:  # the first key any query token sees, and its page
+        first_page = (lens.clamp(0, capacity) - q_len - window_left).clamp(min=0) // page_size
+        used &= cols[None, :] >= first_page[:, None]
     ids = block_tables.long()
     bad_ids = used & ((ids < 0) | (ids >= num_pages))
     if bool(bad_ids.any()):
@@ -268,11 +338,13 @@ def check_values(
               int(ids[row, col]))
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    """An integer (Python's or numpy's) in ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _fail(TypeError, name, "an int", type(value).__name__)
-    if value < low:
-        _fail(ValueError, name, f"an int >= {low}", value)
+        _fail(TypeError, name, "an int", _type_name(value))
+    if value < low or (high is not None and value > high):
+        _fail(ValueError, name, f"an int >= {low}" if high is None
+              else f"an int in [{low}, {high}]", value)
 
 
 def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim, page_size,
@@ -303,7 +375,7 @@ def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_di
     if kv_layout not in KV_LAYOUTS:
         _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
     if num_splits is not None:
-        _check_int("num_splits", num_splits, 1)
+        _check_int("num_splits", num_splits, 1, MAX_SPLITS)
 
 
 def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, out,
@@ -336,6 +408,7 @@ def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, o
         if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
             _fail(ValueError, "out", f"a {query.dtype} tensor of shape {tuple(query.shape)} on "
                   f"{query.device}", f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        check_out_aliasing(out, query)
     _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate)
 
 
@@ -402,16 +475,23 @@ def check_host_context_lens(lens: Any, batch: int) -> list[int]:
     """``plan_decode``'s optional host copy of the lengths: a sequence of ``batch`` ints or a
     CPU integer tensor of shape ``[batch]``. Returns them as a list of ints."""
     if isinstance(lens, torch.Tensor):
-        if lens.device.type != "cpu" or lens.is_floating_point() or lens.dim() != 1:
+        if lens.device.type != "cpu" or lens.is_floating_point() or lens.dim() != 1 \
+                or lens.dtype == torch.bool:
             _fail(ValueError, "host_context_lens", "a 1-D integer CPU tensor (a host copy)",
                   f"{lens.dtype} {tuple(lens.shape)} on {lens.device}")
         values = lens.tolist()
     else:
         try:
-            values = [int(n) for n in lens]
-        except (TypeError, ValueError):
+            values = list(lens)
+        except TypeError:
             _fail(TypeError, "host_context_lens", "a sequence of ints or a CPU tensor",
                   type(lens).__name__)
+        bad = next((n for n in values if isinstance(n, bool)
+                    or not isinstance(n, numbers.Integral)), None)
+        if bad is not None:  # a float length would be truncated silently
+            _fail(TypeError, "host_context_lens", "a sequence of ints or a CPU tensor",
+                  f"an entry {bad!r}")
+        values = [int(n) for n in values]
     if len(values) != batch:
         _fail(ValueError, "host_context_lens", f"{batch} entries (the batch)", len(values))
     return values

@@ -74,6 +74,9 @@ IMPLS: dict[str, ImplSpec] = {
 }
 STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
 #: the variant arguments at their "off" values
+#: the widest window the kernels hold (int32); a wider one sees every key, as -1 does
+_INT32_MAX = (1 << 31) - 1
+
 _VARIANT_DEFAULTS = {"window_left": -1, "logits_soft_cap": None, "sinks": None,
                      "alibi_slopes": None, "batch_invariant": False}
 
@@ -114,14 +117,16 @@ def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
         raise ValueError(f"return_lse: impl={impl!r} does not return the LSE; use impl='auto'")
 
 
-def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate) -> None:
+def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
+                      window_left=-1, q_len=1) -> None:
     on_cpu = query.device.type == "cpu"
     if validate is False or (validate is None and not on_cpu):
         return
     if validate and not on_cpu and torch.cuda.is_current_stream_capturing():
         raise ValueError("validate: True needs a device-to-host sync, which CUDA-graph capture "
                          "forbids; validate eagerly before capturing, or pass validate=None")
-    V.check_values(block_tables, context_lens, num_pages, page_size)
+    V.check_values(block_tables, context_lens, num_pages, page_size,
+                   window_left=min(int(window_left), _INT32_MAX), q_len=q_len)
 
 
 def _on_device(device: torch.device):
@@ -159,12 +164,14 @@ class DecodePlan:
         # time that no later run repays
         self._one_shot = one_shot
         self.ragged = ragged
-        self.q_len, self.window_left = q_len, window_left
+        # a window past int32 sees every key (the kernels hold it in 32 bits)
+        self.q_len, self.window_left = int(q_len), min(int(window_left), _INT32_MAX)
         self.logits_soft_cap, self.batch_invariant = logits_soft_cap, batch_invariant
-        self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
-        self.head_dim, self.page_size = head_dim, page_size
+        # numpy integers pass validation (numbers.Integral); the launcher takes Python ints
+        self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
+        self.head_dim, self.page_size = int(head_dim), int(page_size)
         self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
-        self.num_splits = num_splits
+        self.num_splits = None if num_splits is None else int(num_splits)
         self.batch = block_tables.shape[0]
         self.device = block_tables.device
         # a multi-token plan takes 4-D queries [batch, q_len, num_q_heads, head_dim]
@@ -222,7 +229,8 @@ class DecodePlan:
             V.check_head_tensor("alibi_slopes", alibi_slopes, self.num_q_heads, self.device)
         if self._on_cpu or validate:
             _run_value_checks(query, self.block_tables, self.context_lens,
-                              key_cache.shape[0], self.page_size, validate)
+                              key_cache.shape[0], self.page_size, validate,
+                              window_left=self.window_left, q_len=self.q_len)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                             return_lse, sinks, alibi_slopes)
 
@@ -241,7 +249,12 @@ class DecodePlan:
                 and type(value_cache) is torch.Tensor and value_cache.shape == key_cache.shape
                 and value_cache.dtype == self.kv_dtype and value_cache.device == device
                 and (out is None or (type(out) is torch.Tensor and out.shape == q_shape
-                                     and out.dtype == self.q_dtype and out.device == device))
+                                     and out.dtype == self.q_dtype and out.device == device
+                                     and out.is_contiguous()
+                                     and (out.untyped_storage().data_ptr()
+                                          != query.untyped_storage().data_ptr()
+                                          or out.data_ptr() == query.data_ptr()
+                                          and out.stride() == query.stride())))
                 and (scale is None or (type(scale) is float and math.isfinite(scale)))
                 and (k_scale is None or (type(k_scale) is float and math.isfinite(k_scale)))
                 and (v_scale is None or (type(v_scale) is float and math.isfinite(v_scale)))
@@ -392,7 +405,8 @@ def paged_decode(
             refused under CUDA-graph capture); ``False`` skips them.
         window_left: sliding window (Mistral; Gemma 2/3's local layers): the query token at
             position ``i`` sees keys ``p`` with ``i - window_left <= p <= i``; ``-1`` (default)
-            is no window. Pages wholly before the window are never read, and the splits
+            is no window (as is any window at least as wide as the context). Pages wholly
+            before the window are never read, and the splits
             balance the visible tokens, so time scales with the window, not the context.
         logits_soft_cap: a float > 0 (Gemma 2: 50.0 for attention): the logits
             ``s = scale·q·k`` become ``cap·tanh(s / cap)`` before any bias and the softmax.
@@ -416,10 +430,13 @@ def paged_decode(
     Raises:
         TypeError: a non-tensor argument, or a wrong dtype (mixed query/cache dtypes, non-integer
             ``block_tables``/``context_lens``, an fp8 query).
-        ValueError: a wrong rank or shape, mixed devices, ``num_q_heads % num_kv_heads != 0``,
-            ``head_dim`` outside [16, 256], an unknown ``impl``/``kv_layout``, ``num_splits < 1``,
-            a bad scale shape, ``window_left < -1``, ``logits_soft_cap`` not a finite float
-            > 0, ``sinks``/``alibi_slopes`` not ``[num_q_heads]`` float32 on the query's
+        ValueError: a wrong rank or shape, mixed devices (or a device other than CUDA or the
+            CPU with ``TRITON_INTERPRET=1``), ``num_q_heads % num_kv_heads != 0``, ``head_dim``
+            outside [16, 256], an unknown ``impl``/``kv_layout``, ``num_splits`` outside
+            [1, 65536], a bad scale shape, ``scale``/``k_scale``/``v_scale`` past float32's
+            range, ``window_left < -1``, ``logits_soft_cap`` not a finite float32 > 0, an
+            ``out`` whose elements overlap or that overlaps the query (``out`` may be the
+            query itself), ``sinks``/``alibi_slopes`` not ``[num_q_heads]`` float32 on the query's
             device (TypeError for a wrong dtype), an option the impl cannot honour (every
             variant and 4-D queries are ``impl="auto"`` only), or (when value checks run)
             a length outside ``[0, max_pages * page_size]`` or a used page id outside
@@ -461,11 +478,14 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
         k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, validate=validate,
         **variants,
     )
+    num_splits = None if num_splits is None else int(num_splits)  # numpy ints pass the check
     spec = IMPLS[impl]
     _check_capabilities(spec, key_cache, kv_layout, k_scale, v_scale, return_lse, query,
                         variants)
     num_pages, page_size, num_kv_heads, head_dim = V.cache_dims(key_cache, kv_layout)
-    _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate)
+    _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
+                      window_left=window_left if IMPLS[impl].planned else -1,
+                      q_len=query.shape[1] if query.dim() == 4 else 1)
     batch, num_q_heads = query.shape[0], query.shape[-2]
     if spec.planned:
         q_len = query.shape[1] if query.dim() == 4 else 1
@@ -565,8 +585,12 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all-empty: 0
     w = torch.exp(lse32 - top)  # [S, ..., H], 0 for an empty state
     total = w.sum(dim=0)
-    merged = (w.unsqueeze(-1) * outs.to(torch.float32)).sum(dim=0)
+    # an empty state adds nothing, whatever its out holds (0 x NaN would be NaN)
+    weighted = torch.where((w != 0).unsqueeze(-1), w.unsqueeze(-1) * outs.to(torch.float32),
+                           0.0)
+    merged = weighted.sum(dim=0)
     nonempty = total > 0
     merged = merged / torch.where(nonempty, total, torch.ones_like(total)).unsqueeze(-1)
-    lse = torch.where(nonempty, torch.log(total) + top, torch.full_like(total, -math.inf))
+    # only an all-empty merge is -inf: a NaN LSE stays NaN (it was reported as empty)
+    lse = torch.where(total == 0, torch.full_like(total, -math.inf), torch.log(total) + top)
     return DecodeOutput(merged.to(outs.dtype), lse)

@@ -76,6 +76,14 @@ def _use_interpreter_without_gpu() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: Python's ``MemoryError``, torch's CUDA ``OutOfMemoryError``
+    (a ``RuntimeError``), or its CPU allocator's ``RuntimeError`` ("can't allocate")."""
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, RuntimeError) and ("can't allocate" in text or "out of memory" in text))
+
+
 def _command(name: str):
     """The object with ``add_arguments``/``main`` for subcommand ``name``."""
     return COMMANDS[name][0]()
@@ -98,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
             return int(_command(args.command).main(args) or 0)
     except (ArgumentError, OSError) as e:  # a bad --gguf/--device; an unwritable output path
         print(f"pagedattn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:  # a batch or context too large for this machine
+        if not _out_of_memory(e):
+            raise
+        why = (str(e) or type(e).__name__).splitlines()[0][:200]
+        print(f"pagedattn {args.command}: error: out of memory ({why}); ask for a smaller "
+              "--batch or --max-context", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"pagedattn {args.command}: interrupted", file=sys.stderr)

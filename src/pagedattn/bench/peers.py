@@ -336,7 +336,8 @@ def load_peer_file(text: str) -> PeerFile:
         raise ValueError(f"peer file: no such file {str(path)!r}")
     try:
         module = _load_module(path.resolve())
-    except Exception as e:  # noqa: BLE001 - the user's file: report, do not crash
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's file: report it
+        # (a file that calls sys.exit while loading would end the benchmark silently)
         raise ValueError(f"peer file {path}: import failed: {type(e).__name__}: {e}") from None
     func = getattr(module, func_name, None)
     if not callable(func):

@@ -43,8 +43,10 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): exp2-domain LSE -> natural log
 
 @triton.jit
 def _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity):
-    n = tl.load(context_lens_ptr + b * stride_ctx).to(tl.int32)
-    return tl.minimum(tl.maximum(n, 0), capacity)
+    """A sequence's length clamped to ``[0, capacity]`` in the dtype it is stored in, then
+    narrowed to int32 (an int64 length past 2^31 clamps to the capacity, never wraps)."""
+    n = tl.load(context_lens_ptr + b * stride_ctx)
+    return tl.minimum(tl.maximum(n, 0), capacity).to(tl.int32)
 
 
 @triton.jit
@@ -175,10 +177,12 @@ def _fold_sink(m, l, sink2):
     """Fold a sink logit ``sink2`` (exp2 domain) into a final state ``(m, l)``: the
     denominator gains ``2^sink2``, the numerator nothing. Returns ``(m_new, l_new, alpha)``;
     the caller scales its accumulator by ``alpha``. A row that saw no key (``m = -inf``,
-    ``l = 0``) gets ``m_new = sink2, l_new = 1``: out 0 and LSE = the sink."""
+    ``l = 0``) gets ``m_new = sink2, l_new = 1``: out 0 and LSE = the sink, also for a sink of
+    ``-inf`` (a head without one: the sink's term is 1 where it equals the new max, never
+    ``exp2(-inf - -inf)``)."""
     m_new = tl.maximum(m, sink2)
     alpha = _rescale(m, m_new)
-    return m_new, l * alpha + tl.exp2(sink2 - m_new), alpha
+    return m_new, l * alpha + tl.where(sink2 == m_new, 1.0, tl.exp2(sink2 - m_new)), alpha
 
 
 @triton.jit

@@ -134,7 +134,7 @@ def _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity, window_
     for b0 in range(0, batch, BLOCK_B):
         offs_b = b0 + tl.arange(0, BLOCK_B)
         n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
-        n = tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity)
+        n = tl.minimum(tl.maximum(n, 0), capacity).to(tl.int32)  # clamped before narrowing
         if HAS_WINDOW:
             _, n = _visible_tokens(n, window_left, Q_LEN, BLOCK_N)
         total += tl.sum(n.to(tl.int64))
@@ -164,7 +164,7 @@ def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_
     for b0 in range(0, batch, BLOCK_B):
         offs_b = b0 + tl.arange(0, BLOCK_B)
         n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
-        n = tl.minimum(tl.maximum(n.to(tl.int32), 0), capacity)
+        n = tl.minimum(tl.maximum(n, 0), capacity).to(tl.int32)  # clamped before narrowing
         if HAS_WINDOW:  # split the visible tokens only
             _, n = _visible_tokens(n, window_left, Q_LEN, BLOCK_N)
         rows = tl.cdiv(n, _chunk_of(n, chunk, forced_splits, BLOCK_N))

@@ -84,7 +84,8 @@ class DecodeConfig:
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
-#: written by ``scripts/tune_decode.py`` on that GPU
+#: written by ``scripts/sweep_decode.py --write-table`` on that GPU (none ships: the heuristic
+#: serves every GPU)
 _TUNED_DIR = Path(__file__).with_name("tuned")
 
 
@@ -226,6 +227,36 @@ def window_one_unit(*, batch: int, num_kv_heads: int, sms: int, window_left: int
             and 2 * batch * num_kv_heads >= 3 * sms)
 
 
+# programs per SM that the multi-token kernel's register cap keeps resident, at most: the split
+# target (ctas_per_sm) may ask for more units than that (a ragged batch: eight per SM), which
+# is a count of units to plan, not of programs resident at once
+_MULTI_TOKEN_RESIDENT_MAX = 4
+
+
+def multi_token_config(cfg: DecodeConfig, *, head_dim: int, kv_dtype: torch.dtype,
+                       choose_tiles: bool) -> DecodeConfig:
+    """The tiles, split target and register cap of a plan with ``q_len > 1`` (speculative
+    decoding).
+
+    Multi-token rows add live values: on sm_90 the q_len=4 kernel takes 168 registers, so
+    three programs per SM fit where the one-token kernel (118) fits four: 1.35x the time
+    (perf-notes step 15). The cap keeps ``min(ctas_per_sm, 4)`` programs resident (a ragged
+    batch's split target of eight units per SM is not residency). For 16-bit caches at
+    head_dim 65-128 (``choose_tiles``: the launcher's own choice, not a tuning override),
+    32-token tiles 3 deep fit the 128 cap with no spill (64 x 2 spill 92 bytes), and a split
+    target of three units per SM (four stay resident) ran 2.2 % faster than the capped 64 x 2
+    tiles at four on b64-c2k (perf-notes step 26; measured at q_len=4, group 4); a ragged
+    batch keeps its own split target."""
+    bd = block_d(head_dim)
+    if cfg.maxnreg is not None or bd > 128:
+        return cfg
+    cap = 65536 // (min(cfg.ctas_per_sm, _MULTI_TOKEN_RESIDENT_MAX) * cfg.num_warps * 32) // 8 * 8
+    if choose_tiles and bd > 64 and kv_dtype in (torch.float16, torch.bfloat16):
+        cfg = replace(cfg, block_n=32, num_stages=3,
+                      ctas_per_sm=3 if cfg.ctas_per_sm <= 4 else cfg.ctas_per_sm)
+    return replace(cfg, maxnreg=cap) if cap < 255 else cfg
+
+
 def merge_per_group(batch: int, num_kv_heads: int, sms: int) -> bool:
     """One merge program per (sequence, kv head) when those fill the SMs, else one per
     (sequence, query head)."""
@@ -263,20 +294,19 @@ class AutoLauncher:
             head_dim, group, kv_dtype, page_size, interpret,
             device_name_for(device) if on_gpu else None, ragged and not batch_invariant)
         bd = block_d(head_dim)
-        if q_len > 1 and cfg.maxnreg is None and bd <= 128:
-            # multi-token rows add live values that push ptxas past the registers of
-            # ctas_per_sm resident programs (sm_90, q_len=4: 168 against the one-token
-            # kernel's 118, so three programs per SM instead of four and 1.35x the time);
-            # capped, a few bytes spill and q_len=4 costs 1.04x q_len=1 (perf-notes step 15)
-            cap = 65536 // (cfg.ctas_per_sm * cfg.num_warps * 32) // 8 * 8
-            if cap < 255:
-                self.config = cfg = replace(cfg, maxnreg=cap)
+        if q_len > 1:
+            self.config = cfg = multi_token_config(
+                cfg, head_dim=head_dim, kv_dtype=kv_dtype,
+                choose_tiles=config is None and not interpret)
         self.q_len, self.window_left, self.softcap = q_len, window_left, softcap
         self.batch_invariant = batch_invariant
         self.batch, self.num_q_heads, self.num_kv_heads = batch, num_q_heads, num_kv_heads
         self.group, self.page_size, self.max_pages = group, page_size, max_pages
         self.device = device
-        self.forced_splits = int(num_splits or 0)
+        # a split holds at least one tile: forced splits past the table's tiles would only
+        # launch programs that find no token (the pieces are the same either way)
+        self.forced_splits = min(int(num_splits or 0),
+                                 max(1, cdiv(max_pages * page_size, cfg.block_n)))
         self.block_d = bd
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if on_gpu else 4
