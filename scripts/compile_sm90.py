@@ -6,9 +6,15 @@ This drives :class:`~pagedattn.launch.decode.AutoLauncher` with its kernels swap
 stand-in that compiles ``kernel[grid](**kwargs)`` with ``triton.compile`` for ``cuda:90``
 (Triton's front end, its GPU passes and the bundled ``ptxas``) instead of launching, for each
 variant combination below. ``--ptx-dir`` writes each binary's PTX (to compare the plain
-kernel's code before and after a change). Run without ``TRITON_INTERPRET``::
+kernel's code before and after a change); ``--compare DIR`` checks each PTX against DIR's
+file of the same name, instructions only (the ``.loc``/``.file`` lines and the DWARF sections
+that follow the code hold source line numbers, which any edit above a kernel shifts), and exits
+1 if any differs. Run without ``TRITON_INTERPRET``; to compare with an older commit's ``src/``::
 
-    PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx-dir DIR]
+    PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx-dir DIR] [--compare OLD_DIR]
+    git archive OLD src | tar x -C /tmp/old
+    PYTHONPATH=/tmp/old/src python3 scripts/compile_sm90.py --ptx-dir /tmp/old-ptx
+    PYTHONPATH=src python3 scripts/compile_sm90.py --ptx-dir /tmp/new-ptx --compare /tmp/old-ptx
 """
 
 from __future__ import annotations
@@ -122,11 +128,31 @@ def compile_case(name: str) -> dict:
                            **tensors)
 
 
+def ptx_code(ptx: str) -> list[str]:
+    """A PTX file's instructions and declarations: without the ``.loc``/``.file`` directives,
+    comments and the DWARF ``.section .debug_*`` blocks (line numbers, not code)."""
+    lines = []
+    for line in ptx.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(".section") and ".debug" in stripped:
+            break
+        if stripped.startswith((".loc", ".file")):
+            continue
+        code = line.split("//", 1)[0].rstrip()
+        if code:
+            lines.append(code)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(CASES), help="comma list (default: all)")
     p.add_argument("--ptx-dir", help="write each compiled kernel's PTX here")
+    p.add_argument("--compare", metavar="DIR",
+                   help="compare each kernel's instructions with DIR/<case>.<kind>.ptx (exit 1 "
+                        "if any differs or is missing)")
     args = p.parse_args(argv)
+    differ = 0
     for name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
         setattr(L, name, _Compile(getattr(L, name)))
     L._direct_launch_supported = lambda: False
@@ -138,7 +164,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.ptx_dir:
                 Path(args.ptx_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.ptx_dir, f"{case}.{kind}.ptx").write_text(c.asm["ptx"])
-    return 0
+            if args.compare:
+                old = Path(args.compare, f"{case}.{kind}.ptx")
+                if not old.is_file():
+                    verdict = f"no {old} to compare"
+                elif ptx_code(old.read_text()) == ptx_code(c.asm["ptx"]):
+                    verdict = "same instructions as"
+                else:
+                    verdict = "DIFFERENT instructions from"
+                differ += not verdict.startswith("same")
+                print(f"  {verdict} {old}" if old.is_file() else f"  {verdict}", flush=True)
+    if args.compare:
+        print(f"compare: {differ} kernel(s) differ from {args.compare}")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

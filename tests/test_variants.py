@@ -446,6 +446,23 @@ def test_kernels_compile_for_sm90(tmp_path):
         regs = int(re.search(r"Used (\d+) registers", log.stderr).group(1))
         spills = int(re.search(r"(\d+) bytes spill stores", log.stderr).group(1))
         assert regs <= 128 and spills == 0, (case, regs, spills)
+    # --compare: the same source compiles to the same instructions; an edited instruction
+    # (not a line number) is reported and fails the run
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    for kind in ("paged_decode", "paged_decode_merge"):
+        text = (tmp_path / f"plain-bf16.{kind}.ptx").read_text()
+        # a source line number in a .loc directive is not code
+        (ref / f"plain-bf16.{kind}.ptx").write_text(re.sub(r"\.loc\t(\d+) (\d+)", r".loc\t\1 9\2", text))
+    compare = [sys.executable, str(root / "scripts" / "compile_sm90.py"), "--cases",
+               "plain-bf16", "--compare", str(ref)]
+    same = subprocess.run(compare, env=env, capture_output=True, text=True, timeout=600)
+    assert same.returncode == 0 and "compare: 0 kernel(s) differ" in same.stdout, same.stdout
+    main = ref / "plain-bf16.paged_decode.ptx"
+    main.write_text(main.read_text().replace("ld.global", "ld.global.nc", 1))
+    diff = subprocess.run(compare, env=env, capture_output=True, text=True, timeout=600)
+    assert diff.returncode == 1 and "DIFFERENT instructions from" in diff.stdout, diff.stdout
+    assert "compare: 1 kernel(s) differ" in diff.stdout
 
 
 @pytest.mark.parametrize("change, unit", [
