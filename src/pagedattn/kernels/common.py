@@ -164,12 +164,19 @@ def _attend_tokens(
 @triton.jit
 def _soft_cap(s, cap):
     """Gemma 2's soft-cap on exp2-domain scores ``s = s_nat · log2 e``: returns
-    ``cap · tanh(s_nat / cap) · log2 e``. ``tanh`` as ``(1 - e) / (1 + e)`` with
-    ``e = exp(-2|x|)`` (no overflow for any ``|x|``: huge logits give exactly ±cap)."""
+    ``cap · tanh(s_nat / cap) · log2 e``. With ``x = s_nat / cap``: for ``|x| >= 1/16``,
+    ``tanh`` as ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` (no overflow for any ``|x|``:
+    huge logits give exactly ±cap); below, ``s · (1 - x²/3 + 2x⁴/15)`` (tanh's odd series
+    times ``cap / x``, relative error < 4e-9), where ``1 - e`` would cancel: with a cap far
+    above the logits the quotient lost all precision (a cap of 1e8 gave uniform attention),
+    and a subnormal ``x`` flushed to zero still gives ``s``."""
     x = s * (LN2 / cap)  # s_nat / cap
-    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    ax = tl.abs(x)
+    e = tl.exp2(ax * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t) * (cap * LOG2E)
+    x2 = ax * ax
+    series = s * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0)))
+    return tl.where(ax < 0.0625, series, tl.where(x < 0, -t, t) * (cap * LOG2E))
 
 
 @triton.jit
