@@ -272,3 +272,43 @@ def test_cache_with_append_kv_and_paged_decode_matches_the_oracle(device, cache_
     assert c.block_table("a")[0] == c.block_table("a2")[0]  # the full page is still shared
     assert c.block_table("a")[1] != c.block_table("a2")[1]  # the partial one was copied
     check_invariants(c)
+
+
+def test_a_forked_pair_appending_together_copies_the_shared_page_once():
+    """Parent and child share a partial page: appending to both in one step copies it once
+    (the first writer copies, the second then holds the original alone). Counting a copy for
+    each raised CacheFullError with one page free, where two separate appends succeeded."""
+    c = PagedKVCache(1, 1, 16, num_pages=2, page_size=4, dtype=torch.float32)
+    c.add_sequence("p")
+    c.append("p", 2)
+    c.fork("p", "c")
+    assert c.num_free_pages == 1
+    slots = c.reserve(["p", "c"], [1, 1])
+    assert c.num_free_pages == 0 and [len(s) for s in slots] == [1, 1]
+    assert c.block_table("p") != c.block_table("c")  # each now writes its own page
+    assert all(c.refcount(p) == 1 for p in c.block_table("p") + c.block_table("c"))
+
+
+def test_three_sequences_sharing_a_page_need_two_copies():
+    c = PagedKVCache(1, 1, 16, num_pages=3, page_size=4, dtype=torch.float32)
+    c.add_sequence("a")
+    c.append("a", 1)
+    c.fork("a", "b")
+    c.fork("a", "c")
+    with pytest.raises(CacheFullError):  # two copies and a second page for "c": 3 > 2 free
+        c.reserve(["a", "b", "c"], [1, 1, 5])
+    assert c.num_free_pages == 2 and c.seq_len("a") == 1  # nothing changed
+    c.reserve(["a", "b", "c"], [1, 1, 1])
+    assert c.num_free_pages == 0
+
+
+@pytest.mark.parametrize("count", [1.5, float("nan"), "1", True])
+def test_reserve_checks_every_count_before_changing_anything(count):
+    """A non-int count raised TypeError from inside the append after a page was taken and
+    the length set to 1.5 (or NaN): the cache promises errors leave it as it was."""
+    c = PagedKVCache(1, 1, 16, num_pages=4, page_size=4, dtype=torch.float32)
+    c.add_sequence("a")
+    c.add_sequence("b")
+    with pytest.raises(TypeError, match="num_tokens: expected ints"):
+        c.reserve(["a", "b"], [1, count])
+    assert c.seq_len("a") == 0 and c.seq_len("b") == 0 and c.num_free_pages == 4

@@ -156,3 +156,33 @@ def test_torch_compile_fullgraph_model_decode_step(device):
     assert rel_l2_error(got, eager) <= 1e-4
     assert rel_l2_error(cache.kv, eager_kv) <= 1e-5  # inductor may round K/V differently
     assert int((cache.kv != snapshot).sum()) == int((eager_kv != snapshot).sum())
+
+
+@pytest.mark.parametrize("kw, exc, name", [
+    (dict(k_scale=float("nan")), ValueError, "k_scale"),
+    (dict(k_scale=0.0), ValueError, "k_scale"),
+    (dict(k_scale=-2.0), ValueError, "k_scale"),
+    (dict(k_scale=True), TypeError, "k_scale"),
+    (dict(k_scale=1e300), ValueError, "k_scale"),
+    (dict(scale=True), TypeError, "scale"),
+    (dict(num_splits=True), TypeError, "num_splits"),
+    (dict(batch_invariant=1), TypeError, "batch_invariant"),
+])
+def test_wrappers_check_the_callers_values_before_making_tensors(device, kw, exc, name):
+    """The wrappers turned float scales into tensors before any check: a NaN scale gave NaN
+    output, 0 ran, 1e300 raised a bare RuntimeError, and bools passed the op's schema. The
+    eager API's errors come first now, as the module promises."""
+    inp = tiny_inputs(device, cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(exc, match=f"^{name}: expected"):
+        ops.paged_decode(*inp, **kw)
+
+
+@pytest.mark.parametrize("k_scale", [0.0, float("nan"), True])
+def test_append_kv_wrapper_checks_float_scales(device, k_scale):
+    """``ops.append_kv(..., k_scale=0.0)`` filled the cache with 448 (e4m3's saturation)."""
+    kc = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn, device=device)
+    vc = kc.clone()
+    key = torch.randn(2, 2, 16, device=device)
+    with pytest.raises((ValueError, TypeError), match="^k_scale: expected"):
+        ops.append_kv(key, key, kc, vc, torch.tensor([0, 1], device=device), k_scale=k_scale)
+    assert (kc.float() == 0).all()

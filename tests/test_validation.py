@@ -6,6 +6,7 @@ capture.
 """
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -450,3 +451,98 @@ def test_a_window_leaves_the_pages_before_it_free():
     freed[0, (70 - 1 - 9) // 4] = -1  # the window's first page
     with pytest.raises(ValueError, match=r"block_tables.*row 0, column 15"):
         pagedattn.paged_decode(*inp[:3], freed, inp.context_lens, window_left=9)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("scale", 3e38), ("scale", -2.4e38), ("logits_soft_cap", 3e38), ("k_scale", 2.4e38),
+    ("logits_soft_cap", 1e-40),
+])
+def test_scalars_the_kernels_multiply_by_log2e_stay_finite(name, value):
+    """The kernels work in base 2: ``scale``, the soft-cap and the fp8 scales are multiplied
+    by log2(e) (the cap's reciprocal taken too), so a value within float32's range but past
+    FLOAT32_MAX / log2(e) became inf there (scale=3e38: error 0.71; cap=3e38: all NaN)."""
+    args = _base()
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        pagedattn.paged_decode(*args, **{name: value})
+
+
+def test_scale_times_k_scale_must_stay_finite():
+    args = list(make_paged_inputs([5, 17], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                                  page_size=8, dtype=FP16, cache_dtype=FP8))
+    with pytest.raises(ValueError, match="^k_scale: expected scale \\* k_scale"):
+        pagedattn.paged_decode(*args, scale=1e30, k_scale=1e30)
+    plan = pagedattn.plan_decode(args[3], args[4], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                                 page_size=8, q_dtype=FP16, kv_dtype=FP8)
+    with pytest.raises(ValueError, match="^k_scale: expected scale \\* k_scale"):
+        plan.run(*args[:3], scale=1e30, k_scale=1e30)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), 1e300])
+@pytest.mark.parametrize("where", ["paged_decode", "plan.run", "append_kv"])
+def test_tensor_fp8_scales_are_value_checked(where, value):
+    """fp8 scales given as tensors were never value-checked: a NaN scale gave NaN output, 0 or
+    NaN stored saturated garbage (448 / 384) in the cache. Where value checks run (CPU
+    tensors, or validate=True) they now raise a ValueError naming the scale, as a float
+    scale does."""
+    args = list(make_paged_inputs([5, 17], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                                  page_size=8, dtype=FP16, cache_dtype=FP8))
+    bad = torch.tensor([1.0, value], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^k_scale: expected finite scales > 0 .*\(entry 1\)"):
+        if where == "paged_decode":
+            pagedattn.paged_decode(*args, k_scale=bad)
+        elif where == "plan.run":
+            plan = pagedattn.plan_decode(args[3], args[4], num_q_heads=4, num_kv_heads=2,
+                                         head_dim=32, page_size=8, q_dtype=FP16, kv_dtype=FP8)
+            plan.run(*args[:3], k_scale=bad)
+        else:
+            key = torch.randn(2, 2, 32)
+            pagedattn.append_kv(key, key, args[1], args[2], torch.tensor([0, 1]), k_scale=bad)
+
+
+@pytest.mark.parametrize("name, values", [
+    ("sinks", [0.0, float("nan"), 0.0, 0.0]), ("sinks", [0.0, 0.0, 2.4e38, 0.0]),
+    ("sinks", [0.0, 0.0, 0.0, float("inf")]), ("alibi_slopes", [0.0, float("nan"), 0.0, 0.0]),
+    ("alibi_slopes", [0.0, float("-inf"), 0.0, 0.0]),
+])
+def test_sink_and_slope_values_are_checked(name, values):
+    """A sink of 2.4e38 is inf once multiplied by log2(e) (the LSE came back inf); NaN sinks
+    or slopes gave NaN. A sink of -inf is a head without one and stays valid."""
+    args = _base(dtype=torch.float32)
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        pagedattn.paged_decode(*args, **{name: torch.tensor(values)})
+    ok = pagedattn.paged_decode(*args, sinks=torch.tensor([0.0, -math.inf, 1.0, -2.0]))
+    assert torch.isfinite(ok).all()
+
+
+@pytest.mark.parametrize("which", ["key_cache", "value_cache"])
+@pytest.mark.parametrize("path", ["paged_decode", "plan.run"])
+def test_an_out_overlapping_a_cache_is_refused(which, path):
+    """``out`` written while the caches are read: a view into a cache gave wrong output
+    (error 0.21); only overlap with the query was refused."""
+    q, k, v, bt, cl = make_paged_inputs([3, 9, 30], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                        page_size=4, dtype=torch.float32, poison=False)
+    cache = k if which == "key_cache" else v
+    out = cache.view(-1, 16)[:12].view(3, 4, 16)
+    with pytest.raises(ValueError, match=f"^out: expected memory apart from {which}'s"):
+        if path == "paged_decode":
+            pagedattn.paged_decode(q, k, v, bt, cl, out=out)
+        else:
+            plan = pagedattn.plan_decode(bt, cl, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                         page_size=4, q_dtype=torch.float32)
+            plan.run(q, k, v, out=out)
+
+
+def test_a_sparse_query_is_a_type_error_naming_it():
+    args = _base(dtype=torch.float32)
+    args[0] = args[0].to_sparse()
+    with pytest.raises(TypeError, match="^query: expected a dense"):
+        pagedattn.paged_decode(*args)
+
+
+@pytest.mark.parametrize("lens", [torch.tensor([1, 2, 3], dtype=torch.complex64),
+                                  torch.tensor([1.0, 2.0, 3.0])])
+def test_host_context_lens_must_be_integers(lens):
+    args = _base()
+    with pytest.raises(ValueError, match="^host_context_lens: expected a 1-D integer CPU"):
+        pagedattn.plan_decode(args[3], args[4], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                              page_size=8, q_dtype=FP16, host_context_lens=lens)

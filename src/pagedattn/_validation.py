@@ -32,6 +32,13 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_SPLITS = 1 << 16
 #: the largest finite float32: a Python float past it is inf in the kernels
 FLOAT32_MAX = 3.4028234663852886e38
+#: the largest magnitude of a scalar that the kernels multiply by log2(e) (their softmax runs
+#: in base 2): ``scale``, ``logits_soft_cap``, the fp8 scales and the sinks; past it the
+#: product is inf in float32 (about 2.36e38)
+KERNEL_SCALAR_MAX = FLOAT32_MAX / math.log2(math.e)
+#: the smallest soft-cap whose ln(2) / cap is finite in float32
+SOFTCAP_MIN = math.log(2) / FLOAT32_MAX
+_WITHIN = "within +-2.36e38 (float32's range / log2(e): the kernels work in base 2)"
 
 
 def _fail(exc: type[Exception], name: str, expected: str, got: Any) -> None:
@@ -44,14 +51,15 @@ def _type_name(x: Any) -> str:
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
 
 
-def _check_float32(name: str, x: Any, expected: str) -> float:
-    """A real number the kernels can hold: finite and within float32's range (a Python float
-    past it becomes inf there). Returns it as a float."""
+def _check_float32(name: str, x: Any, expected: str, limit: float = KERNEL_SCALAR_MAX) -> float:
+    """A real number the kernels can hold: finite and at most ``limit`` in magnitude (a Python
+    float past float32's range becomes inf there, and one past ``KERNEL_SCALAR_MAX`` once
+    multiplied by log2(e)). Returns it as a float."""
     try:
         value = float(x)
     except OverflowError:  # an int past float64's range
         _fail(ValueError, name, expected, f"an int of {len(str(abs(x)))} digits")
-    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+    if not (math.isfinite(value) and abs(value) <= limit):
         _fail(ValueError, name, expected, x)
     return value
 
@@ -59,6 +67,8 @@ def _check_float32(name: str, x: Any, expected: str) -> float:
 def _check_tensor(name: str, t: Any, rank: int, dtypes: tuple, dtype_words: str) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+    if t.layout != torch.strided:  # sparse or nested: the kernels take strides
+        _fail(TypeError, name, "a dense (strided) tensor", t.layout)
     if t.dim() != rank:
         _fail(ValueError, name, f"a rank-{rank} tensor", f"shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
@@ -134,7 +144,7 @@ def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) 
     if isinstance(s, bool):
         _fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", "bool")
     if isinstance(s, numbers.Real):  # a dequantization scale: positive (0 divides by zero)
-        if _check_float32(name, s, "a finite scale > 0 within float32's range") <= 0:
+        if _check_float32(name, s, f"a finite scale > 0 {_WITHIN}") <= 0:
             _fail(ValueError, name, "a finite scale > 0", s)
         return
     if not isinstance(s, torch.Tensor):
@@ -159,8 +169,10 @@ def check_variant_options(*, window_left, logits_soft_cap, batch_invariant, q_le
             _fail(TypeError, "logits_soft_cap", "a float or None",
                   type(logits_soft_cap).__name__)
         if _check_float32("logits_soft_cap", logits_soft_cap,
-                          "a finite float > 0 within float32's range") <= 0:
-            _fail(ValueError, "logits_soft_cap", "a finite float > 0", logits_soft_cap)
+                          f"a finite float > 0 {_WITHIN}") < SOFTCAP_MIN:
+            # the kernels take ln(2) / cap too, which must stay finite in float32
+            _fail(ValueError, "logits_soft_cap", f"a finite float >= {SOFTCAP_MIN:.3g}",
+                  logits_soft_cap)
     if not isinstance(batch_invariant, bool):
         _fail(TypeError, "batch_invariant", "a Python bool", _type_name(batch_invariant))
     _check_int("q_len", q_len, 1)
@@ -178,10 +190,16 @@ def check_head_tensor(name: str, t: Any, num_q_heads: int, device: torch.device)
 
 
 def _check_run_options(k_scale, v_scale, num_kv_heads: int, device, return_lse,
-                       validate) -> None:
-    """The cache scales, ``return_lse`` and ``validate`` of a decode call."""
+                       validate, scale=None) -> None:
+    """The cache scales, ``return_lse`` and ``validate`` of a decode call. The kernels fold
+    ``scale · k_scale · log2(e)`` into one float32, so two float scales must multiply within
+    ``KERNEL_SCALAR_MAX`` too."""
     check_scale_arg("k_scale", k_scale, num_kv_heads, device)
     check_scale_arg("v_scale", v_scale, num_kv_heads, device)
+    if scale is not None and isinstance(k_scale, numbers.Real) \
+            and abs(float(scale) * float(k_scale)) > KERNEL_SCALAR_MAX:
+        _fail(ValueError, "k_scale", f"scale * k_scale {_WITHIN}",
+              f"{k_scale!r} with scale {scale!r}")
     if not isinstance(return_lse, bool):
         _fail(TypeError, "return_lse", "a Python bool", _type_name(return_lse))
     if validate is not None and not isinstance(validate, bool):
@@ -193,7 +211,7 @@ def check_softmax_scale(scale: Any) -> None:
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             _fail(TypeError, "scale", "a Python float or None", _type_name(scale))
-        _check_float32("scale", scale, "a finite float within float32's range")
+        _check_float32("scale", scale, f"a finite float {_WITHIN}")
 
 
 def check_metadata(
@@ -263,8 +281,9 @@ def check_metadata(
         if out.dtype != query.dtype:
             _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
         check_same_device("query", query.device, (("out", out),))
-        check_out_aliasing(out, query)
-    _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate)
+        check_out_aliasing(out, query, (("key_cache", key_cache), ("value_cache", value_cache)))
+    _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
+                       scale=scale)
     check_variant_options(window_left=window_left, logits_soft_cap=logits_soft_cap,
                           batch_invariant=batch_invariant)
     check_head_tensor("sinks", sinks, num_q_heads, query.device)
@@ -281,11 +300,12 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def check_out_aliasing(out: torch.Tensor, query: torch.Tensor) -> None:
+def check_out_aliasing(out: torch.Tensor, query: torch.Tensor, caches: tuple = ()) -> None:
     """``out`` is written by many programs at once: no two of its elements may share memory
     (a broadcast view with stride 0, or overlapping strides), and it may share none with the
     query unless it is the query itself (each program reads its query rows before writing
-    the same rows). Metadata only. Raises ValueError naming ``out``."""
+    the same rows), nor with the caches in ``caches`` (``(name, tensor)`` pairs: read while
+    ``out`` is written). Metadata only. Raises ValueError naming ``out``."""
     dims = sorted((stride, size) for size, stride in zip(out.shape, out.stride(), strict=True)
                   if size > 1)
     reach = 1
@@ -302,6 +322,13 @@ def check_out_aliasing(out: torch.Tensor, query: torch.Tensor) -> None:
         if not same and a0 < b1 and b0 < a1:
             _fail(ValueError, "out", "memory apart from the query's, or the query itself",
                   "a view overlapping the query")
+    for name, cache in caches:  # the kernels read the caches while out is written
+        if out.numel() and cache.numel() and \
+                out.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
+            (a0, a1), (b0, b1) = _span(out), _span(cache)
+            if a0 < b1 and b0 < a1:
+                _fail(ValueError, "out", f"memory apart from {name}'s",
+                      f"a view overlapping {name}")
 
 
 def check_values(
@@ -336,6 +363,33 @@ def check_values(
         _fail(ValueError, "block_tables",
               f"used page ids in [0, num_pages={num_pages}) (row {row}, column {col})",
               int(ids[row, col]))
+
+
+def check_scalar_values(named: tuple, *, sinks: torch.Tensor | None = None,
+                        alibi_slopes: torch.Tensor | None = None) -> None:
+    """Value checks of the per-call float tensors (a host sync on CUDA, so they run where the
+    index checks run): fp8 scales given as tensors (``named``: ``(name, tensor or other)``
+    pairs; non-tensors were checked as floats) finite and in ``(0, KERNEL_SCALAR_MAX]``;
+    ``sinks`` at most ``KERNEL_SCALAR_MAX`` and not NaN (``-inf`` is no sink); ALiBi slopes
+    finite and within it. Raises ValueError naming the argument and the first bad entry."""
+    def first_bad(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str) -> None:
+        if bool(bad.any()):
+            i = int(bad.reshape(-1).nonzero()[0, 0])
+            _fail(ValueError, name, f"{expected} (entry {i})", float(t.reshape(-1)[i]))
+
+    for name, t in named:
+        if isinstance(t, torch.Tensor):
+            v = t.detach().double()
+            first_bad(name, v, ~((v > 0) & (v <= KERNEL_SCALAR_MAX)),
+                      f"finite scales > 0 {_WITHIN}")
+    if sinks is not None:
+        v = sinks.detach().double()
+        first_bad("sinks", v, v.isnan() | (v > KERNEL_SCALAR_MAX) | (v < -KERNEL_SCALAR_MAX)
+                  & v.isfinite(), f"sink logits {_WITHIN}, or -inf for none")
+    if alibi_slopes is not None:
+        v = alibi_slopes.detach().double()
+        first_bad("alibi_slopes", v, ~(v.abs() <= KERNEL_SCALAR_MAX),
+                  f"finite slopes {_WITHIN}")
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -408,8 +462,9 @@ def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, o
         if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
             _fail(ValueError, "out", f"a {query.dtype} tensor of shape {tuple(query.shape)} on "
                   f"{query.device}", f"{out.dtype} {tuple(out.shape)} on {out.device}")
-        check_out_aliasing(out, query)
-    _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate)
+        check_out_aliasing(out, query, (("key_cache", key_cache), ("value_cache", value_cache)))
+    _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
+                       scale=scale)
 
 
 def check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, *, kv_layout,
@@ -475,8 +530,9 @@ def check_host_context_lens(lens: Any, batch: int) -> list[int]:
     """``plan_decode``'s optional host copy of the lengths: a sequence of ``batch`` ints or a
     CPU integer tensor of shape ``[batch]``. Returns them as a list of ints."""
     if isinstance(lens, torch.Tensor):
-        if lens.device.type != "cpu" or lens.is_floating_point() or lens.dim() != 1 \
-                or lens.dtype == torch.bool:
+        if lens.device.type != "cpu" or lens.dim() != 1 or lens.layout != torch.strided \
+                or lens.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32,
+                                      torch.int64):
             _fail(ValueError, "host_context_lens", "a 1-D integer CPU tensor (a host copy)",
                   f"{lens.dtype} {tuple(lens.shape)} on {lens.device}")
         values = lens.tolist()

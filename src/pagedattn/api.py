@@ -76,6 +76,8 @@ STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
 #: the variant arguments at their "off" values
 #: the widest window the kernels hold (int32); a wider one sees every key, as -1 does
 _INT32_MAX = (1 << 31) - 1
+#: the largest scale the kernels take (they multiply it by log2(e) in float32)
+_SMAX = V.KERNEL_SCALAR_MAX
 
 _VARIANT_DEFAULTS = {"window_left": -1, "logits_soft_cap": None, "sinks": None,
                      "alibi_slopes": None, "batch_invariant": False}
@@ -118,7 +120,8 @@ def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
 
 
 def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
-                      window_left=-1, q_len=1) -> None:
+                      window_left=-1, q_len=1, k_scale=None, v_scale=None, sinks=None,
+                      alibi_slopes=None) -> None:
     on_cpu = query.device.type == "cpu"
     if validate is False or (validate is None and not on_cpu):
         return
@@ -127,6 +130,8 @@ def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, v
                          "forbids; validate eagerly before capturing, or pass validate=None")
     V.check_values(block_tables, context_lens, num_pages, page_size,
                    window_left=min(int(window_left), _INT32_MAX), q_len=q_len)
+    V.check_scalar_values((("k_scale", k_scale), ("v_scale", v_scale)), sinks=sinks,
+                          alibi_slopes=alibi_slopes)
 
 
 def _on_device(device: torch.device):
@@ -230,7 +235,8 @@ class DecodePlan:
         if self._on_cpu or validate:
             _run_value_checks(query, self.block_tables, self.context_lens,
                               key_cache.shape[0], self.page_size, validate,
-                              window_left=self.window_left, q_len=self.q_len)
+                              window_left=self.window_left, q_len=self.q_len, k_scale=k_scale,
+                              v_scale=v_scale, sinks=sinks, alibi_slopes=alibi_slopes)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                             return_lse, sinks, alibi_slopes)
 
@@ -251,13 +257,17 @@ class DecodePlan:
                 and (out is None or (type(out) is torch.Tensor and out.shape == q_shape
                                      and out.dtype == self.q_dtype and out.device == device
                                      and out.is_contiguous()
-                                     and (out.untyped_storage().data_ptr()
+                                     and ((o := out.untyped_storage().data_ptr())
                                           != query.untyped_storage().data_ptr()
                                           or out.data_ptr() == query.data_ptr()
-                                          and out.stride() == query.stride())))
-                and (scale is None or (type(scale) is float and math.isfinite(scale)))
-                and (k_scale is None or (type(k_scale) is float and math.isfinite(k_scale)))
-                and (v_scale is None or (type(v_scale) is float and math.isfinite(v_scale)))
+                                          and out.stride() == query.stride())
+                                     and o != key_cache.untyped_storage().data_ptr()
+                                     and o != value_cache.untyped_storage().data_ptr()))
+                # in range (a NaN fails every comparison): the full check names the argument
+                and (scale is None or (type(scale) is float and -_SMAX <= scale <= _SMAX))
+                and (k_scale is None or (type(k_scale) is float and 0.0 < k_scale <= _SMAX
+                                         and (scale is None or abs(scale * k_scale) <= _SMAX)))
+                and (v_scale is None or (type(v_scale) is float and 0.0 < v_scale <= _SMAX))
                 and (return_lse is False or return_lse is True) and validate is None)
 
     def _launch(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
@@ -485,7 +495,9 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
     num_pages, page_size, num_kv_heads, head_dim = V.cache_dims(key_cache, kv_layout)
     _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
                       window_left=window_left if IMPLS[impl].planned else -1,
-                      q_len=query.shape[1] if query.dim() == 4 else 1)
+                      q_len=query.shape[1] if query.dim() == 4 else 1, k_scale=k_scale,
+                      v_scale=v_scale, sinks=variants.get("sinks"),
+                      alibi_slopes=variants.get("alibi_slopes"))
     batch, num_q_heads = query.shape[0], query.shape[-2]
     if spec.planned:
         q_len = query.shape[1] if query.dim() == 4 else 1

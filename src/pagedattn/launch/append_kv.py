@@ -99,6 +99,7 @@ def append_kv(
             raise ValueError("validate: True needs a device-to-host sync, which CUDA-graph "
                              "capture forbids; pass validate=None")
         check_slot_values(slot_mapping, num_slots)
+        V.check_scalar_values((("k_scale", k_scale), ("v_scale", v_scale)))
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return {}

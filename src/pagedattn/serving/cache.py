@@ -29,6 +29,7 @@ Errors leave the cache as it was: an append that would need more pages than are 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
@@ -210,27 +211,48 @@ class PagedKVCache:
         n = self._lens[self._known(seq_id)]
         if num_tokens <= 0:
             return 0
-        cow = 1 if n % self.page_size and self._refcount[self._pages[seq_id][-1]] > 1 else 0
+        cow = self._shared_tail(seq_id) is not None
         return cow + -(-(n + num_tokens) // self.page_size) - len(self._pages[seq_id])
+
+    def _shared_tail(self, seq_id: Hashable) -> int | None:
+        """The partial last page of ``seq_id`` if another sequence shares it (an append
+        copies it first), else None."""
+        pages, n = self._pages[seq_id], self._lens[seq_id]
+        return pages[-1] if n % self.page_size and self._refcount[pages[-1]] > 1 else None
 
     def reserve(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> list[list[int]]:
         """Append ``num_tokens[i]`` slots to each ``seq_ids[i]``, all or nothing.
 
         Returns each sequence's new slots (host ints, ``page_id * page_size + offset``).
         Raises CacheFullError (nothing changed) when the batch needs more pages than are free;
-        KeyError for an unknown sequence; ValueError for a repeated id or negative count.
+        KeyError for an unknown sequence; ValueError for a repeated id or negative count;
+        TypeError for a count that is not an int. Every check runs before any change.
         """
         if len(seq_ids) != len(num_tokens):
             raise ValueError(f"num_tokens: expected {len(seq_ids)} counts, got {len(num_tokens)}")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("seq_ids: a sequence appears twice in one step")
-        total = 0
         for sid, n in zip(seq_ids, num_tokens, strict=True):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+                raise TypeError(f"num_tokens: expected ints, got {n!r} for {sid!r}")
             if n < 0:
                 raise ValueError(f"num_tokens: expected counts >= 0, got {n} for {sid!r}")
-            total += self.pages_needed(sid, n)
+            self._known(sid)
+        total = 0
+        copies_of: dict[int, int] = {}  # shared tail page -> copies counted so far
+        for sid, n in zip(seq_ids, num_tokens, strict=True):
+            need = self.pages_needed(sid, int(n))
+            tail = self._shared_tail(sid) if n else None
+            if tail is not None:
+                # a page held by r sequences is copied by the first r - 1 of them to append;
+                # the last one then holds it alone and writes in place
+                copies_of[tail] = copies_of.get(tail, 0) + 1
+                if copies_of[tail] >= self._refcount[tail]:
+                    need -= 1
+            total += need
             if total > len(self._free):
                 raise CacheFullError(sid, n, total, len(self._free))
+        num_tokens = [int(n) for n in num_tokens]
         copies: list[tuple[int, int]] = []
         slots = [self._grow(sid, n, copies) for sid, n in zip(seq_ids, num_tokens, strict=True)]
         if copies:  # copy-on-write: one device copy for every layer, K and V

@@ -130,6 +130,12 @@ def paged_decode(query, key_cache, value_cache, block_tables, context_lens, *, s
     Returns ``out`` in the query's shape, or ``(out, lse)`` with ``return_lse=True``
     (``lse`` the query's shape without ``head_dim``, fp32, natural log).
     """
+    # the eager API's checks on the caller's own values first: a float scale becomes a tensor
+    # below, whose value no metadata check sees (a bool, 0 or NaN scale would pass)
+    _check(query, key_cache, value_cache, block_tables, context_lens, scale, impl, num_splits,
+           kv_layout, k_scale, v_scale, return_lse, dict(
+               window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+               alibi_slopes=alibi_slopes, batch_invariant=batch_invariant))
     args = (query, key_cache, value_cache, block_tables, context_lens, scale, impl,
             num_splits, kv_layout, _scale_tensor(k_scale, query.device),
             _scale_tensor(v_scale, query.device), window_left, logits_soft_cap, sinks,
@@ -148,6 +154,8 @@ def append_kv(key, value, key_cache, value_cache, slot_mapping, *, kv_layout="NH
     int32/int64 (negative = skip). fp8 caches take ``k_scale``/``v_scale`` (stored = x/scale).
     Raises TypeError/ValueError naming the argument.
     """
+    V.check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout,
+                           k_scale=k_scale, v_scale=v_scale)  # before floats become tensors
     torch.ops.pagedattn.append_kv(key, value, key_cache, value_cache, slot_mapping, kv_layout,
                                   _scale_tensor(k_scale, key.device),
                                   _scale_tensor(v_scale, key.device))
