@@ -383,6 +383,12 @@ def test_plan_and_merge_errors():
         merge_states(torch.zeros(2, 3, H, 16), torch.zeros(2, 3))
     with pytest.raises(TypeError, match="outs"):
         merge_states([1.0], torch.zeros(2, 3, H))
+    # fp8 outs carry no scale and float64 would merge in float32: outs of the kernels' dtypes
+    for dtype in (torch.float64, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="^outs: expected float32, float16 or bfloat16"):
+            merge_states(torch.zeros(2, 3, H, 16).to(dtype), torch.zeros(2, 3, H))
+    with pytest.raises(TypeError, match="^lses: expected float32"):
+        merge_states(torch.zeros(2, 3, H, 16), torch.zeros(2, 3, H, dtype=torch.int32))
 
 
 # --- torch custom op -----------------------------------------------------------------------

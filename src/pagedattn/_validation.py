@@ -556,11 +556,14 @@ def check_host_context_lens(lens: Any, batch: int) -> list[int]:
 def check_merge_states(outs: Any, lses: Any) -> None:
     """:func:`pagedattn.merge_states`' checks: ``outs [S, ..., H, D]`` and ``lses [S, ..., H]``
     float tensors on one device, ``S >= 1``."""
-    for name, t in (("outs", outs), ("lses", lses)):
+    for name, t, dtypes, words in (
+            ("outs", outs, FLOAT_DTYPES, "float32, float16 or bfloat16"),
+            ("lses", lses, (*FLOAT_DTYPES, torch.float64), "float32, float16, bfloat16 or "
+             "float64")):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
-        if not t.is_floating_point():
-            _fail(TypeError, name, "a floating-point tensor", t.dtype)
+        if t.dtype not in dtypes:  # fp8 outs lost their scale; float64 would merge in float32
+            _fail(TypeError, name, words, t.dtype)
     if outs.dim() < 3:
         _fail(ValueError, "outs", "a tensor [S, ..., num_heads, head_dim] of rank >= 3",
               f"shape {tuple(outs.shape)}")

@@ -574,8 +574,8 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:
     Args:
         outs: ``[S, ..., num_heads, head_dim]`` float32/float16/bfloat16, the ``S`` states'
             normalized outputs (e.g. ``paged_decode`` results stacked on a new dim 0).
-        lses: ``[S, ..., num_heads]`` float, their natural-log LSEs (``-inf`` for a state
-            that saw no key).
+        lses: ``[S, ..., num_heads]`` float32/float16/bfloat16/float64 (merged in float32),
+            their natural-log LSEs (``-inf`` for a state that saw no key).
 
     Returns:
         ``DecodeOutput(out, lse)``: ``out`` ``[..., num_heads, head_dim]`` in ``outs``'
@@ -587,7 +587,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:
     exactly one of the merged parts (e.g. the shared prefix), never to several.
 
     Raises:
-        TypeError, ValueError: non-tensors, a non-float dtype, mismatched shapes
+        TypeError, ValueError: non-tensors, a dtype outside those above, mismatched shapes
             (``lses.shape != outs.shape[:-1]``), ``S == 0`` or mixed devices; the message
             names the argument.
     """
