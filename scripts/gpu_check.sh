@@ -22,6 +22,10 @@
 #   final5c (carry .ext2), final5b (carry .ext3 .whl, SERVEPROF=0), fi074 (carry .ext4 .peers)
 #   and fi074v (carry .ext4) on the shipped tree as consecutive warm calls (301 + 206 + 345 +
 #   125 s), then host11b / host11c (host time A/B and medians) and explore11b (q_len=4 tiles).
+# Session 12 ran nothing here (the device time of this work was spent). The tree on main needs,
+#   as consecutive warm calls with PAGEDATTN_GIT_SHA set: final5c (carry .ext2), final5b (carry
+#   .ext3 .whl, SERVEPROF=0), fi074 (carry .ext4 .peers, BENCH_S=560), fi074v (carry .ext4) and
+#   host11c: about 1,150 device-seconds with the start.
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
