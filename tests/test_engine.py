@@ -94,6 +94,19 @@ def test_eos_finishes_a_request_early(model, dense):
     assert res.requests[1].output[-1] == eos
 
 
+def test_overlapped_engine_discards_the_token_in_flight_after_eos(model, dense):
+    """Without kept logits the host launches step k + 1 before it reads step k: a request that
+    meets EOS in a decode step has one more token in flight, dropped and counted, so the
+    stats line can say why the steps outnumber the tokens."""
+    eos = dense[1][0][3]
+    res = generate_greedy(model, [PROMPTS[1]], MAX_NEW[1], page_size=4, eos_token_ids=[eos])
+    want = dense[1][0]
+    assert res.requests[0].output == want[:want.index(eos) + 1]
+    s = res.stats
+    assert (s.decode_tokens, s.discarded_tokens, s.decode_steps) == (want.index(eos), 1,
+                                                                       want.index(eos) + 1)
+
+
 def test_a_request_that_cannot_fit_raises_cache_full(model):
     from pagedattn.serving.cache import CacheFullError
 

@@ -114,6 +114,26 @@ def test_stats_line_of_a_request_ended_by_eos_at_its_first_token():
 
 
 @pytest.mark.skipif(not NO_GPU, reason="the CPU user's path")
+def test_stats_line_counts_the_token_discarded_after_eos():
+    """"decode 3 tokens in 4 steps" read as a miscount: the step in flight when a request met
+    EOS had its token discarded (tests/test_engine.py checks the engine's count). The line
+    says so, and says nothing when no token was discarded."""
+    from types import SimpleNamespace
+
+    from pagedattn.serving.engine import EngineStats
+    from pagedattn.serving.generate import summary
+
+    req = SimpleNamespace(output=[1, 2, 3, 4], finish_reason="eos", max_new_tokens=12)
+    stats = EngineStats(prefill_steps=1, decode_steps=4, prefill_tokens=7, decode_tokens=3,
+                        prefill_s=0.1, decode_s=0.4, max_running=1, discarded_tokens=1)
+    line = summary(SimpleNamespace(stats=stats, requests=[req]), 1.0, graphs=True)
+    assert ("decode 3 tokens in 4 steps (+1 token discarded: launched before the end was "
+            "read), 0.40 s = 7.5 tokens/s") in line, line
+    stats.discarded_tokens = 0
+    line = summary(SimpleNamespace(stats=stats, requests=[req]), 1.0, graphs=True)
+    assert "decode 3 tokens in 4 steps, 0.40 s" in line and "discarded" not in line, line
+
+
 def test_generate_raw_readme_question_says_why_the_answer_is_empty(capsys):
     """The README's question with --raw: SmolLM2-Instruct (and transformers' greedy run on the
     same file) ends its turn at once without the chat template. The output says so."""

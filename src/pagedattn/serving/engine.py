@@ -70,6 +70,9 @@ class EngineStats:
     decode_s: float = 0.0
     max_running: int = 0
     preemptions: int = 0
+    #: tokens of a request that had already finished: the host launches step k + 1 before it
+    #: reads step k, so a request that meets its end in step k has one more token in flight
+    discarded_tokens: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -194,6 +197,7 @@ class Engine:
         emitted = 0
         for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True)):
             if r.finish_reason is not None:
+                self.stats.discarded_tokens += 1
                 continue
             emitted += 1
             r.output.append(tok)

@@ -170,8 +170,13 @@ def summary(res, took: float, graphs: bool) -> str:
                 f"stopped at --max-new-tokens ({reqs[0].max_new_tokens})")
     else:
         stop = f"{eos} stopped at end-of-sequence, {len(reqs) - eos} at --max-new-tokens"
-    decode = (f"decode {_count(s.decode_tokens, 'token')} in {_count(s.decode_steps, 'step')}, "
-              f"{s.decode_s:.2f} s = {s.decode_tokens_per_s:.1f} tokens/s" if s.decode_steps
+    # the engine launches a step before it reads the last one: a finished request's token
+    # from the step in flight is discarded (a step may have produced no kept token)
+    discarded = (f" (+{_count(s.discarded_tokens, 'token')} discarded: launched before the "
+                 "end was read)" if s.discarded_tokens else "")
+    decode = (f"decode {_count(s.decode_tokens, 'token')} in {_count(s.decode_steps, 'step')}"
+              f"{discarded}, {s.decode_s:.2f} s = {s.decode_tokens_per_s:.1f} tokens/s"
+              if s.decode_steps
               else "no decode step: each request ended at its first token, from the prefill")
     return (f"{_count(total, 'token')} in {took:.2f} s = {total / took:.1f} tokens/s, {stop}; "
             f"prefill {_count(s.prefill_tokens, 'prompt token')} in {s.prefill_s:.2f} s; "
