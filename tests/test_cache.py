@@ -312,3 +312,25 @@ def test_reserve_checks_every_count_before_changing_anything(count):
     with pytest.raises(TypeError, match="num_tokens: expected ints"):
         c.reserve(["a", "b"], [1, count])
     assert c.seq_len("a") == 0 and c.seq_len("b") == 0 and c.num_free_pages == 4
+
+
+@pytest.mark.parametrize("kw", [dict(max_pages=1), dict(pad_to=0), dict(out=torch.zeros(3)),
+                                dict(staging=torch.zeros(3, dtype=torch.int32))])
+def test_prepare_step_checks_its_metadata_arguments_before_reserving(kw):
+    """prepare_step reserved the tokens, then build_metadata refused the arguments: the
+    sequence kept 9 tokens and its pages after the error."""
+    c = PagedKVCache(1, 1, 16, num_pages=4, page_size=4, dtype=torch.float32)
+    c.add_sequence("a")
+    with pytest.raises(ValueError, match=f"^{next(iter(kw))}: expected|^max_pages: "):
+        c.prepare_step(["a"], [9], **kw)
+    assert c.seq_len("a") == 0 and c.num_free_pages == 4
+    meta = c.prepare_step(["a"], [9], max_pages=3, pad_to=2)  # the sizes it checks are right
+    assert meta.block_tables.shape == (2, 3) and c.seq_len("a") == 9
+
+
+@pytest.mark.parametrize("kw, exc", [(dict(num_pages=True), ValueError),
+                                     (dict(dtype=torch.int8), TypeError)])
+def test_cache_refuses_bool_sizes_and_integer_dtypes(kw, exc):
+    args = dict(num_pages=4, page_size=4, dtype=torch.float32) | kw
+    with pytest.raises(exc, match=f"^{next(iter(kw))}: expected"):
+        PagedKVCache(1, 1, 16, **args)

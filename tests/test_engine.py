@@ -126,6 +126,69 @@ def test_engine_rejects_bad_requests(model):
         Engine(model, model.make_cache(4), max_batch_size=0)
 
 
+@pytest.mark.parametrize("prompt, exc", [([1, 97, 3], ValueError), ([1, -1], ValueError),
+                                          ([1, 10 ** 20], ValueError), ("abc", TypeError),
+                                          ([1.7, 2.2], TypeError), ([True], TypeError)])
+def test_bad_prompt_tokens_are_refused_before_the_request_is_queued(model, prompt, exc):
+    """A token outside the vocabulary failed inside the prefill, after the request had left
+    the queue and its sequence held pages: the request was lost and its pages leaked. Float
+    tokens were truncated."""
+    engine = Engine(model, model.make_cache(8, page_size=4))
+    with pytest.raises(exc, match="^prompt: expected"):
+        engine.add_request(prompt, 3)
+    assert engine.done and engine.cache.num_free_pages == 8
+
+
+def test_a_prefill_that_fails_puts_its_requests_back(model, monkeypatch):
+    """Whatever fails in a prefill (here the model), the requests wait again and their pages
+    return, so a later run can still serve them."""
+    engine = Engine(model, model.make_cache(8, page_size=4))
+    engine.add_request([1, 2, 3], 2)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model, "prefill", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.run()
+    assert len(engine.waiting) == 1 and engine.cache.num_free_pages == 8
+    assert engine.cache.seq_ids == []
+    monkeypatch.undo()
+    (req,) = engine.run()
+    assert len(req.output) == 2
+
+
+def test_requests_share_a_cache_with_the_callers_own_int_sequences(model, dense):
+    """Request ids are ints 0, 1, ...; a cache already holding the caller's sequence 1 made
+    the engine's add_sequence(1) fail mid-prefill and lose both requests. The engine's
+    sequences now have keys of their own."""
+    cache = model.make_cache(16, page_size=4)
+    cache.add_sequence(1)
+    cache.append(1, 3)
+    engine = Engine(model, cache, keep_logits=True)
+    for p, n in zip(PROMPTS[:2], MAX_NEW[:2], strict=True):
+        engine.add_request(p, n)
+    reqs = engine.run()
+    check_against_dense(reqs, dense[:2])
+    assert cache.seq_ids == [1] and cache.seq_len(1) == 3
+
+
+def test_a_request_that_fits_alone_is_admitted_without_headroom(model):
+    """Admission keeps a page of headroom per request; a request alone in a cache that holds
+    exactly its pages was refused ("needs 1 new page(s), only 1 free")."""
+    engine = Engine(model, model.make_cache(1, page_size=16))
+    engine.add_request([1, 2, 3, 4], 4)
+    (req,) = engine.run()
+    assert len(req.output) == 4
+
+
+@pytest.mark.parametrize("kw", [dict(max_model_len=3.5), dict(max_batch_size=True),
+                                dict(max_prefill_tokens=2.0)])
+def test_engine_sizes_must_be_ints(model, kw):
+    with pytest.raises(TypeError, match=f"^{next(iter(kw))}: expected an int"):
+        Engine(model, model.make_cache(4), **kw)
+
+
 # -- decode runner: buckets, padding, static buffers (the code the CUDA-graph path replays) --
 def test_buckets():
     from pagedattn.serving.runner import BUCKETS, bucket_for, buckets_up_to

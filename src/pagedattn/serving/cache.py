@@ -107,8 +107,11 @@ class PagedKVCache:
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("num_pages", num_pages),
                         ("page_size", page_size)):
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES):
+            raise TypeError(f"dtype: expected float32, float16, bfloat16 or an fp8 dtype, got "
+                            f"{dtype}")
         self.device = torch.device(device)
         self.dtype = dtype
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -228,16 +231,7 @@ class PagedKVCache:
         KeyError for an unknown sequence; ValueError for a repeated id or negative count;
         TypeError for a count that is not an int. Every check runs before any change.
         """
-        if len(seq_ids) != len(num_tokens):
-            raise ValueError(f"num_tokens: expected {len(seq_ids)} counts, got {len(num_tokens)}")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("seq_ids: a sequence appears twice in one step")
-        for sid, n in zip(seq_ids, num_tokens, strict=True):
-            if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-                raise TypeError(f"num_tokens: expected ints, got {n!r} for {sid!r}")
-            if n < 0:
-                raise ValueError(f"num_tokens: expected counts >= 0, got {n} for {sid!r}")
-            self._known(sid)
+        self._check_counts(seq_ids, num_tokens)
         total = 0
         copies_of: dict[int, int] = {}  # shared tail page -> copies counted so far
         for sid, n in zip(seq_ids, num_tokens, strict=True):
@@ -260,6 +254,18 @@ class PagedKVCache:
             dst = torch.tensor([d for _, d in copies], device=self.device)
             self.kv[:, :, dst] = self.kv[:, :, src]
         return slots
+
+    def _check_counts(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> None:
+        if len(seq_ids) != len(num_tokens):
+            raise ValueError(f"num_tokens: expected {len(seq_ids)} counts, got {len(num_tokens)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids: a sequence appears twice in one step")
+        for sid, n in zip(seq_ids, num_tokens, strict=True):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+                raise TypeError(f"num_tokens: expected ints, got {n!r} for {sid!r}")
+            if n < 0:
+                raise ValueError(f"num_tokens: expected counts >= 0, got {n} for {sid!r}")
+            self._known(sid)
 
     def append(self, seq_id: Hashable, num_tokens: int = 1) -> list[int]:
         """Reserve ``num_tokens`` new slots for one sequence (see :meth:`reserve`)."""
@@ -344,6 +350,27 @@ class PagedKVCache:
         return StepMetadata(buf[:nt], buf[nt:2 * nt], buf[2 * nt:2 * nt + b],
                             buf[2 * nt + b:].view(b, width), starts)
 
+    def _check_step(self, seq_ids, num_tokens, max_pages, pad_to, out, staging) -> None:
+        """What :meth:`build_metadata` would refuse after :meth:`reserve`, computed first."""
+        self._check_counts(seq_ids, num_tokens)
+        ps = self.page_size
+        pages = [max(len(self._pages[s]), -(-(self._lens[s] + int(k)) // ps))
+                 for s, k in zip(seq_ids, num_tokens, strict=True)]
+        width = max(pages + [1]) if max_pages is None else max_pages
+        for sid, n in zip(seq_ids, pages, strict=True):
+            if n > width:
+                raise ValueError(f"max_pages: sequence {sid!r} would have {n} pages > {width}")
+        pad = 0 if pad_to is None else pad_to - len(seq_ids)
+        if pad < 0:
+            raise ValueError(f"pad_to: expected >= the batch size {len(seq_ids)}, got {pad_to}")
+        tokens, batch = sum(int(k) for k in num_tokens) + pad, len(seq_ids) + pad
+        size = 2 * tokens + batch + batch * width
+        if staging is not None and (staging.numel() != size or staging.dtype != self.index_dtype):
+            raise ValueError(f"staging: expected {size} {self.index_dtype} elements, got "
+                             f"{staging.numel()} {staging.dtype}")
+        if out is not None and out.numel() != size:
+            raise ValueError(f"out: expected {size} elements, got {out.numel()}")
+
     @staticmethod
     def metadata_size(batch: int, max_pages: int) -> int:
         """Elements of a decode step's metadata buffer (one token per sequence)."""
@@ -353,7 +380,10 @@ class PagedKVCache:
                      max_pages: int | None = None, pad_to: int | None = None,
                      out: torch.Tensor | None = None,
                      staging: torch.Tensor | None = None) -> StepMetadata:
-        """:meth:`reserve` then :meth:`build_metadata`: the usual call once per step."""
+        """:meth:`reserve` then :meth:`build_metadata`: the usual call once per step. The
+        metadata arguments are checked against the step's sizes before anything is reserved,
+        so an error leaves the cache as it was."""
+        self._check_step(seq_ids, num_tokens, max_pages, pad_to, out, staging)
         slots = self.reserve(seq_ids, num_tokens)
         return self.build_metadata(seq_ids, slots, max_pages=max_pages, pad_to=pad_to, out=out,
                                    staging=staging)

@@ -26,6 +26,7 @@ dropped, and its pages, freed at once, are only reused by work queued after that
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +40,18 @@ from pagedattn.serving.model import Transformer
 from pagedattn.serving.runner import DecodeRunner, DecodeStep
 
 
+@dataclass(frozen=True)
+class RequestKey:
+    """A request's sequence id in the cache: never equal to an id of the caller's own
+    sequences in a shared cache (an int request id could be)."""
+
+    engine: int  # id() of the engine
+    rid: int
+
+    def __repr__(self) -> str:
+        return f"request {self.rid}"
+
+
 @dataclass
 class Request:
     """One generation request. ``output`` grows by one token per step it takes part in."""
@@ -46,6 +59,7 @@ class Request:
     rid: int
     prompt: list[int]
     max_new_tokens: int
+    key: RequestKey | None = None  # its sequence id in the cache (set by the engine)
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" or "length" once done
     preemptions: int = 0
@@ -99,6 +113,11 @@ class Engine:
                  eos_token_ids: Sequence[int] = (), keep_logits: bool = False,
                  graphs: bool = False, compile: bool = False, max_model_len: int | None = None,
                  max_prefill_tokens: int = 8192):
+        for name, v in (("max_batch_size", max_batch_size),
+                        ("max_prefill_tokens", max_prefill_tokens),
+                        ("max_model_len", max_model_len)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise TypeError(f"{name}: expected an int, got {v!r}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
         if max_prefill_tokens < 1:
@@ -123,10 +142,23 @@ class Engine:
         self._inflight: tuple[list[Request], DecodeStep] | None = None
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
-        """Queue a prompt (token ids); returns its request id. Raises ValueError for an
-        empty prompt, ``max_new_tokens < 1`` or a total over ``max_model_len``."""
+        """Queue a prompt (token ids); returns its request id. Raises TypeError for a
+        token or count that is not an int, ValueError for an empty prompt, a token outside
+        ``[0, vocab_size)``, ``max_new_tokens < 1`` or a total over ``max_model_len``
+        (checked here: a bad token found at prefill would strand the request)."""
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise TypeError(f"prompt: expected a sequence of token ids, got "
+                            f"{type(prompt).__name__}")
         if len(prompt) == 0:
             raise ValueError("prompt: expected at least one token")
+        vocab = self.model.cfg.vocab_size
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"prompt: expected int token ids, got {t!r} at {i}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt: expected token ids in [0, {vocab}), got {t} at {i}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens: expected an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
         if len(prompt) + max_new_tokens > self.max_model_len:
@@ -134,7 +166,8 @@ class Engine:
                              f"({max_new_tokens}) exceeds max_model_len {self.max_model_len}")
         rid = self._next_rid
         self._next_rid += 1
-        self.waiting.append(Request(rid, list(prompt), int(max_new_tokens)))
+        self.waiting.append(Request(rid, [int(t) for t in prompt], int(max_new_tokens),
+                                    key=RequestKey(id(self), rid)))
         return rid
 
     def warmup(self) -> None:
@@ -180,7 +213,11 @@ class Engine:
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             r = self.waiting[0]
             n = len(r.prompt) + len(r.output)
-            need = self._pages_for(n) + 1
+            need = self._pages_for(n) + 1  # headroom for its next token
+            if need > free and not self.running and not admitted:
+                # alone in the cache: the pages of what it writes before any other request
+                # could run (its tokens, and the first decode token if it decodes)
+                need = self._pages_for(n + (r.max_new_tokens - len(r.output) > 1))
             if need > free or (admitted and tokens + n > self.max_prefill_tokens):
                 break
             free, tokens = free - need, tokens + n
@@ -213,7 +250,7 @@ class Engine:
                 r.finish_reason = "length"
             if r.finish_reason is not None:
                 r.finish_s = now
-                self.cache.free(r.rid)
+                self.cache.free(r.key)
                 self.running.remove(r)
                 self.finished[r.rid] = r
         return emitted
@@ -221,13 +258,21 @@ class Engine:
     def _prefill(self, reqs: list[Request]) -> None:
         t0 = time.perf_counter()
         tokens = [r.prompt + r.output for r in reqs]  # a preempted request resumes here
-        ids = [r.rid for r in reqs]
-        for rid in ids:
-            self.cache.add_sequence(rid)
-        meta = self.cache.prepare_step(ids, [len(t) for t in tokens])
-        flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long)
-        with torch.inference_mode():
-            logits = self.model.prefill(flat.to(self.model.device), meta, self.cache)
+        ids = [r.key for r in reqs]
+        added = []
+        try:
+            for sid in ids:
+                self.cache.add_sequence(sid)
+                added.append(sid)
+            meta = self.cache.prepare_step(ids, [len(t) for t in tokens])
+            flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long)
+            with torch.inference_mode():
+                logits = self.model.prefill(flat.to(self.model.device), meta, self.cache)
+        except BaseException:  # the requests wait again and their pages return
+            for sid in added:
+                self.cache.free(sid)
+            self.waiting.extendleft(reversed(reqs))
+            raise
         self.running.extend(reqs)
         # counted before the step's tokens retire anyone (a request may end at its first token)
         self.stats.max_running = max(self.stats.max_running, len(self.running))
@@ -257,14 +302,14 @@ class Engine:
             if prev[0] == reqs and all(len(r.output) + 1 < r.max_new_tokens for r in reqs):
                 # pages out: nothing was reserved; read first, then preempt below
                 with contextlib.suppress(CacheFullError):
-                    self._inflight = (reqs, self.runner.step([r.rid for r in reqs], None))
+                    self._inflight = (reqs, self.runner.step([r.key for r in reqs], None))
             self._finish(*prev)
             reqs = list(self.running)
             if self._inflight is not None or not reqs:
                 return
         while True:
             try:
-                step = self.runner.step([r.rid for r in reqs], [r.output[-1] for r in reqs])
+                step = self.runner.step([r.key for r in reqs], [r.output[-1] for r in reqs])
                 break
             except CacheFullError:  # nothing was reserved
                 if len(reqs) == 1:
@@ -289,7 +334,7 @@ class Engine:
                 self._finish(*prev)
 
     def _preempt(self, r: Request) -> None:
-        self.cache.free(r.rid)
+        self.cache.free(r.key)
         self.running.remove(r)
         r.preemptions += 1
         self.stats.preemptions += 1
