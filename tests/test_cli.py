@@ -46,6 +46,12 @@ BAD = [
     (["profile", "--shape", "nope"], "argument --shape: invalid choice"),
     (["ladder", "--warmup", "-2"], "argument --warmup"),
     (["ladder", "--shapes", "a,b"], "unknown shape 'a', 'b'"),
+    # past 64 bits: "Overflow when unpacking long long" deep in torch, with a traceback
+    (["run", "--batch", "99999999999999999999999"], "argument --batch: expected a positive "
+     "integer below 2^63"),
+    (["run", "--seed", "18446744073709551616"], "argument --seed: expected a non-negative "
+     "integer below 2^63"),
+    (["bench", "--seed", "18446744073709551616"], "argument --seed"),
     ([], "the following arguments are required: command"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
@@ -246,6 +252,7 @@ def test_chart_labels_match_their_scale(tmp_path, monkeypatch):
     RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
                  "memory: you tried to allocate 799999999992 bytes"),
     MemoryError(),
+    RuntimeError("Storage size calculation overflowed with sizes=[9223372036854775807]"),
 ])
 def test_out_of_memory_exits_2_in_one_line(error, capsys, monkeypatch):
     """A batch too large for the machine (``run --batch 99999999999`` fails in the CPU
@@ -264,3 +271,17 @@ def test_out_of_memory_exits_2_in_one_line(error, capsys, monkeypatch):
     monkeypatch.setattr(harness.RUN, "main", bug)
     with pytest.raises(RuntimeError, match="unexpected"):
         cli.main(["run"])
+
+
+def test_a_full_kv_cache_exits_2_in_one_line(capsys, monkeypatch):
+    """The serving engine's CacheFullError (a RuntimeError) came out as a traceback."""
+    from pagedattn.bench import harness
+    from pagedattn.serving.cache import CacheFullError
+
+    def fail(args):
+        raise CacheFullError("request 0", 40, 3, 2)
+    monkeypatch.setattr(harness.RUN, "main", fail)
+    assert cli.main(["run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pagedattn run: error: KV cache full: "), err
+    assert err.rstrip().endswith("(--num-pages)")

@@ -47,6 +47,14 @@ def tuned(query, key_cache, value_cache, block_tables, context_lens, scale, k_sc
 
 def not_a_runner(*args):
     return 42
+
+
+def returns_none(query, key_cache, value_cache, block_tables, context_lens, scale):
+    return lambda: None
+
+
+def returns_a_wrong_shape(query, key_cache, value_cache, block_tables, context_lens, scale):
+    return lambda: torch.zeros(3)
 '''
 
 
@@ -106,6 +114,16 @@ def test_peer_file_unsupported_and_failing_shapes_are_cells(peer_path):
     by = _rows(fp8, [peer, load_peer_file(f"{peer_path}:tuned")])
     assert by["toy_peer"]["status"] == "unsupported" and "k_scale" in by["toy_peer"]["error"]
     assert by["toy_peer.tuned"]["status"] == "ok"  # takes the scales: checked like ours
+
+
+@pytest.mark.parametrize("func, got", [("returns_none", "NoneType"),
+                                       ("returns_a_wrong_shape", "(3,)")])
+def test_a_runner_returning_no_output_is_an_error_cell(peer_path, func, got):
+    """The output check ran outside the harness's try: a runner returning None or a tensor of
+    another shape ended the whole benchmark with a traceback instead of making a row."""
+    peer = load_peer_file(f"{peer_path}:{func}")
+    row = _rows(make_shape("b2", "smollm2-135m", [1, 2]), [peer])[f"toy_peer.{func}"]
+    assert row["status"] == "error" and f"the runner returned {got}" in row["error"], row
 
 
 def test_peer_file_runner_is_built_once_per_batch(peer_path):

@@ -36,6 +36,7 @@ def run(argv, capsys):
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--max-new-tokens", "ten"], "--max-new-tokens"),
     (["--num-pages", "-1"], "--num-pages"),
+    (["--num-pages", "99999999999999999999"], "--num-pages"),  # past 64 bits: a traceback
     (["--impl", "fastest"], "--impl"),
     (["--device", "tpu"], "--device"),
     (["--gguf", "/no/such/model.gguf"], "--gguf"),

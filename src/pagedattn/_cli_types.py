@@ -28,13 +28,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["ArgumentError", "OneLineParser", "name_list", "nonneg_float", "nonneg_int",
+__all__ = ["INT_MAX", "ArgumentError", "OneLineParser", "name_list", "nonneg_float", "nonneg_int",
            "output_dir", "output_file", "positive_float", "positive_int"]
 
 
 class ArgumentError(ValueError):
     """A bad command-line value found after parsing. Its text names the option (``--gguf: ...``);
     :func:`pagedattn.cli.main` prints ``pagedattn <command>: error: <text>`` and returns 2."""
+
+
+#: the largest int an option takes: torch holds counts and seeds in 64 bits (a larger one
+#: raised "Overflow when unpacking long long" deep in a run)
+INT_MAX = (1 << 63) - 1
 
 
 def _number(text: str, kind: type, what: str, ok: Callable[[float], bool]):
@@ -44,6 +49,8 @@ def _number(text: str, kind: type, what: str, ok: Callable[[float], bool]):
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
     if value != value or value in (float("inf"), float("-inf")) or not ok(value):  # NaN, inf
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    if kind is int and abs(value) > INT_MAX:
+        raise argparse.ArgumentTypeError(f"expected {what} below 2^63, got {text!r}")
     return value
 
 

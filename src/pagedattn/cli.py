@@ -78,10 +78,12 @@ def _use_interpreter_without_gpu() -> None:
 
 def _out_of_memory(e: BaseException) -> bool:
     """An allocation that failed: Python's ``MemoryError``, torch's CUDA ``OutOfMemoryError``
-    (a ``RuntimeError``), or its CPU allocator's ``RuntimeError`` ("can't allocate")."""
+    (a ``RuntimeError``), or its CPU allocator's ``RuntimeError`` ("can't allocate", or a size
+    past 2^63 bytes: "Storage size calculation overflowed")."""
     text = str(e).lower()
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
-        isinstance(e, RuntimeError) and ("can't allocate" in text or "out of memory" in text))
+        isinstance(e, RuntimeError) and ("can't allocate" in text or "out of memory" in text
+                                         or "size calculation overflowed" in text))
 
 
 def _command(name: str):
@@ -108,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedattn {args.command}: error: {e}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:  # a batch or context too large for this machine
+        if type(e).__name__ == "CacheFullError":  # the engine's pages (serving)
+            print(f"pagedattn {args.command}: error: {e} (--num-pages)", file=sys.stderr)
+            return 2
         if not _out_of_memory(e):
             raise
         why = (str(e) or type(e).__name__).splitlines()[0][:200]

@@ -147,6 +147,10 @@ def measure(entry: Entry, shape: BenchShape, b: BenchBatch, ref: torch.Tensor | 
         out, compiled = _first_call(entry, fn, b)
         if b.query.is_cuda:
             torch.cuda.synchronize()
+        if not isinstance(out, torch.Tensor) or out.shape != b.query.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(f"the runner returned {got}, expected a tensor of the query's "
+                            f"shape {tuple(b.query.shape)}")
     except (PeerUnsupported, NotImplementedError) as e:
         return {**row, "status": "unsupported", "error": str(e) or type(e).__name__}
     except Exception as e:  # noqa: BLE001 - a failing impl or peer is a row, not a crash

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import ArgumentError
+from pagedattn._cli_types import INT_MAX, ArgumentError
 
 
 def int_in(lo: int, hi: int | None = None):
@@ -27,8 +27,9 @@ def int_in(lo: int, hi: int | None = None):
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        top = INT_MAX if hi is None else hi  # torch holds sizes in 64 bits
+        if v < lo or v > top:
+            span = f"in [{lo}, 2^63 - 1]" if hi is None else f"in [{lo}, {hi}]"
             raise argparse.ArgumentTypeError(f"expected an integer {span}, got {v}")
         return v
     parse.__name__ = "int"  # argparse names the type in some messages
