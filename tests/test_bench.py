@@ -96,6 +96,32 @@ def test_registry_holds_every_peers_row():
         get_shape("nope")
 
 
+def test_shape_helpers_refuse_what_they_cannot_honour():
+    """Found by an adversarial pass: an empty selection gave no shapes silently, "all,peers"
+    called "all" unknown, and negative lengths or a page size of 0 failed later (or never)."""
+    from pagedattn.bench.shapes import shrink_lengths
+    from pagedattn.traces import sample_context_lens
+
+    assert [s.name for s in select_shapes(["peers", "mha-b32-c4k "])] == [
+        *PEER_TABLE, "mha-b32-c4k"]
+    assert len(select_shapes("all,peers")) == len(SHAPES) + len(PEER_TABLE)
+    for empty in ("", " , ", []):
+        with pytest.raises(ValueError, match="^shapes: expected"):
+            select_shapes(empty)
+    with pytest.raises(ValueError, match="^context_lens: expected lengths >= 0"):
+        make_shape("x", "smollm2-135m", [3, -1])
+    with pytest.raises(ValueError, match="^page_size: expected >= 1"):
+        make_shape("x", "smollm2-135m", [3], page_size=0)
+    assert shrink_lengths([0, 5, 100], 10) == [0, 1, 10]  # a non-empty sequence keeps a token
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="^max_context: expected >= 1"):
+            shrink_lengths([5, 100], bad)
+    with pytest.raises(ValueError, match="^batch: expected an int >= 0"):
+        sample_context_lens("azure", -1)
+    with pytest.raises(ValueError, match="^seed: expected an int in"):
+        sample_context_lens("azure", 2, seed=1 << 64)
+
+
 @pytest.mark.parametrize("name,heads,batch,ctx,dtype,cache", [
     ("seed-fp32-b64-c2048", (32, 8, 128), 64, 2048, torch.float32, torch.float32),
     ("llama8b-b1-c32k", (32, 8, 128), 1, 32768, torch.bfloat16, torch.bfloat16),

@@ -73,6 +73,10 @@ def sample_context_lens(
         mooncake b16: that is a draw continued after azure b64 on one generator, but its
         measured GB/s match the 180,464-token batch of this recipe.)
     """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+        raise ValueError(f"batch: expected an int >= 0, got {batch!r}")
+    if generator is None and not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed: expected an int in [0, 2^64), got {seed!r}")
     rows = load_trace(trace)
     g = torch.Generator().manual_seed(seed) if generator is None else generator
     picks = torch.randint(0, len(rows), (batch,), generator=g).tolist()

@@ -112,10 +112,16 @@ class BenchShape:
 
 def make_shape(name: str, model: ModelShape | str, context_lens, *, fp8: bool = False,
                dtype: torch.dtype | None = None, page_size: int = 16) -> BenchShape:
-    """A :class:`BenchShape` for a model (or registry name) and explicit lengths."""
+    """A :class:`BenchShape` for a model (or registry name) and explicit lengths. Raises
+    ValueError for a negative length or ``page_size < 1``."""
     model = MODELS[model] if isinstance(model, str) else model
     dtype = model.dtype if dtype is None else dtype
-    return BenchShape(name, model, tuple(int(n) for n in context_lens), dtype,
+    lens = tuple(int(n) for n in context_lens)
+    if any(n < 0 for n in lens):
+        raise ValueError(f"context_lens: expected lengths >= 0, got {min(lens)}")
+    if page_size < 1:
+        raise ValueError(f"page_size: expected >= 1, got {page_size}")
+    return BenchShape(name, model, lens, dtype,
                       FP8_E4M3 if fp8 else dtype, page_size,
                       FP8_K_SCALE if fp8 else None, FP8_V_SCALE if fp8 else None)
 
@@ -182,18 +188,28 @@ SHAPE_PRESETS: dict[str, tuple[str, ...]] = {"all": SHAPES, "peers": PEER_SHAPES
 
 
 def select_shapes(selection: str | list[str]) -> list[BenchShape]:
-    """``"all"``, ``"peers"``, a comma list of names or a list of names -> shapes, in order."""
-    if isinstance(selection, str):
-        selection = list(SHAPE_PRESETS.get(selection.strip())
-                         or [s.strip() for s in selection.split(",") if s.strip()])
-    return [get_shape(n) for n in selection]
+    """``"all"``, ``"peers"``, a comma list of names (presets among them) or a list of names
+    -> shapes, in order. Raises ValueError for an unknown name or an empty selection."""
+    names = selection.split(",") if isinstance(selection, str) else list(selection)
+    picked = []
+    for n in (str(n).strip() for n in names):
+        if n:
+            picked += SHAPE_PRESETS.get(n, [n])
+    if not picked:
+        raise ValueError(f"shapes: expected shape names or {', '.join(SHAPE_PRESETS)}, got "
+                         f"{selection!r}")
+    return [get_shape(n) for n in picked]
 
 
 def shrink_lengths(lens, max_context: int) -> list[int]:
     """Scale lengths by ``max_context / max(lens)`` (never up), rounding up: a non-empty
     sequence keeps at least 1 token, an empty one stays empty, ragged stays ragged. The one
     length shrinker of the bench package (the CPU interpreter runs only small batches)."""
+    if max_context < 1:
+        raise ValueError(f"max_context: expected >= 1, got {max_context}")
     lens = [int(n) for n in lens]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"lens: expected lengths >= 0, got {min(lens)}")
     top = max(lens, default=0)
     if top <= max_context:
         return lens
