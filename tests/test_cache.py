@@ -334,3 +334,16 @@ def test_cache_refuses_bool_sizes_and_integer_dtypes(kw, exc):
     args = dict(num_pages=4, page_size=4, dtype=torch.float32) | kw
     with pytest.raises(exc, match=f"^{next(iter(kw))}: expected"):
         PagedKVCache(1, 1, 16, **args)
+
+
+def test_cpu_metadata_does_not_alias_the_staging_buffer():
+    """On a CPU cache ``host.to(cpu)`` is the staging buffer itself, so the next step's
+    ``prepare_step(..., staging=st)`` rewrote the previous step's slot mapping."""
+    c = PagedKVCache(1, 1, 16, num_pages=4, page_size=4, dtype=torch.float32)
+    c.add_sequence("a")
+    c.prepare_step(["a"], [2])
+    st = torch.zeros(PagedKVCache.metadata_size(1, 2), dtype=c.index_dtype)
+    m1 = c.prepare_step(["a"], [1], max_pages=2, staging=st)
+    before = m1.slot_mapping.clone()
+    c.prepare_step(["a"], [1], max_pages=2, staging=st)
+    assert torch.equal(m1.slot_mapping, before) and int(before[0]) == 2

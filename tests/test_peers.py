@@ -187,3 +187,13 @@ def test_bench_dry_run_with_a_peer_file(peer_path, tmp_path, capsys):
     assert "not measured in this run" in md and "git_commit" in md
     assert "nothing was timed" in md and "median over cold-L2" not in md
     assert not (out / "bench_roofline.png").exists()  # no chart without data
+
+
+def test_a_peer_named_like_another_row_is_refused_in_one_line(peer_path, tmp_path, capsys):
+    """``--peer-file auto=...`` made two rows named auto (the table keys on the name)."""
+    rc = cli.main(["bench", "--dry-run", "--shapes", "llama8b-b1-c1k", "--impls", "auto",
+                   "--peers", "none", "--peer-file", f"auto={peer_path}",
+                   "--out-dir", str(tmp_path / "bench")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "--peer-file: the row name 'auto' is taken twice" in err

@@ -37,7 +37,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedattn._cli_types import name_list, nonneg_int, output_dir, output_file, positive_int
+from pagedattn._cli_types import (
+    ArgumentError,
+    name_list,
+    nonneg_int,
+    output_dir,
+    output_file,
+    positive_int,
+)
 from pagedattn.bench import report
 from pagedattn.bench.peers import DEFAULT_PEERS, PEERS, PeerUnsupported, peer_file
 from pagedattn.bench.report import TO_BEAT_SLACK
@@ -110,9 +117,16 @@ def impl_entry(impl: str) -> Entry:
 
 
 def entries(impls: list[str], peers: list[str], peer_files=()) -> list[Entry]:
-    """Our impls, then the built-in peers, then peers loaded with ``--peer-file``."""
-    return ([impl_entry(i) for i in impls] + [Entry(p, "peer", PEERS[p]) for p in peers]
+    """Our impls, then the built-in peers, then peers loaded with ``--peer-file``. Raises
+    ArgumentError (a ValueError) when two rows would share a name (the table keys on it)."""
+    rows = ([impl_entry(i) for i in impls] + [Entry(p, "peer", PEERS[p]) for p in peers]
             + [Entry(p.name, "peer", p.factory) for p in peer_files])
+    names = [e.name for e in rows]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ArgumentError(f"--peer-file: the row name {dup!r} is taken twice; name the peer "
+                            "with NAME=PATH[:FUNC]")
+    return rows
 
 
 def base_row(shape: BenchShape, name: str, kind: str) -> dict[str, Any]:

@@ -339,6 +339,8 @@ class PagedKVCache:
             host = host.pin_memory()
         if out is None:
             buf = host.to(self.device, non_blocking=True)
+            if buf.data_ptr() == host.data_ptr() and staging is not None:
+                buf = buf.clone()  # a CPU cache: the step's tensors must outlive the staging
         elif out.numel() != host.numel():
             raise ValueError(f"out: expected {host.numel()} elements, got {out.numel()}")
         else:
