@@ -300,6 +300,15 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two non-empty tensors of one storage can touch a common byte."""
+    if not (a.numel() and b.numel()) or \
+            a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
 def check_out_aliasing(out: torch.Tensor, query: torch.Tensor, caches: tuple = ()) -> None:
     """``out`` is written by many programs at once: no two of its elements may share memory
     (a broadcast view with stride 0, or overlapping strides), and it may share none with the
@@ -315,20 +324,13 @@ def check_out_aliasing(out: torch.Tensor, query: torch.Tensor, caches: tuple = (
                   "overlapping dims)", f"strides {tuple(out.stride())} for shape "
                   f"{tuple(out.shape)}")
         reach = stride * size
-    if out.numel() and query.numel() and \
-            out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
-        same = (out.data_ptr() == query.data_ptr() and out.stride() == query.stride())
-        (a0, a1), (b0, b1) = _span(out), _span(query)
-        if not same and a0 < b1 and b0 < a1:
-            _fail(ValueError, "out", "memory apart from the query's, or the query itself",
-                  "a view overlapping the query")
+    same = out.data_ptr() == query.data_ptr() and out.stride() == query.stride()
+    if not same and _overlaps(out, query):
+        _fail(ValueError, "out", "memory apart from the query's, or the query itself",
+              "a view overlapping the query")
     for name, cache in caches:  # the kernels read the caches while out is written
-        if out.numel() and cache.numel() and \
-                out.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
-            (a0, a1), (b0, b1) = _span(out), _span(cache)
-            if a0 < b1 and b0 < a1:
-                _fail(ValueError, "out", f"memory apart from {name}'s",
-                      f"a view overlapping {name}")
+        if _overlaps(out, cache):
+            _fail(ValueError, "out", f"memory apart from {name}'s", f"a view overlapping {name}")
 
 
 def check_values(
@@ -384,8 +386,9 @@ def check_scalar_values(named: tuple, *, sinks: torch.Tensor | None = None,
                       f"finite scales > 0 {_WITHIN}")
     if sinks is not None:
         v = sinks.detach().double()
-        first_bad("sinks", v, v.isnan() | (v > KERNEL_SCALAR_MAX) | (v < -KERNEL_SCALAR_MAX)
-                  & v.isfinite(), f"sink logits {_WITHIN}, or -inf for none")
+        first_bad("sinks", v, v.isnan() | (v > KERNEL_SCALAR_MAX)
+                  | ((v < -KERNEL_SCALAR_MAX) & v.isfinite()),
+                  f"sink logits {_WITHIN}, or -inf for none")
     if alibi_slopes is not None:
         v = alibi_slopes.detach().double()
         first_bad("alibi_slopes", v, ~(v.abs() <= KERNEL_SCALAR_MAX),

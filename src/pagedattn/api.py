@@ -73,12 +73,11 @@ IMPLS: dict[str, ImplSpec] = {
                      variants=True),
 }
 STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
-#: the variant arguments at their "off" values
 #: the widest window the kernels hold (int32); a wider one sees every key, as -1 does
 _INT32_MAX = (1 << 31) - 1
 #: the largest scale the kernels take (they multiply it by log2(e) in float32)
 _SMAX = V.KERNEL_SCALAR_MAX
-
+#: the variant arguments at their "off" values
 _VARIANT_DEFAULTS = {"window_left": -1, "logits_soft_cap": None, "sinks": None,
                      "alibi_slopes": None, "batch_invariant": False}
 
@@ -443,13 +442,15 @@ def paged_decode(
         ValueError: a wrong rank or shape, mixed devices (or a device other than CUDA or the
             CPU with ``TRITON_INTERPRET=1``), ``num_q_heads % num_kv_heads != 0``, ``head_dim``
             outside [16, 256], an unknown ``impl``/``kv_layout``, ``num_splits`` outside
-            [1, 65536], a bad scale shape, ``scale``/``k_scale``/``v_scale`` past float32's
-            range, ``window_left < -1``, ``logits_soft_cap`` not a finite float32 > 0, an
-            ``out`` whose elements overlap or that overlaps the query (``out`` may be the
-            query itself), ``sinks``/``alibi_slopes`` not ``[num_q_heads]`` float32 on the query's
-            device (TypeError for a wrong dtype), an option the impl cannot honour (every
-            variant and 4-D queries are ``impl="auto"`` only), or (when value checks run)
-            a length outside ``[0, max_pages * page_size]`` or a used page id outside
+            [1, 65536], a bad scale shape, ``scale``/``k_scale``/``v_scale``/``logits_soft_cap``
+            (or ``scale * k_scale``) past float32's range / log2(e) (about 2.36e38: the kernels
+            work in base 2), fp8 scales <= 0, ``window_left < -1``, ``logits_soft_cap`` not a
+            finite float > 0, an ``out`` whose elements overlap or that overlaps the query
+            (``out`` may be the query itself) or a cache, ``sinks``/``alibi_slopes`` not
+            ``[num_q_heads]`` float32 on the query's device (TypeError for a wrong dtype), an
+            option the impl cannot honour (every variant and 4-D queries are ``impl="auto"``
+            only), or (when value checks run) tensor fp8 scales, sinks or slopes out of those
+            ranges, a length outside ``[0, max_pages * page_size]`` or a used page id outside
             ``[0, num_pages)``. The message names the argument.
 
     Sources: split-KV with a log-sum-exp merge as in Flash-Decoding (Dao et al., 2023); paging
