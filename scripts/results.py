@@ -1,7 +1,7 @@
 """The results of ``docs/results/``: the runs CSV every harness run is appended to, and the
 current page of one GPU, built from that GPU's results files.
 
-    python scripts/results.py append BENCH.csv|BENCH.json [--runs CSV] [--source TEXT] [--commit SHA]
+    python scripts/results.py append BENCH.(csv|json) [--runs CSV] [--source TEXT] [--commit C]
     python scripts/results.py page [--gpu h200] [--dir docs/results]      # writes DIR/GPU.md
     python scripts/results.py readme-table [--gpu h200] [--dir docs/results]
 
@@ -322,7 +322,7 @@ def page(results: Path, gpu: str) -> str:
            "graph-safe). A peer whose output fails its accuracy check is not counted as "
            f"fastest. Full table: `bench-{gpu}.md` (errors, host µs; CSV and JSON beside it; "
            f"chart `bench-{gpu}-roofline.png`).", "",
-           f"## Every row against the fastest peer of the same run", "",
+           "## Every row against the fastest peer of the same run", "",
            *_peer_table(rows), "", _reached_line(rows), "",
            "## Roofline targets (% of the read roofline, same run)", "", *_targets_table(rows)]
     host = results / f"host-time-{gpu}.log"
