@@ -298,6 +298,24 @@ def _fa3_table(path: Path) -> list[str]:
     return lines
 
 
+#: the page's optional sections: (file, heading, what the file is, its table)
+_SECTIONS = (
+    ("host-time-{gpu}.log", "Host time",
+     " (`scripts/host_time.py`: 2,000 back-to-back calls of a tiny batch, one sync, µs per call; "
+     "median of the timings, their minimum in brackets). Targets: `plan.run` ≤ 15 µs, "
+     "`paged_decode` ≤ 25 µs.", _host_table),
+    ("variants-{gpu}.json", "Attention variants beside FlashInfer",
+     " (`scripts/bench_variants.py`, every default row): µs, cold-L2 median, eager / graph; "
+     "FlashInfer with the same variant where its paged decode has it. Ratios from the "
+     "unrounded medians.", _variants_table),
+    ("fa3-{gpu}.log", "FlashAttention-3 beside plan.run and the floor",
+     ": FlashAttention-3 (`flash_attn_with_kvcache` on the paged cache through `page_table`, the "
+     "`--peer-file` runner of the peers folder) beside `plan.run` and the floor in one call, µs "
+     "eager / graph (rel. L2 against the oracle). A separate call from the benchmark "
+     "above{roofline}: compare within this table.", _fa3_table),
+)
+
+
 def page(results: Path, gpu: str) -> str:
     """The current page of ``gpu`` from its results files in ``results``."""
     rows, meta = read_bench(results / f"bench-{gpu}.json")
@@ -325,27 +343,11 @@ def page(results: Path, gpu: str) -> str:
            "## Every row against the fastest peer of the same run", "",
            *_peer_table(rows), "", _reached_line(rows), "",
            "## Roofline targets (% of the read roofline, same run)", "", *_targets_table(rows)]
-    host = results / f"host-time-{gpu}.log"
-    if host.exists():
-        out += ["", "## Host time", "",
-                f"`host-time-{gpu}.log` (`scripts/host_time.py`: 2,000 back-to-back calls of a "
-                "tiny batch, one sync, µs per call; median of the timings, their minimum in "
-                "brackets). Targets: `plan.run` ≤ 15 µs, `paged_decode` ≤ 25 µs.", "",
-                *_host_table(host)]
-    variants = results / f"variants-{gpu}.json"
-    if variants.exists():
-        out += ["", "## Attention variants beside FlashInfer", "",
-                f"`variants-{gpu}.json` (`scripts/bench_variants.py`, every default row): µs, "
-                "cold-L2 median, eager / graph; FlashInfer with the same variant where its paged "
-                "decode has it. Ratios from the unrounded medians.", "", *_variants_table(variants)]
-    fa3 = results / f"fa3-{gpu}.log"
-    if fa3.exists():
-        out += ["", "## FlashAttention-3 beside plan.run and the floor", "",
-                f"`fa3-{gpu}.log`: FlashAttention-3 (`flash_attn_with_kvcache` on the paged "
-                "cache through `page_table`, the `--peer-file` runner of the peers folder) "
-                "beside `plan.run` and the floor in one call, µs eager / graph (rel. L2 against "
-                f"the oracle). A separate call from the benchmark above{_fa3_roofline(fa3)}: "
-                "compare within this table.", "", *_fa3_table(fa3)]
+    for name, title, intro, table in _SECTIONS:
+        path = results / name.format(gpu=gpu)
+        if path.exists():
+            out += ["", f"## {title}", "", f"`{path.name}`" + intro.format(
+                roofline=_fa3_roofline(path) if table is _fa3_table else ""), "", *table(path)]
     out += ["", "## GPU tests, sanitizers, serving", "",
             f"`gpu-tests-{gpu}.md`, `sanitizer-{gpu}.md`, `serving-{gpu}.md`: each names the "
             "commit it measured."]
