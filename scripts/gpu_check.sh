@@ -16,9 +16,9 @@
 #             alternated $AB_ROUNDS times on $AB_SHAPES beside the floor, in one call
 # Environment:
 #   OUT=./out  PEERS=.peers  GPU=h200 (the results files' slug)
-#   PEERS: the folder `fetch_peers.sh` builds (plain_floor.py, fa3_peer.py, fa3.tar,
-#     flashinfer-0.7.4.tar.xz, apache_tvm_ffi-*.whl); name it in `carry`. A peer whose files
-#     are absent is left out.
+#   PEERS: `bash scripts/peers/fetch_peers.sh .peers` builds it (plain_floor.py, fa3_peer.py,
+#     fa3.tar, flashinfer-0.7.4.tar.xz, apache_tvm_ffi-*.whl); name it in `carry`. A peer
+#     whose files are absent is left out.
 #   PAGEDATTN_GIT_SHA: the commit sent (the device's copy has no history; the pages name it).
 #   BENCH_S, HOST_S, VARIANTS_S, TESTS_S, SERVING_S, SANITIZE_S: per-step time limits (s).
 #   BENCH_STEPS="harness host variants": a cold machine spends minutes in FlashInfer's JIT

@@ -19,6 +19,7 @@ from pagedattn.bench.shapes import build_batch, make_shape
 from pagedattn.bench.timing import Timing
 
 SDPA_PEER = Path(__file__).parent / "peers" / "torch_sdpa_peer.py"
+FLOOR = Path(__file__).resolve().parents[1] / "scripts" / "peers" / "plain_floor.py"
 
 PEER_FILE = '''
 import torch
@@ -155,6 +156,13 @@ def test_a_broken_repository_peer_fails_its_check(tmp_path):
     peer = load_peer_file(f"broken={broken}")
     row = _rows(make_shape("t", "llama-3-8b", [5, 17, 40]), [peer])["broken"]
     assert row["status"] == "FAIL" and row["rel_l2_error"] > row["tolerance"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on the CPU the floor cannot run")
+def test_the_plain_floor_loads_and_fails_as_a_cell_on_the_cpu():
+    peer = load_peer_file(f"floor={FLOOR}:best_floor_runner")
+    row = _rows(make_shape("t", "llama-3-8b", [5, 17]), [peer])["floor"]
+    assert row["status"] == "error" and "no config ran" in row["error"]
 
 
 def test_flashinfer_peers_are_unsupported_without_cuda():
