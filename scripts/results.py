@@ -316,6 +316,20 @@ _SECTIONS = (
 )
 
 
+#: the peer files the bench phase passes, by row name
+PEER_FILE_ARGS = {"floor": "floor=PEERS/plain_floor.py:best_floor_runner",
+                  "fa3": "fa3=PEERS/fa3_peer.py"}
+
+
+def _command(rows: list[dict]) -> str:
+    """The ``pagedattn bench`` command of the bench phase that gives these rows' peers."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    builtin = [i for i in impls if i.startswith("flashinfer")]
+    files = "".join(f" --peer-file {PEER_FILE_ARGS[i]}" for i in impls if i in PEER_FILE_ARGS)
+    return (f"pagedattn bench --shapes peers --impls auto --peers {','.join(builtin) or 'none'}"
+            f"{files} --graph --reps 40")
+
+
 def page(results: Path, gpu: str) -> str:
     """The current page of ``gpu`` from its results files in ``results``."""
     rows, meta = read_bench(results / f"bench-{gpu}.json")
@@ -331,9 +345,8 @@ def page(results: Path, gpu: str) -> str:
            f"run of {meta.get('date')}. Read roofline measured in the same run by a "
            f"streaming-read kernel: {roof:,.0f} GB/s (the % columns use it)." if roof else "",
            "",
-           "Command (`scripts/gpu_check.sh bench`): `pagedattn bench --shapes peers --impls auto "
-           "--peers flashinfer-tc,flashinfer-xqa --peer-file floor=PEERS/plain_floor.py:"
-           "best_floor_runner --graph --reps 40`. `auto` is planned once per batch and timed on "
+           f"Command (`scripts/gpu_check.sh bench`): `{_command(rows)}`. "
+           "`auto` is planned once per batch and timed on "
            "`plan.run`; medians of cold-L2 repetitions, eager and CUDA-graph replay; every "
            f"output checked against the float64 oracle. Peers in the same run: {', '.join(peers)}"
            " (floor: the plain-Triton measuring peer, best of its config sweep per batch, not "
