@@ -25,7 +25,8 @@
 #     (cached in .fi_ws/ on a warm machine): split the phase over two calls if needed, then run
 #     `scripts/results.py page` here once every file is in docs/results/.
 #   MODEL=.model/smollm2.gguf, GGUF_PARTS="a b" (parts concatenated into MODEL), WHEELS=.whl
-#   NCU_SHAPES, AB_OLD, AB_SHAPES, AB_ROUNDS: see profile and ab.
+#   NCU_SHAPES, AB_OLD, AB_SHAPES, AB_ROUNDS: see profile and ab. The GPU fuzz test (tests)
+#     takes PAGEDATTN_FUZZ_EXAMPLES, and PYTEST_ADDOPTS=--hypothesis-seed=N to replay a seed.
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 PEERS=${PEERS:-$PWD/.peers}
@@ -36,7 +37,6 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 stamp() { echo "[gpu_check +$(( $(date +%s) - t0 ))s] $*"; }
-
 env_info() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
     | tee "$OUT/env.txt"
@@ -196,5 +196,5 @@ PY
 phase=${1:-}
 case "$phase" in
   tests|bench|serving|sanitize|profile|ab) "phase_$phase"; rc=$?; stamp "$phase: exit $rc"; exit $rc ;;
-  *) sed -n '2,28p' "$0"; exit 2 ;;
+  *) sed -n '2,29p' "$0"; exit 2 ;;
 esac
