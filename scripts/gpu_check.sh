@@ -20,7 +20,8 @@
 #     fa3.tar, flashinfer-0.7.4.tar.xz, apache_tvm_ffi-*.whl); name it in `carry`. A peer
 #     whose files are absent is left out.
 #   PAGEDATTN_GIT_SHA: the commit sent (the device's copy has no history; the pages name it).
-#   BENCH_S, HOST_S, VARIANTS_S, TESTS_S, SERVING_S, SANITIZE_S: per-step time limits (s).
+#   BENCH_S, HOST_S, VARIANTS_S, TESTS_S, SERVING_S, SANITIZE_S: per-step limits (s); BENCH_ARGS
+#     and SHAPES: more harness options (a CPU smoke: BENCH_ARGS=--dry-run TRITON_INTERPRET=1).
 #   BENCH_STEPS="harness host variants": a cold machine spends minutes in FlashInfer's JIT
 #     (cached in .fi_ws/ on a warm machine): split the phase over two calls if needed, then run
 #     `scripts/results.py page` here once every file is in docs/results/.
@@ -65,7 +66,6 @@ peer_files() {  # the --peer-file arguments of the peers present in $PEERS
     && PEER_FILES+=(--peer-file "fa3=$PEERS/fa3_peer.py")
   echo "peer files: ${PEER_FILES[*]:-none}"
 }
-
 phase_tests() {
   env_info
   local xdist
@@ -87,10 +87,10 @@ phase_bench() {
   if [[ " $steps " == *" harness "* ]]; then
     stamp "benchmark: auto beside $FI_PEERS and the peer files, eager and graph"
     timeout "${BENCH_S:-420}" python3 -m pagedattn.cli bench --shapes "${SHAPES:-peers}" \
-      --impls auto --peers "$FI_PEERS" "${PEER_FILES[@]}" --graph --reps 40 \
+      --impls auto --peers "$FI_PEERS" "${PEER_FILES[@]}" --graph --reps 40 ${BENCH_ARGS:-} \
       --out-dir "$OUT/bench" > "$OUT/bench.log" 2>&1; tail -n 70 "$OUT/bench.log" | cut -c1-200
     for ext in csv json md; do cp "$OUT/bench/bench.$ext" "$RES/bench-$GPU.$ext"; done
-    cp "$OUT/bench/bench_roofline.png" "$RES/bench-$GPU-roofline.png"
+    cp "$OUT/bench/bench_roofline.png" "$RES/bench-$GPU-roofline.png" 2>/dev/null  # none untimed
     cp docs/results/bench-runs.csv "$RES/"
     python3 scripts/results.py append "$RES/bench-$GPU.json" --runs "$RES/bench-runs.csv" \
       --commit "${PAGEDATTN_GIT_SHA:-}" --source "docs/results/bench-$GPU.{csv,json,md}"
@@ -196,5 +196,5 @@ PY
 phase=${1:-}
 case "$phase" in
   tests|bench|serving|sanitize|profile|ab) "phase_$phase"; rc=$?; stamp "$phase: exit $rc"; exit $rc ;;
-  *) sed -n '2,29p' "$0"; exit 2 ;;
+  *) sed -n '2,30p' "$0"; exit 2 ;;
 esac

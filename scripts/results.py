@@ -114,7 +114,11 @@ def _key(line: dict) -> tuple:
 def append_runs(rows: list[dict], runs_csv: str | Path = RUNS_CSV, meta: dict | None = None,
                 *, commit: str | None = None, source: str = "") -> int:
     """Append a harness run's rows to the runs CSV (created with its header if absent); rows
-    already there (same commit, date, shape, impl) are skipped. Returns how many were added."""
+    already there (same commit, date, shape, impl) are skipped. Returns how many were added.
+    Raises ValueError for a run that timed nothing (a dry run) or a CSV of another header."""
+    if not any(_float(r.get(k)) is not None for r in rows for k in ("median_us",
+                                                                     "graph_median_us")):
+        raise ValueError("nothing was timed in this run (a dry run or no GPU): not a measurement")
     runs_csv = Path(runs_csv)
     have = set()
     if runs_csv.exists():

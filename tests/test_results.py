@@ -84,6 +84,10 @@ def test_what_is_not_a_run_is_refused(tmp_path):
     other.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="header"):
         results.append_runs(_fake_run("b" * 40, "d"), other)
+    untimed = [{**r, "median_us": None, "graph_median_us": None} for r in _fake_run("c", "d")]
+    with pytest.raises(ValueError, match="nothing was timed"):
+        results.append_runs(untimed, tmp_path / "runs.csv")
+    assert not (tmp_path / "runs.csv").exists()
 
 
 def test_the_runs_csv_holds_the_current_run():
