@@ -432,8 +432,8 @@ def _merge_per_group_kernel(
     other, so they pipeline). The row range comes from ``seq_rows``, which the main kernel
     fills for every non-empty sequence; every row in it held tokens, so every ``m_r`` is
     finite. One program per (sequence, kv head) rather than per query head: a batch of 64
-    with 32 query heads launched 2,048 programs that mostly exit at once, and that launch cost
-    10.4 µs under ncu (7 % of the call) on llama8b-b64-c2k. Used when ``batch ·
+    with 32 query heads launched 2,048 programs that mostly exit at once, a launch cost that
+    ncu showed on llama8b-b64-c2k (``docs/perf-notes.md``, step 7). Used when ``batch ·
     num_kv_heads`` fills the SMs; else :func:`_merge_per_head_kernel`."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -507,7 +507,7 @@ def _merge_per_head_kernel(
 ):
     """Grid ``(batch, num_q_heads)``: merge one head's split rows of one sequence. Used when
     ``batch · num_kv_heads`` is below the SM count (few sequences, many splits each: batch 1
-    with 64 rows per kv head merged 12 µs slower through the per-group kernel's row loop).
+    with 64 rows per kv head merged slower through the per-group kernel's row loop).
 
     Length 0: writes zeros (and LSE -inf). One row: the main kernel already wrote the result.
     Several rows: ``out = Σ acc_r·2^(m_r−M) / Σ l_r·2^(m_r−M)`` with ``M = max m_r``, taking

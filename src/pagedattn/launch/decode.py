@@ -60,7 +60,7 @@ from pagedattn.launch._common import LOG2E, block_d, cdiv, next_power_of_2
 
 # split rows merged per vector step by the per-head merge, at most: the most rows a sequence
 # can have (from shapes), so the usual split counts take one round (batch 1 at 32 k tokens:
-# 64 rows, which two rounds of 32 merged 2.5 µs slower than the floor's one: step 23)
+# 64 rows, which two rounds of 32 merged slower than the floor's one: perf-notes step 23)
 _MERGE_MAX_BLOCK_R = 64
 # sequences scanned per vector step of the device-side split planner (context_lens loads)
 _BLOCK_B = 128
@@ -135,7 +135,7 @@ def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size
     Keyed on shapes and dtype only, so a new batch size or context length never recompiles
     (split sizing is a runtime argument of the kernel). ``ragged``: the caller's host copy of
     the lengths says the batch is ragged (mean under half the longest); 16-bit caches then
-    pipeline one stage deeper (the H200 sweep of step 8: 0.4–6 % faster on the three ragged
+    pipeline one stage deeper (the H200 sweep of perf-notes step 8: faster on the three ragged
     rows, slower on the uniform ones)."""
     cfg = heuristic_config(head_dim, group, cache_dtype)
     if ragged and cache_dtype in (torch.float16, torch.bfloat16) and cfg.num_stages == 2:
@@ -215,10 +215,9 @@ def window_one_unit(*, batch: int, num_kv_heads: int, sms: int, window_left: int
     first tile before the window), whatever ``context_lens`` holds, so the longest unit is
     known from shapes. When the pairs alone fill the GPU (at least 1.5 per SM), splitting
     them buys no parallelism and costs the partials' round trip and a merge launch: on the
-    H200 (perf-notes step 25) a 1,024-token window ran 77.8 µs unsplit against 85.6 split on
-    b64-c2k (FlashInfer 87.5), 68.8 against 72.8 on the Azure batch (FlashInfer 68.5), 49.7
-    against 53.2 at batch 32; at batch 16 (128 pairs) unsplit was slower (39.7 against
-    36.7). Measured for 16-bit caches at head_dim 128 and one query token; batch invariance
+    H200 (perf-notes step 25) a 1,024-token window ran faster unsplit on b64-c2k, the Azure
+    batch and at batch 32, and slower at batch 16 (128 pairs). Measured for 16-bit caches at
+    head_dim 128 and one query token; batch invariance
     keeps its fixed split size (a batch-size rule would make a sequence's arithmetic depend
     on the batch), and a forced ``num_splits`` is obeyed."""
     return (window_left >= 0 and window_left + q_len <= _WINDOW_UNIT_MAX_KEYS and q_len == 1
@@ -239,12 +238,12 @@ def multi_token_config(cfg: DecodeConfig, *, head_dim: int, kv_dtype: torch.dtyp
     decoding).
 
     Multi-token rows add live values: on sm_90 the q_len=4 kernel takes 168 registers, so
-    three programs per SM fit where the one-token kernel (118) fits four: 1.35x the time
+    three programs per SM fit where the one-token kernel (118) fits four, a slower call
     (perf-notes step 15). The cap keeps ``min(ctas_per_sm, 4)`` programs resident (a ragged
     batch's split target of eight units per SM is not residency). For 16-bit caches at
     head_dim 65-128 (``choose_tiles``: the launcher's own choice, not a tuning override),
     32-token tiles 3 deep fit the 128 cap with no spill (64 x 2 spill 92 bytes), and a split
-    target of three units per SM (four stay resident) ran 2.2 % faster than the capped 64 x 2
+    target of three units per SM (four stay resident) ran faster than the capped 64 x 2
     tiles at four on b64-c2k (perf-notes step 26; measured at q_len=4, group 4); a ragged
     batch keeps its own split target."""
     bd = block_d(head_dim)
@@ -315,8 +314,8 @@ class AutoLauncher:
             q_len=q_len, kv_dtype=kv_dtype, head_dim=head_dim,
             batch_invariant=batch_invariant, forced_splits=self.forced_splits)
         if self.window_unit and config is None and not interpret:
-            # unsplit units run one window each: 32-token tiles 3 deep measured 1.7-2.5 %
-            # faster than the split plan's 64 x 2 (or the ragged 64 x 3) on both rows
+            # unsplit units run one window each: 32-token tiles 3 deep measured faster than
+            # the split plan's 64 x 2 (or the ragged 64 x 3) on both rows (perf-notes step 25)
             self.config = cfg = replace(cfg, block_n=32, num_stages=3)
         self.target_units = sms * cfg.ctas_per_sm
         self.target_units_ragged = sms * cfg.ragged_ctas_per_sm
@@ -360,8 +359,8 @@ class AutoLauncher:
             BATCH_INVARIANT=batch_invariant, ONE_UNIT=self.one_unit,
         )
         # merge: one program per (sequence, kv head) when those fill the SMs (H200, batch 64:
-        # 5 µs faster than 2,048 mostly idle per-head programs), else one per (sequence, query
-        # head) with split rows vectorized (batch 1: 12 µs faster than the per-group row loop)
+        # faster than 2,048 mostly idle per-head programs), else one per (sequence, query
+        # head) with split rows vectorized (batch 1: faster than the per-group row loop)
         # multi-token rows merge per group only; batch invariance needs one merge whatever
         # the batch size (the per-group row loop: a fixed order per sequence)
         per_group = merge_per_group(batch, num_kv_heads, sms) or q_len > 1 or batch_invariant
