@@ -171,6 +171,23 @@ def test_a_callback_may_abort_its_own_request_as_a_stop_string():
     assert engine.cache.num_free_pages == 8 and engine.cache.seq_ids == []
 
 
+def test_a_callback_aborting_a_request_admitted_in_the_same_step():
+    """Found by the random scenarios: a step admits request 1 (out of the queue), then reads
+    the decode step in flight, whose callback aborts request 1. It was prefilled anyway and
+    stayed running with no token (the next decode step raised IndexError)."""
+    engine = make(num_pages=8, max_batch_size=2)
+    engine.add_request([1, 2], 6)
+    engine.step()  # prefill request 0
+    engine.step()  # its decode step, left in flight
+    engine.add_request([3], 6)
+    engine.on_token = lambda r, tok: engine.abort(1)
+    engine.step()  # admits 1, reads 0's token in flight: 1 is aborted before its prefill
+    assert engine.running == [] or engine.running[0].rid == 0
+    a, b = engine.run(engine.on_token)
+    assert a.output == expected([1, 2], 6) and (b.finish_reason, b.output) == ("abort", [])
+    assert engine.cache.num_free_pages == 8 and engine.cache.seq_ids == []
+
+
 # -- 3. a callback that raises ----------------------------------------------------------------
 @pytest.mark.parametrize("at", [1, 3])  # the prefill's token, a decode step's token
 @pytest.mark.parametrize("keep_logits", [False, True])  # overlapped decode, or not
