@@ -93,6 +93,7 @@ from pagedattn.kernels.common import (
     _dim_mask,
     _fold_sink,
     _natural_lse,
+    _normalize,
     _page_ids,
     _rescale,
     _soft_cap,
@@ -381,13 +382,13 @@ def _paged_decode_kernel(
             m, l, alpha = _fold_sink(m, l, sink2)
             acc = acc * alpha[:, None]
         if Q_LEN > 1:  # a token before the sequence's start saw no key: out 0
-            out = acc * tl.where(l > 0, v_scale / l, 0.0)[:, None]
+            out = acc * _normalize(v_scale, l)[:, None]
             o_row = b.to(tl.int64) * stride_o_b + q_tok * stride_o_t + heads * stride_o_h
             o_ptrs = out_ptr + o_row[:, None] + offs_d[None, :] * stride_o_d
             lse_ptrs = lse_ptr + (b.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
         else:
             if ONE_UNIT:  # an empty sequence (l = 0): out 0, never 0 / 0
-                out = acc * tl.where(l > 0, v_scale / l, 0.0)[:, None]
+                out = acc * _normalize(v_scale, l)[:, None]
             else:
                 out = acc * (v_scale / l)[:, None]
             o_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
