@@ -243,6 +243,17 @@ def window_one_unit(*, batch: int, num_kv_heads: int, sms: int, window_left: int
             and 2 * batch * num_kv_heads >= 3 * sms)
 
 
+def fp8_few_pairs(*, batch: int, num_kv_heads: int, sms: int, kv_dtype: torch.dtype,
+                  head_dim: int) -> bool:
+    """An fp8 plan of one query token whose (sequence, kv head) pairs are fewer than the SMs
+    splits for four units per SM (the four 116-register programs resident), not the fp8
+    default of three: on the H200 (perf-notes step 28) b1-c32k ran 38.6 µs at four against
+    41.6 at three; b64-c8k (512 pairs) keeps three, where four cut each sequence in two
+    (312.8 against 308.4 µs)."""
+    return (kv_dtype in FP8_DTYPES and block_d(head_dim) <= 128
+            and batch * num_kv_heads < sms)
+
+
 # programs per SM that the multi-token kernel's register cap keeps resident, at most: the split
 # target (ctas_per_sm) may ask for more units than that (a ragged batch: eight per SM), which
 # is a count of units to plan, not of programs resident at once
@@ -335,6 +346,10 @@ class AutoLauncher:
             # unsplit units run one window each: 32-token tiles 3 deep measured 1.7-2.5 %
             # faster than the split plan's 64 x 2 (or the ragged 64 x 3) on both rows
             self.config = cfg = replace(cfg, block_n=32, num_stages=3)
+        if (config is None and not interpret and q_len == 1
+                and fp8_few_pairs(batch=batch, num_kv_heads=num_kv_heads, sms=sms,
+                                  kv_dtype=kv_dtype, head_dim=head_dim)):
+            self.config = cfg = replace(cfg, ctas_per_sm=4)
         self.target_units = sms * cfg.ctas_per_sm
         self.target_units_ragged = sms * cfg.ragged_ctas_per_sm
         # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
