@@ -35,7 +35,10 @@ for 16-bit and fp8 caches, split-TF32 (``DOT_PRECISION="tf32x3"``: fp32-level ac
 plain tf32) for fp32 caches. fp8 caches are converted to fp16 in registers; the query is first
 scaled per row by a power of two into fp16's range (``Q_POW2_SCALE``: exact, and the scores
 divide it back out, so no cast narrows the caller's range, case N07); ``k_scale`` applies to
-the scores and ``v_scale`` to the output. Token tiles are software-pipelined by Triton
+the scores and ``v_scale`` to the output. Where the layout allows (``FP8_V_PAIRS``), the fp8
+value tile is read as 16-bit pairs of dims, which transpose through shared memory like fp16
+(a byte tile was read one byte per instruction), and its even and odd dims accumulate in two
+half-width P·V dots (:func:`_fp8_dim_pairs`). Token tiles are software-pipelined by Triton
 (``num_stages``).
 
 A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
