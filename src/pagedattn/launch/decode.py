@@ -109,15 +109,19 @@ def tuned_table(device_name: str) -> dict[str, dict]:
 def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> DecodeConfig:
     """The rule for GPUs (or keys) without a tuned entry, read off the H200 sweeps recorded in
     ``docs/perf-notes.md`` (step 8): 16-bit caches take 64-token tiles 2 stages deep at
-    head_dim 128 (3 stages at head_dim ≤ 64, 32-token tiles at 256); fp8 caches 128-token
-    tiles 3 deep (half the bytes per token); fp32 caches 32-token tiles 3 deep (twice the
-    bytes). Splits target about one wave of four resident programs per SM (two for fp8, fp32
-    and head_dim ≤ 64), eight for ragged batches."""
+    head_dim 128 (3 stages at head_dim ≤ 64, 32-token tiles at 256); fp8 caches 64-token
+    tiles 3 deep (step 28: 116 registers with V read as dim pairs); fp32 caches 32-token tiles
+    3 deep (twice the bytes). Splits target about one wave of four resident programs per SM
+    (three for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight for
+    ragged batches."""
     bd = block_d(head_dim)
     if cache_dtype == torch.float32:
         block_n, stages, ctas = (32, 3, 2) if bd <= 128 else (16, 3, 2)
     elif cache_dtype in FP8_DTYPES:
-        block_n, stages, ctas = (128, 3, 2) if bd <= 128 else (64, 3, 2)
+        # 64-token tiles: with V read as dim pairs (FP8_V_PAIRS) the kernel takes 116
+        # registers, so four programs per SM (the 128-token tile took 255: two); a split
+        # target of three per SM leaves b64-c8k's 512 sequence-heads unsplit (perf-notes step 28)
+        block_n, stages, ctas = (64, 3, 3) if bd <= 128 else (64, 3, 2)
     elif bd <= 64:
         block_n, stages, ctas = 64, 3, 2
     elif bd <= 128:
@@ -162,6 +166,18 @@ def _dot_precision(cache_dtype: torch.dtype) -> str:
     """fp32 operands: split-TF32 (three tensor-core passes, fp32-level accuracy; plain tf32
     would miss the 1e-4 contract)."""
     return "tf32x3" if cache_dtype == torch.float32 else "tf32"
+
+
+def fp8_v_pairs(value_cache: torch.Tensor, head_dim: int) -> int:
+    """The ``FP8_V_PAIRS`` constexpr of a launch: 1 (e4m3) or 2 (e5m2) when an fp8 value cache
+    can be read as 16-bit pairs of dims (unit dim stride, the other strides multiples of 16
+    bytes, an even head_dim, a 16-byte aligned base: all part of a launch's binding), else 0
+    (bytes, as before). Pairs transpose through shared memory like fp16 (perf-notes step 28)."""
+    if (value_cache.dtype not in FP8_DTYPES or head_dim % 2 or value_cache.stride(-1) != 1
+            or any(st % 16 for st in value_cache.stride()[:-1])
+            or value_cache.data_ptr() % 16):
+        return 0
+    return 1 if value_cache.dtype == torch.float8_e4m3fn else 2
 
 
 def _direct_launch_supported() -> bool:
@@ -224,6 +240,17 @@ def window_one_unit(*, batch: int, num_kv_heads: int, sms: int, window_left: int
             and not batch_invariant and not forced_splits
             and kv_dtype in (torch.float16, torch.bfloat16) and block_d(head_dim) <= 128
             and 2 * batch * num_kv_heads >= 3 * sms)
+
+
+def fp8_few_pairs(*, batch: int, num_kv_heads: int, sms: int, kv_dtype: torch.dtype,
+                  head_dim: int) -> bool:
+    """An fp8 plan of one query token whose (sequence, kv head) pairs are fewer than the SMs
+    splits for four units per SM (the four 116-register programs resident), not the fp8
+    default of three: on the H200 (perf-notes step 28) b1-c32k ran 38.6 µs at four against
+    41.6 at three; b64-c8k (512 pairs) keeps three, where four cut each sequence in two
+    (312.8 against 308.4 µs)."""
+    return (kv_dtype in FP8_DTYPES and block_d(head_dim) <= 128
+            and batch * num_kv_heads < sms)
 
 
 # programs per SM that the multi-token kernel's register cap keeps resident, at most: the split
@@ -307,6 +334,7 @@ class AutoLauncher:
         self.forced_splits = min(int(num_splits or 0),
                                  max(1, cdiv(max_pages * page_size, cfg.block_n)))
         self.block_d = bd
+        self.head_dim = head_dim
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if on_gpu else 4
         self.window_unit = window_one_unit(
@@ -317,6 +345,10 @@ class AutoLauncher:
             # unsplit units run one window each: 32-token tiles 3 deep measured faster than
             # the split plan's 64 x 2 (or the ragged 64 x 3) on both rows (perf-notes step 25)
             self.config = cfg = replace(cfg, block_n=32, num_stages=3)
+        if (config is None and not interpret and q_len == 1
+                and fp8_few_pairs(batch=batch, num_kv_heads=num_kv_heads, sms=sms,
+                                  kv_dtype=kv_dtype, head_dim=head_dim)):
+            self.config = cfg = replace(cfg, ctas_per_sm=4)
         self.target_units = sms * cfg.ctas_per_sm
         self.target_units_ragged = sms * cfg.ragged_ctas_per_sm
         # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
@@ -486,6 +518,7 @@ class AutoLauncher:
             stride_ctx=context_lens.stride(0),
             stride_o_b=out.stride(0), stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
             SCALE_FROM_PTR=tensor_scales, HAS_LSE=lse is not None,
+            FP8_V_PAIRS=fp8_v_pairs(value_cache, self.head_dim), FP8_ASM=not is_interpreter(),
             HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None,
             **self.main_constexprs,
         )
