@@ -23,6 +23,12 @@ Sections (every engine run is greedy, EOS ignored so that every request makes it
 
 ``--tiny`` runs every section on a small random model (no GGUF, no tokenizer) with a few
 tokens: the CPU smoke test.
+
+On the CPU every decode step runs in Triton's interpreter (seconds per step): the command
+first estimates how long the settings take (:func:`cpu_seconds`; the defaults: days) and
+refuses past :data:`CPU_LIMIT_S` unless ``--yes``, naming README's smoke run
+(:data:`SMOKE_RUN`, a few minutes); otherwise it says how long it expects. The output files
+(``--out``'s, or the default's) are checked before any work.
 """
 
 from __future__ import annotations
@@ -54,10 +60,13 @@ TINY_CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layer
                 max_position=64, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
 
 
-#: seconds of one eager decode step of SmolLM2-135M (30 layers, 9/3 heads, head_dim 64) in
-#: Triton's interpreter at a bucket of ``b`` sequences: ``STEP_S[0] + STEP_S[1] * b``; measured
-#: on one idle core of the 2-core CI machine (session 13), a busy machine is slower
-STEP_S = (0.0, 0.0)
+#: CPU seconds of one eager decode step of SmolLM2-135M (30 layers, 9/3 heads, head_dim 64,
+#: bf16 cache) in Triton's interpreter at a bucket of ``b`` sequences: ``STEP_S[0] +
+#: STEP_S[1] * b``, twice that with an fp8 cache (:data:`FP8_STEP_FACTOR`); fitted to the
+#: README's smoke run (177 s of CPU time, 16 steps, session 13, the 2-core CI machine): an
+#: estimate, and a busy machine takes longer
+STEP_S = (0.6, 2.7)
+FP8_STEP_FACTOR = 2.0
 #: on the CPU, settings estimated above this many seconds need ``--yes``
 CPU_LIMIT_S = 15 * 60
 #: README's CPU smoke run of the real model (a few minutes)
@@ -333,10 +342,15 @@ def cpu_seconds(a: argparse.Namespace) -> float:
         idx = torch.randint(0, len(rows), (a.trace_requests,), generator=g).tolist()
         runs.append(([max(1, min(rows[i][1], a.trace_max_output)) for i in idx],
                      a.trace_max_batch))
-    runs += [([a.new_tokens] * prompts, prompts)] * 2  # agreement, fp8 cache
-    runs.append(([a.new_tokens] * max(a.batches), max(a.batches)))  # fp8 at the top batch
-    steps = [b for requests, most in runs for b in _engine_steps(requests, most)]
-    return sum(STEP_S[0] + STEP_S[1] * b for b in steps)
+    runs.append(([a.new_tokens] * prompts, prompts))  # agreement
+    fp8 = [([a.new_tokens] * prompts, prompts),  # the quantized cache's agreement
+           ([a.new_tokens] * max(a.batches), max(a.batches))]  # and its top batch
+
+    def seconds(runs) -> float:
+        return sum(STEP_S[0] + STEP_S[1] * b for requests, most in runs
+                   for b in _engine_steps(requests, most))
+    factor = FP8_STEP_FACTOR if a.cache_dtype.startswith("fp8") else 1.0
+    return seconds(runs) + factor * seconds(fp8)
 
 
 def device_slug(gpu_name: str | None) -> str:
@@ -427,6 +441,8 @@ def main(args: argparse.Namespace) -> int:
     files = [out.with_suffix(".json"), out.with_suffix(".md")]
     for f in files:  # the files really written, the default's included, before the work
         checked_output(f, "--out")
+    # a missing or non-GGUF file fails now, not after the setup
+    path = None if args.tiny else gguf_path(args.gguf)
     if args.tiny:
         args.new_tokens, args.trace_requests = min(args.new_tokens, 4), min(args.trace_requests, 6)
         args.trace_max_output = min(args.trace_max_output, 5)
@@ -441,8 +457,6 @@ def main(args: argparse.Namespace) -> int:
                 f"of a few minutes: {SMOKE_RUN}")
         print(f"bench-model on the CPU: expect {took} (Triton's interpreter, estimated for an "
               "idle core; a busy machine is slower)", file=sys.stderr)
-    # a missing or non-GGUF file fails now, not after the setup
-    path = None if args.tiny else gguf_path(args.gguf)
     res = run_benchmark(args, device, path)  # a GGUF without a usable model: ArgumentError
     out.parent.mkdir(parents=True, exist_ok=True)
     files[0].write_text(json.dumps(res, indent=1) + "\n")
