@@ -422,13 +422,7 @@ def _options(parser):
     return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
 
 
-NO_HELP_YET = pytest.mark.xfail(strict=True, reason="serving/generate.py (another helper's "
-                                "file in session 13): --max-new-tokens, --max-batch-size and "
-                                "--page-size have no help yet")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=NO_HELP_YET) if n == "generate"
-                                  else n for n in NAMES])
+@pytest.mark.parametrize("name", NAMES)
 def test_every_option_has_a_help_text(name):
     """A hidden option (help SUPPRESS) is only an old spelling: its dest is a visible
     option's."""

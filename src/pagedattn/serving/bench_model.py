@@ -153,8 +153,7 @@ def run_engine(model, prompts, max_new, *, mode: str, page_size: int, max_batch:
         engine.warmup()
         for p in prompts:
             engine.add_request(p, 2)
-        engine.run()
-        engine.finished.clear()
+        engine.run()  # hands the warm-up requests back once: the engine forgets them
         engine.stats = EngineStats()
     for p, n in zip(prompts, per_req, strict=True):
         engine.add_request(p, n)

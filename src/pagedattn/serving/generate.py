@@ -48,7 +48,8 @@ CPU_IMPL = "gqa_reuse_v3"  # the study's GQA stage: same results, fewer interpre
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     one_line_errors(parser)
     parser.add_argument("prompt", nargs="+", help="prompt text; repeat for a batch")
-    parser.add_argument("--max-new-tokens", type=int_in(1), default=128)
+    parser.add_argument("--max-new-tokens", type=int_in(1), default=128,
+                        help="most tokens to generate per prompt (default: %(default)s)")
     parser.add_argument("--raw", action="store_true",
                         help="no chat template: the prompt text is the model's whole input")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if "
@@ -66,8 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paged_decode impl (default: auto; on the CPU without an fp8 "
                         f"cache {CPU_IMPL}, which Triton's interpreter runs about 2x faster)")
     parser.add_argument("--gguf", default=None, help="path of the SmolLM2 GGUF file")
-    parser.add_argument("--max-batch-size", type=int_in(1, MAX_BATCH), default=8)
-    parser.add_argument("--page-size", type=int_in(1, 4096), default=16)
+    parser.add_argument("--max-batch-size", type=int_in(1, MAX_BATCH), default=8,
+                        help="most prompts decoded at once (default: %(default)s)")
+    parser.add_argument("--page-size", type=int_in(1, 4096), default=16,
+                        help="tokens per KV-cache page (default: %(default)s)")
     parser.add_argument("--num-pages", type=int_in(1), default=None,
                         help="cache pages (default: enough for every prompt at full length)")
 
