@@ -5,6 +5,9 @@ GPU in bf16 (marked ``gpu``)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ from pagedattn.reference import paged_decode_reference  # noqa: E402
 from pagedattn.testing import rel_l2_error  # noqa: E402
 
 NEW_TOKENS = 8
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture
@@ -149,6 +153,29 @@ def test_register_refuses_transformers_own_names():
     with pytest.raises(TypeError, match="name"):
         pa_hf.register("")
     assert pa_hf.register() == pa_hf.register() == "pagedattn"
+
+
+def readme_block() -> str:
+    """The python block of README's ``### transformers`` subsection."""
+    text = README.read_text(encoding="utf-8").split("\n### transformers\n", 1)[1]
+    text = re.split(r"^##", text, maxsplit=1, flags=re.M)[0]
+    (block,) = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+    return block
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU user's path")
+def test_readme_snippet_runs_on_the_cpu(decode_calls):
+    """As README tells a CPU user: every device="cuda" written device="cpu"; the snippet's own
+    assert compares the tokens with SDPA's, and the decode steps went through our kernel."""
+    code = readme_block()
+    assert 'device="cuda"' in code and "register()" in code
+    code = code.replace('device="cuda"', 'device="cpu"')
+    assert "cuda" not in code
+    ns: dict = {}
+    exec(compile(code, str(README), "exec"), ns)  # noqa: S102
+    new = ns["tokens"].shape[1] - 4  # 8 unless the random model ends its text early
+    assert ns["tokens"].shape[0] == 1 and new >= 2
+    assert len(decode_calls) == 2 * (new - 1)  # 2 layers per decode step after the prefill
 
 
 @pytest.mark.gpu
