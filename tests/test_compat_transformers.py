@@ -36,14 +36,13 @@ def decode_calls(monkeypatch):
     return calls
 
 
-def tiny_llama(attn: str):
+def tiny_llama(attn: str, device: str = "cpu"):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
         attn_implementation=attn)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    return model
+    return transformers.LlamaForCausalLM(cfg).float().to(device).eval()
 
 
 def greedy(model, ids, attention_mask=None):
@@ -54,11 +53,12 @@ def greedy(model, ids, attention_mask=None):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_tiny_llama_greedy_tokens_match_sdpa_through_our_kernel(batch, decode_calls):
+def test_tiny_llama_greedy_tokens_match_sdpa_through_our_kernel(batch, decode_calls, device):
     name = pa_hf.register()
     ids = torch.randint(1, 128, (batch, 5), generator=torch.Generator().manual_seed(batch))
-    want = greedy(tiny_llama("sdpa"), ids)
-    got = greedy(tiny_llama(name), ids)
+    ids = ids.to(device)
+    want = greedy(tiny_llama("sdpa", device), ids)
+    got = greedy(tiny_llama(name, device), ids)
     assert got.shape == (batch, NEW_TOKENS)
     assert torch.equal(got, want)
     # the first new token comes from the prefill (SDPA); each later one is a decode step of
@@ -67,24 +67,25 @@ def test_tiny_llama_greedy_tokens_match_sdpa_through_our_kernel(batch, decode_ca
     assert all(shape == (batch, 4, 16) for shape in decode_calls)
 
 
-def test_left_padded_batch_matches_sdpa(decode_calls):
+def test_left_padded_batch_matches_sdpa(decode_calls, device):
     """generate pads on the left: the mask is passed and each row reads its own key range."""
     name = pa_hf.register()
     ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     ids[0, :3], mask[0, :3] = 0, 0  # row 0: 3 pad tokens, then 3 real ones
-    want = greedy(tiny_llama("sdpa"), ids, mask)
-    got = greedy(tiny_llama(name), ids, mask)
+    ids, mask = ids.to(device), mask.to(device)
+    want = greedy(tiny_llama("sdpa", device), ids, mask)
+    got = greedy(tiny_llama(name, device), ids, mask)
     assert torch.equal(got, want)
     assert len(decode_calls) == 2 * (NEW_TOKENS - 1)
 
 
-def _step_inputs(batch=3, heads=4, kv_heads=2, seq=7, dim=16):
+def _step_inputs(device, batch=3, heads=4, kv_heads=2, seq=7, dim=16):
     g = torch.Generator().manual_seed(7)
     q = torch.randn(batch, heads, 1, dim, generator=g)
     k = torch.randn(batch, kv_heads, seq, dim, generator=g)
     v = torch.randn(batch, kv_heads, seq, dim, generator=g)
-    return q, k, v
+    return q.to(device), k.to(device), v.to(device)
 
 
 def _layer():
@@ -109,8 +110,8 @@ def _oracle(q, k, v, visible, scale):
 
 
 @pytest.mark.parametrize("case", ["no-mask", "left-pad", "right-pad"])
-def test_one_decode_step_matches_the_oracle(case, decode_calls):
-    q, k, v = _step_inputs()
+def test_one_decode_step_matches_the_oracle(case, decode_calls, device):
+    q, k, v = _step_inputs(device)
     seq = k.shape[2]
     visible = torch.ones(3, seq, dtype=torch.bool)
     if case == "left-pad":
@@ -118,18 +119,18 @@ def test_one_decode_step_matches_the_oracle(case, decode_calls):
         visible[2, :1] = False
     elif case == "right-pad":  # a StaticCache's unused tail
         visible[1, 5:] = False
-    mask = None if case == "no-mask" else visible[:, None, None, :]
+    mask = None if case == "no-mask" else visible[:, None, None, :].to(device)
     module = _layer()
     out, weights = pa_hf.attention_forward(module, q, k, v, mask, scaling=0.3)
     assert weights is None and out.shape == (3, 1, 4, 16) and len(decode_calls) == 1
-    assert rel_l2_error(out[:, 0], _oracle(q, k, v, visible, 0.3)) <= 1e-4
+    assert rel_l2_error(out[:, 0], _oracle(q.cpu(), k.cpu(), v.cpu(), visible, 0.3)) <= 1e-4
 
 
 def test_masks_it_cannot_read_go_to_sdpa(decode_calls):
     """A visible set that is not one range, a float mask and a prefill take SDPA, exactly."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    q, k, v = _step_inputs()
+    q, k, v = _step_inputs("cpu")
     module = _layer()
     holes = torch.ones(3, 1, 1, k.shape[2], dtype=torch.bool)
     holes[1, ..., 2] = False
@@ -153,6 +154,39 @@ def test_register_refuses_transformers_own_names():
     with pytest.raises(TypeError, match="name"):
         pa_hf.register("")
     assert pa_hf.register() == pa_hf.register() == "pagedattn"
+
+
+def _cb_protocol() -> bool:
+    return pa_hf._owns_cache_update(transformers.AttentionInterface)
+
+
+def _generate_batch(model, prompts):
+    config = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False,
+                                           eos_token_id=-1, pad_token_id=0)
+    out = model.generate_batch(prompts, generation_config=config)  # its own no-grad thread
+    return [out[k].generated_tokens for k in sorted(out)]
+
+
+@pytest.mark.skipif(not _cb_protocol(), reason="this transformers refuses third-party names in "
+                    "continuous batching (test_continuous_batching_refusal_is_transformers)")
+def test_continuous_batching_through_our_kernel_matches_paged_sdpa(decode_calls, device):
+    """transformers 5.17: generate_batch with "paged|pagedattn" gives paged|sdpa's tokens; its
+    decode-only batches run paged_decode on the keys transformers' cache gathered."""
+    name = pa_hf.register()
+    prompts = [[5, 17, 42], [99, 3, 64, 21, 8], [7]]
+    want = _generate_batch(tiny_llama("paged|sdpa", device), prompts)
+    got = _generate_batch(tiny_llama(f"paged|{name}", device), prompts)
+    assert got == want and all(len(t) == NEW_TOKENS for t in got)
+    assert decode_calls  # the decode-only batches went through paged_decode
+
+
+@pytest.mark.skipif(_cb_protocol(), reason="this transformers takes paged|<name> functions")
+def test_continuous_batching_refusal_is_transformers():
+    """transformers >= 5.24 refuses a third-party implementation in continuous batching, as
+    the module docstring says (switch_to_cb_friendly_attn)."""
+    name = pa_hf.register()
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        _generate_batch(tiny_llama(name), [[5, 17, 42]])
 
 
 def readme_block() -> str:

@@ -33,25 +33,29 @@ What runs where, per attention call:
   cannot prefill with this implementation.
 
 Continuous batching (``generate_batch``, ``ContinuousBatchingManager``, the
-``PagedAttentionCache``) is not served, because the installed versions do not let a
-third-party kernel read their paged cache:
+``PagedAttentionCache``) depends on the version, because transformers changed its protocol:
 
-- transformers 5.24 (``generation/continuous_batching/continuous_api.py``,
-  ``ContinuousBatchingManager.switch_to_cb_friendly_attn``, lines 779-784) accepts only
+- transformers 5.17 (the H200's) routes ``attn_implementation="paged|<name>"`` to a
+  registered function that updates the cache itself (``integrations/flash_paged.py``'s
+  protocol: ``cache.update(read_index=, write_index=)``); ``register()`` then also registers
+  :func:`paged_attention_forward` as ``"paged|pagedattn"``, whose decode-only batches run
+  :func:`pagedattn.paged_decode`. 5.17 keeps its block table (its paged decode fast path) for
+  FlashAttention names on CUDA (``generation/continuous_batching/initialization.py``,
+  ``ensure_decode_fast_path_is_available``, lines 120-136), so pagedattn reads the keys that
+  ``cache.update`` gathered, not transformers' pages. Ask for ``"paged|pagedattn"``: with
+  plain ``"pagedattn"`` 5.17's ``switch_to_cb_friendly_attn`` (``continuous_api.py``, lines
+  661-682) switches to a FlashAttention when one is installed.
+- transformers 5.24 refuses: ``generation/continuous_batching/continuous_api.py``,
+  ``ContinuousBatchingManager.switch_to_cb_friendly_attn``, lines 780-784, accepts only
   ``"paged|eager"``, ``"sdpa"`` or a name containing ``"flash"`` and raises ``ValueError``
-  ("Implementation ... is not supported for continuous batching") for any other; only the
-  ``"flash"`` names receive the block table (``cache.py``, ``PagedAttentionCache.update``,
-  lines 412-418) and transformers then imports a FlashAttention package or Hub kernel for
-  them (``modeling_utils.py``, ``_check_and_adjust_attn_implementation``).
-- transformers 5.17 accepted a registered ``"paged|<name>"`` function that performed the
-  cache update itself (``integrations/flash_paged.py``, ``paged_attention_forward``, with
-  ``cache.update(read_index=, write_index=)`` and kwargs ``max_seqlen_q``/``max_seqlen_k``);
-  5.24 moved the update into the model and renamed the kwargs (``max_length_q``/
-  ``max_length_k``), and 5.17 itself warns that the ``paged|`` prefix is going away. One
-  registration cannot serve both protocols, so none is shipped: a model that
-  ``generate_batch`` is called on keeps transformers' own attention there.
+  ("Implementation ... is not supported for continuous batching") for any other. Only the
+  ``"flash"`` names receive the block table and the paged cache (``cache.py``,
+  ``PagedAttentionCache.update``, lines 413-418), and transformers then imports a
+  FlashAttention package or Hub kernel for them (``modeling_utils.py``,
+  ``_check_and_adjust_attn_implementation``), so nothing is registered for it there.
 
-Supported transformers: the ``hf`` extra's range (``>=5.17,<6``; tested on 5.17 and 5.24).
+Supported transformers: the ``hf`` extra's range (``>=5.17,<6``; tested on 5.17 and 5.24;
+the continuous-batching path is registered only where 5.17's protocol is found).
 """
 
 from __future__ import annotations
@@ -93,7 +97,16 @@ def register(name: str = NAME) -> str:
                          "choose another name")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
+    if _owns_cache_update(AttentionInterface):
+        AttentionInterface.register(f"paged|{name}", paged_attention_forward)
     return name
+
+
+def _owns_cache_update(interface) -> bool:
+    """Whether this transformers routes ``"paged|<name>"`` to a registered function that
+    updates the ``PagedAttentionCache`` itself (5.17's protocol: its own table still holds
+    ``"paged|sdpa"``); 5.24 strips the prefix and refuses third-party names instead."""
+    return "paged|sdpa" in interface._global_mapping
 
 
 def attention_forward(
@@ -184,3 +197,82 @@ def _decode_pages(module, query, key, value, attention_mask, dropout, kwargs):
     first = torch.arange(batch, device=dev)[:, None] * per_row + start[:, None]
     tables = (first + pos).clamp(max=num_pages - 1).int()  # entries past `count` unread
     return views[0], views[1], tables, count.int(), True
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers 5.17's continuous-batching protocol (``attn_implementation="paged|pagedattn"``).
+
+    The batch is packed: ``query [1, num_q_heads, num_tokens, head_dim]``, ``key``/``value
+    [1, num_kv_heads, num_tokens, head_dim]`` (this step's tokens only), with ``cache`` (the
+    ``PagedAttentionCache``), ``read_index``/``write_index`` and ``cu_seq_lens_q``/
+    ``cu_seq_lens_k`` (``[num_seqs + 1]``, keys counting the new tokens), ``max_seqlen_q``
+    (a host int). 5.17 gives the block table to FlashAttention names only
+    (``continuous_batching/initialization.py``, ``ensure_decode_fast_path_is_available``), so
+    ``cache.update`` writes the new keys and gathers each sequence's keys, packed
+    ``[total_keys, num_kv_heads, head_dim]``. A decode-only batch (``max_seqlen_q == 1``, one
+    query token per sequence) then runs :func:`pagedattn.paged_decode` on that tensor viewed
+    as one-token NHD pages (no copy), ``block_tables[b, j] = cu_seq_lens_k[b] + j``; a batch
+    with prefills runs torch's SDPA with a block-diagonal causal mask built on the device.
+    Without a ``cache`` (a plain ``generate``) it is :func:`attention_forward`.
+
+    Returns:
+        ``(attn_output [1, num_tokens, num_q_heads, head_dim], None)``.
+
+    Raises:
+        ValueError: a sliding-window layer (its paged reads are a ring buffer, not served
+            here), or a ``block_table`` (never sent to a third-party name by 5.17).
+    """
+    cache = kwargs.pop("cache", None)
+    if cache is None:
+        return attention_forward(module, query, key, value, attention_mask, dropout, scaling,
+                                 **kwargs)
+    if getattr(module, "sliding_window", None) or cache.sliding_windows[module.layer_idx] != 1:
+        raise ValueError("attn_implementation: pagedattn's continuous-batching path serves "
+                         "full-attention layers only; this layer has a sliding window")
+    if kwargs.get("block_table") is not None:
+        raise ValueError("block_table: transformers sent its FlashAttention decode path to "
+                         "pagedattn; only read_index/write_index batches are served")
+    cu_q, cu_k = kwargs["cu_seq_lens_q"].long(), kwargs["cu_seq_lens_k"]
+    cu_k = (cu_k["full_attention"] if isinstance(cu_k, dict) else cu_k).long()
+    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                        read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    num_seqs, num_tokens = cu_q.numel() - 1, query.shape[2]
+    if kwargs.get("max_seqlen_q") == 1 and num_tokens == num_seqs:
+        max_len = kwargs["max_seqlen_k"]
+        max_len = max(max_len.values()) if isinstance(max_len, dict) else int(max_len)
+        pages = (cu_k[:-1, None] + torch.arange(max(max_len, 1), device=cu_k.device))
+        out = api.paged_decode(query[0].transpose(0, 1), k[:, None], v[:, None],
+                               pages.clamp(max=max(k.shape[0] - 1, 0)),
+                               cu_k[1:] - cu_k[:-1], scale=scaling)
+        return out[None], None
+    mask = _varlen_causal_mask(cu_q, cu_k, num_tokens, k.shape[0])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scaling,
+        enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def _varlen_causal_mask(cu_q, cu_k, num_q, num_k):
+    """``[num_q, num_k]`` bool: query token ``i`` of sequence ``s`` sees key ``j`` of ``s`` when
+    ``j``'s position is at most ``i``'s (bottom-right aligned); padding rows see key 0."""
+    q_seq = torch.searchsorted(cu_q, torch.arange(num_q, device=cu_q.device), right=True) - 1
+    k_seq = torch.searchsorted(cu_k, torch.arange(num_k, device=cu_k.device), right=True) - 1
+    q_seq, k_seq = q_seq.clamp(max=cu_q.numel() - 2), k_seq.clamp(max=cu_k.numel() - 2)
+    q_pos = torch.arange(num_q, device=cu_q.device) - cu_q[q_seq] + (
+        (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1]))[q_seq]
+    k_pos = torch.arange(num_k, device=cu_k.device) - cu_k[k_seq]
+    real_q = torch.arange(num_q, device=cu_q.device) < cu_q[-1]
+    real_k = torch.arange(num_k, device=cu_k.device) < cu_k[-1]
+    mask = ((q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+            & real_q[:, None] & real_k[None, :])
+    mask[:, 0] |= ~mask.any(-1)  # a row with nothing to see (padding) must not give NaN
+    return mask
