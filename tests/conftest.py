@@ -29,3 +29,20 @@ def pytest_collection_modifyitems(config, items):
 def device() -> str:
     """Where kernels run: the GPU when present, else the CPU through the interpreter."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_one_shot_launchers():
+    """Each test starts and ends with no shared one-shot launcher: a test that patches the
+    launcher's policy (``choose_config``, ``merge_per_group``) must not meet a launcher built
+    before the patch, nor leave one built under it."""
+    import sys
+
+    def clear():
+        module = sys.modules.get("pagedattn.launch.decode")
+        if module is not None:
+            module.one_shot_launcher.cache_clear()
+
+    clear()
+    yield
+    clear()

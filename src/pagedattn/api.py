@@ -42,6 +42,12 @@ def _auto_launcher_class():
     return AutoLauncher
 
 
+def _one_shot_launcher():
+    from pagedattn.launch.decode import one_shot_launcher
+
+    return one_shot_launcher
+
+
 @dataclass(frozen=True)
 class ImplSpec:
     """One ``impl=`` choice: how to launch it and what it supports.
@@ -164,8 +170,9 @@ class DecodePlan:
                  page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
                  window_left=-1, logits_soft_cap=None, batch_invariant=False, one_shot=False):
         self.block_tables, self.context_lens = block_tables, context_lens
-        # a one-shot plan (paged_decode) runs once: recording its launch would cost host
-        # time that no later run repays
+        # a one-shot plan (paged_decode) runs once, through the launcher that every one-shot
+        # call of its static key shares (launch.decode.one_shot_launcher), with a fresh
+        # workspace
         self._one_shot = one_shot
         self.ragged = ragged
         # a window past int32 sees every key (the kernels hold it in 32 bits)
@@ -191,7 +198,14 @@ class DecodePlan:
         self._guarded = self.device.type == "cuda" and num_devices() > 1
 
     def _engine(self):
-        if self._launcher is None:
+        if self._launcher is None and self._one_shot:
+            with _on_device(self.device):
+                self._launcher = _one_shot_launcher()(
+                    self.batch, self.block_tables.shape[1], self.num_q_heads,
+                    self.num_kv_heads, self.head_dim, self.page_size, self.q_dtype,
+                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.window_left,
+                    self.logits_soft_cap, self.batch_invariant)
+        elif self._launcher is None:
             with _on_device(self.device):
                 self._launcher = _auto_launcher_class()(
                     batch=self.batch, max_pages=self.block_tables.shape[1],
@@ -199,8 +213,7 @@ class DecodePlan:
                     head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
                     kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
                     ragged=self.ragged, q_len=self.q_len, window_left=self.window_left,
-                    softcap=self.logits_soft_cap, batch_invariant=self.batch_invariant,
-                    record=not self._one_shot)
+                    softcap=self.logits_soft_cap, batch_invariant=self.batch_invariant)
         return self._launcher
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
@@ -290,7 +303,8 @@ class DecodePlan:
                 self.last_compiled = engine.launch(
                     query, key_cache, value_cache, self.block_tables, self.context_lens, out,
                     lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                    alibi_slopes=alibi_slopes)
+                    alibi_slopes=alibi_slopes,
+                    workspace=engine.new_workspace() if self._one_shot else None)
         return DecodeOutput(out, lse) if lse is not None else out
 
 
@@ -519,7 +533,7 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
             result = DecodeOutput(out, result.lse.unsqueeze(1) if squeeze else result.lse)
         else:
             result = out
-        return result, plan.last_compiled
+        return result, dict(plan.last_compiled)  # a copy: the shared launcher's records
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     compiled: dict[str, object] = {}
