@@ -83,6 +83,7 @@ STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
 _INT32_MAX = (1 << 31) - 1
 #: the largest scale the kernels take (they multiply it by log2(e) in float32)
 _SMAX = V.KERNEL_SCALAR_MAX
+_STRIDED = torch.strided  # the dense layout, tested by identity on the fast path
 #: the variant arguments at their "off" values
 _VARIANT_DEFAULTS = {"window_left": -1, "logits_soft_cap": None, "sinks": None,
                      "alibi_slopes": None, "batch_invariant": False}
@@ -258,16 +259,20 @@ class DecodePlan:
         small batch): plain tensors of the plan's shapes, dtypes and device, float or absent
         scales, ``validate=None``. Anything else goes through the full check, which raises
         the error naming the argument."""
-        device, q_shape = self.device, self._q_shape
+        device, q_shape, strided = self.device, self._q_shape, _STRIDED
+        # a sparse tensor is a torch.Tensor too: the layout test keeps it off the fast path
         return (type(query) is torch.Tensor and query.shape == q_shape
                 and query.dtype == self.q_dtype and query.device == device
+                and query.layout is strided
                 and type(key_cache) is torch.Tensor and key_cache.dtype == self.kv_dtype
                 and key_cache.dim() == 4 and key_cache.shape[1:] == self._cache_tail
-                and key_cache.device == device
+                and key_cache.device == device and key_cache.layout is strided
                 and type(value_cache) is torch.Tensor and value_cache.shape == key_cache.shape
                 and value_cache.dtype == self.kv_dtype and value_cache.device == device
+                and value_cache.layout is strided
                 and (out is None or (type(out) is torch.Tensor and out.shape == q_shape
                                      and out.dtype == self.q_dtype and out.device == device
+                                     and out.layout is strided
                                      and out.is_contiguous()
                                      and ((o := out.untyped_storage().data_ptr())
                                           != query.untyped_storage().data_ptr()
