@@ -33,15 +33,18 @@ def device() -> str:
 
 @pytest.fixture(autouse=True)
 def _fresh_one_shot_launchers():
-    """Each test starts and ends with no shared one-shot launcher: a test that patches the
-    launcher's policy (``choose_config``, ``merge_per_group``) must not meet a launcher built
-    before the patch, nor leave one built under it."""
+    """Each test starts and ends with no shared one-shot launcher or template: a test that
+    patches the launcher's policy (``choose_config``, ``merge_per_group``) must not meet a
+    launcher built before the patch, nor leave one built under it."""
     import sys
 
     def clear():
         module = sys.modules.get("pagedattn.launch.decode")
         if module is not None:
             module.one_shot_launcher.cache_clear()
+        api = sys.modules.get("pagedattn.api")
+        if api is not None:
+            api._ONE_SHOT_TEMPLATES.clear()
 
     clear()
     yield

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pagedattn
+from pagedattn import api
 from pagedattn.launch import decode as launch_decode
 from pagedattn.reference import paged_decode_reference
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
@@ -44,7 +45,30 @@ def test_changing_lengths_share_one_launcher_and_stay_correct(device):
                                        ref.lse[finite].to(res.lse.device), rtol=1e-3,
                                        atol=1e-3)
     assert launch_decode.one_shot_launcher.cache_info().currsize == 1
-    assert launch_decode.one_shot_launcher.cache_info().hits == 4
+    assert len(api._ONE_SHOT_TEMPLATES) == 1
+
+
+def test_repeats_skip_the_full_check(device, monkeypatch):
+    """The first call of a static key runs ``check_metadata`` and leaves a template; the
+    repeats of plain calls take the fast path (no ``check_metadata``) and stay correct; a
+    call with a bad argument still gets the full check's error."""
+    from pagedattn import _validation as V
+
+    calls = []
+    real = V.check_metadata
+    monkeypatch.setattr(V, "check_metadata", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for seed, lens in enumerate(([3, 30, 0], [32, 7, 1], [0, 0, 19])):
+        x = make_paged_inputs(lens, dtype=torch.bfloat16, seed=seed, max_pages=4,
+                              device=device, **SHAPE)
+        out = pagedattn.paged_decode(*x, scale=0.7)
+        ref = paged_decode_reference(*x, scale=0.7).out
+        assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="scale"):
+        pagedattn.paged_decode(*x, scale=float("nan"))
+    with pytest.raises(ValueError, match="context_lens"):
+        pagedattn.paged_decode(*x._replace(context_lens=x.context_lens.to("meta")))
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize("change", [
