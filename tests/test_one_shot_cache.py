@@ -171,3 +171,17 @@ def test_repeated_one_shots_take_the_recorded_launch():
     for i in range(2):
         assert rel_l2_error(outs[i], calls[i + 1][1]) <= tolerance_for(torch.bfloat16)
 
+
+
+def test_the_template_table_is_bounded(monkeypatch):
+    """More validated static keys than the one-shot table holds: it keeps at most
+    ``_ONE_SHOT_TEMPLATES_MAX`` templates, and none holds a tensor."""
+    monkeypatch.setattr(api, "_ONE_SHOT_TEMPLATES_MAX", 3)
+    monkeypatch.setattr(launch_decode.AutoLauncher, "launch", lambda *a, **k: {})
+    for batch in range(1, 7):
+        x = make_paged_inputs([5] * batch, dtype=torch.float16, seed=batch, **SHAPE)
+        pagedattn.paged_decode(*x)
+        assert len(api._ONE_SHOT_TEMPLATES) == min(batch, 3)
+    for plan in api._ONE_SHOT_TEMPLATES.values():
+        assert plan.block_tables is None and plan.context_lens is None
+        assert not any(isinstance(v, torch.Tensor) for v in vars(plan).values())
