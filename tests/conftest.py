@@ -39,12 +39,11 @@ def _fresh_one_shot_launchers():
     import sys
 
     def clear():
-        module = sys.modules.get("pagedattn.launch.decode")
-        if module is not None:
-            module.one_shot_launcher.cache_clear()
-        api = sys.modules.get("pagedattn.api")
-        if api is not None:
-            api._ONE_SHOT_TEMPLATES.clear()
+        launchers = getattr(sys.modules.get("pagedattn.launch.decode"), "one_shot_launcher",
+                            None)
+        if launchers is not None:
+            launchers.cache_clear()
+        getattr(sys.modules.get("pagedattn.api"), "_ONE_SHOT_TEMPLATES", {}).clear()
 
     clear()
     yield

@@ -172,7 +172,7 @@ class DecodePlan:
                  page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
                  window_left=-1, logits_soft_cap=None, batch_invariant=False, one_shot=False,
                  table_shape=None, device=None):
-        # a one-shot template (_one_shot_template) holds no tensor: it is built from the
+        # a one-shot template (_ONE_SHOT_TEMPLATES) holds no tensor: it is built from the
         # table's ``table_shape`` and ``device``, and each call passes its own tables
         self.block_tables, self.context_lens = block_tables, context_lens
         # a one-shot plan (paged_decode) runs once, through the launcher that every one-shot
