@@ -2,8 +2,10 @@
 
 With a tiny batch the GPU finishes each call long before the host issues the next, so the
 wall time per call is the host path: validation, allocation and the launches. Measures
-``plan.run`` (the plan built once) and ``paged_decode`` (one-shot: validation + plan + run)
-on the three batches of the peers' host-time table. The host's CPU clock drifts from run to
+``plan.run`` (the plan built once; without and with ``out``), ``paged_decode`` (one-shot) and,
+where ``import flashinfer`` works, FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper.run()``
+(planned once, as the bench peer ``flashinfer-tc``) on the three batches of the peers'
+host-time table, all in the same process. The host's CPU clock drifts from run to
 run (on the H200 machine the same tree measured 116 and 224 µs per one-shot call a few seconds
 apart), so each figure is the median of ``--repeats`` timings of ``--calls`` calls, with their
 minimum beside it (``*_min``). Usage (repo root, GPU machine)::
@@ -23,6 +25,8 @@ import time
 import torch
 
 import pagedattn
+from pagedattn.bench import peers
+from pagedattn.bench.shapes import BenchBatch, BenchShape, ModelShape
 from pagedattn.testing import make_paged_inputs
 
 #: (name, lens, num_q_heads, num_kv_heads, head_dim, dtype)
@@ -63,9 +67,15 @@ def main() -> int:
         run = functools.partial(plan.run, *x[:3])
         run_out = functools.partial(plan.run, *x[:3], out=out)
         one_shot = functools.partial(pagedattn.paged_decode, *x)
+        timed = [("plan_run", run), ("plan_run_out", run_out), ("paged_decode", one_shot)]
+        shape = BenchShape(name, ModelShape(name, hq, hkv, hd, dtype), tuple(lens), dtype, dtype)
+        try:
+            timed.append(("flashinfer_run", peers.flashinfer_tc(
+                shape, BenchBatch(*x, k_scale=None, v_scale=None))))
+        except peers.PeerUnsupported as e:
+            print(f"batch={name} flashinfer_run: {e}", flush=True)
         r = dict(batch=name)
-        for label, fn in (("plan_run", run), ("plan_run_out", run_out),
-                          ("paged_decode", one_shot)):
+        for label, fn in timed:
             times = [per_call_us(fn, args.calls) for _ in range(args.repeats)]
             r[f"{label}_us"] = statistics.median(times)
             r[f"{label}_us_min"] = min(times)

@@ -29,3 +29,22 @@ def pytest_collection_modifyitems(config, items):
 def device() -> str:
     """Where kernels run: the GPU when present, else the CPU through the interpreter."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_one_shot_launchers():
+    """Each test starts and ends with no shared one-shot launcher or template: a test that
+    patches the launcher's policy (``choose_config``, ``merge_per_group``) must not meet a
+    launcher built before the patch, nor leave one built under it."""
+    import sys
+
+    def clear():
+        launchers = getattr(sys.modules.get("pagedattn.launch.decode"), "one_shot_launcher",
+                            None)
+        if launchers is not None:
+            launchers.cache_clear()
+        getattr(sys.modules.get("pagedattn.api"), "_ONE_SHOT_TEMPLATES", {}).clear()
+
+    clear()
+    yield
+    clear()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -40,6 +41,12 @@ def _auto_launcher_class():
     from pagedattn.launch.decode import AutoLauncher
 
     return AutoLauncher
+
+
+def _one_shot_launcher():
+    from pagedattn.launch.decode import one_shot_launcher
+
+    return one_shot_launcher
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
 _INT32_MAX = (1 << 31) - 1
 #: the largest scale the kernels take (they multiply it by log2(e) in float32)
 _SMAX = V.KERNEL_SCALAR_MAX
+_STRIDED = torch.strided  # the dense layout, tested by identity on the fast path
 #: the variant arguments at their "off" values
 _VARIANT_DEFAULTS = {"window_left": -1, "logits_soft_cap": None, "sinks": None,
                      "alibi_slopes": None, "batch_invariant": False}
@@ -162,10 +170,14 @@ class DecodePlan:
 
     def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,
                  page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
-                 window_left=-1, logits_soft_cap=None, batch_invariant=False, one_shot=False):
+                 window_left=-1, logits_soft_cap=None, batch_invariant=False, one_shot=False,
+                 table_shape=None, device=None):
+        # a one-shot template (_ONE_SHOT_TEMPLATES) holds no tensor: it is built from the
+        # table's ``table_shape`` and ``device``, and each call passes its own tables
         self.block_tables, self.context_lens = block_tables, context_lens
-        # a one-shot plan (paged_decode) runs once: recording its launch would cost host
-        # time that no later run repays
+        # a one-shot plan (paged_decode) runs once, through the launcher that every one-shot
+        # call of its static key shares (launch.decode.one_shot_launcher), with a fresh
+        # workspace
         self._one_shot = one_shot
         self.ragged = ragged
         # a window past int32 sees every key (the kernels hold it in 32 bits)
@@ -176,8 +188,9 @@ class DecodePlan:
         self.head_dim, self.page_size = int(head_dim), int(page_size)
         self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
         self.num_splits = None if num_splits is None else int(num_splits)
-        self.batch = block_tables.shape[0]
-        self.device = block_tables.device
+        self.batch, self.max_pages = (block_tables.shape if table_shape is None
+                                      else table_shape)
+        self.device = block_tables.device if device is None else device
         # a multi-token plan takes 4-D queries [batch, q_len, num_q_heads, head_dim]
         self._q_shape = torch.Size((self.batch, num_q_heads, head_dim) if q_len == 1
                                    else (self.batch, q_len, num_q_heads, head_dim))
@@ -191,16 +204,22 @@ class DecodePlan:
         self._guarded = self.device.type == "cuda" and num_devices() > 1
 
     def _engine(self):
-        if self._launcher is None:
+        if self._launcher is None and self._one_shot:
+            with _on_device(self.device):
+                self._launcher = _one_shot_launcher()(
+                    self.batch, self.max_pages, self.num_q_heads,
+                    self.num_kv_heads, self.head_dim, self.page_size, self.q_dtype,
+                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.window_left,
+                    self.logits_soft_cap, self.batch_invariant)
+        elif self._launcher is None:
             with _on_device(self.device):
                 self._launcher = _auto_launcher_class()(
-                    batch=self.batch, max_pages=self.block_tables.shape[1],
+                    batch=self.batch, max_pages=self.max_pages,
                     num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
                     kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
                     ragged=self.ragged, q_len=self.q_len, window_left=self.window_left,
-                    softcap=self.logits_soft_cap, batch_invariant=self.batch_invariant,
-                    record=not self._one_shot)
+                    softcap=self.logits_soft_cap, batch_invariant=self.batch_invariant)
         return self._launcher
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
@@ -245,16 +264,20 @@ class DecodePlan:
         small batch): plain tensors of the plan's shapes, dtypes and device, float or absent
         scales, ``validate=None``. Anything else goes through the full check, which raises
         the error naming the argument."""
-        device, q_shape = self.device, self._q_shape
+        device, q_shape, strided = self.device, self._q_shape, _STRIDED
+        # a sparse tensor is a torch.Tensor too: the layout test keeps it off the fast path
         return (type(query) is torch.Tensor and query.shape == q_shape
                 and query.dtype == self.q_dtype and query.device == device
+                and query.layout is strided
                 and type(key_cache) is torch.Tensor and key_cache.dtype == self.kv_dtype
                 and key_cache.dim() == 4 and key_cache.shape[1:] == self._cache_tail
-                and key_cache.device == device
+                and key_cache.device == device and key_cache.layout is strided
                 and type(value_cache) is torch.Tensor and value_cache.shape == key_cache.shape
                 and value_cache.dtype == self.kv_dtype and value_cache.device == device
+                and value_cache.layout is strided
                 and (out is None or (type(out) is torch.Tensor and out.shape == q_shape
                                      and out.dtype == self.q_dtype and out.device == device
+                                     and out.layout is strided
                                      and out.is_contiguous()
                                      and ((o := out.untyped_storage().data_ptr())
                                           != query.untyped_storage().data_ptr()
@@ -270,8 +293,11 @@ class DecodePlan:
                 and (return_lse is False or return_lse is True) and validate is None)
 
     def _launch(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                return_lse, sinks=None, alibi_slopes=None):
-        """The run after validation (``paged_decode`` validates once and comes here)."""
+                return_lse, sinks=None, alibi_slopes=None, tables=None):
+        """The run after validation (``paged_decode`` validates once and comes here).
+        ``tables``: a one-shot call's ``(block_tables, context_lens)`` for a template plan;
+        the call then returns ``(result, compiled)`` (a shared template keeps no
+        ``last_compiled``)."""
         if out is None:
             out = torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device)
         lse = (torch.empty(self._q_shape[:-1], dtype=torch.float32, device=query.device)
@@ -286,12 +312,20 @@ class DecodePlan:
                 key_cache, value_cache = _nhd(key_cache, value_cache, self.kv_layout)
             sm_scale = self._default_scale if scale is None else float(scale)
             engine = self._launcher or self._engine()
+            block_tables, context_lens = tables or (self.block_tables, self.context_lens)
             with _on_device(self.device) if self._guarded else contextlib.nullcontext():
-                self.last_compiled = engine.launch(
-                    query, key_cache, value_cache, self.block_tables, self.context_lens, out,
+                compiled = engine.launch(
+                    query, key_cache, value_cache, block_tables, context_lens, out,
                     lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                    alibi_slopes=alibi_slopes)
-        return DecodeOutput(out, lse) if lse is not None else out
+                    alibi_slopes=alibi_slopes,
+                    workspace=engine.new_workspace() if self._one_shot else None)
+        else:
+            compiled = {}
+        result = DecodeOutput(out, lse) if lse is not None else out
+        if tables is not None:
+            return result, compiled
+        self.last_compiled = compiled
+        return result
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q_heads: int,
@@ -467,6 +501,51 @@ def paged_decode(
     return result
 
 
+#: one-shot templates kept, at most (the oldest dropped first)
+_ONE_SHOT_TEMPLATES_MAX = 64
+#: static key (:func:`_static_key`) -> a template DecodePlan (no tensor): filled only by a
+#: call that passed check_metadata; see DESIGN.md's "Module state"
+_ONE_SHOT_TEMPLATES: dict[tuple, DecodePlan] = {}
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
+                window_left, logits_soft_cap, batch_invariant) -> tuple | None:
+    """What :func:`check_metadata` reads of a one-shot call apart from the per-call checks of
+    the fast path: the shapes, dtypes and device of the tensors, the layout and the
+    plan-time variants (exact types: a bool ``window_left`` is no int here). ``None`` for a
+    call that is not plain (non-tensors, other types, a 4-D query of one token)."""
+    if not (type(query) is torch.Tensor and type(key_cache) is torch.Tensor
+            and type(block_tables) is torch.Tensor and type(context_lens) is torch.Tensor
+            and block_tables.layout is _STRIDED and context_lens.layout is _STRIDED
+            and (num_splits is None or type(num_splits) is int) and type(window_left) is int
+            and (logits_soft_cap is None or type(logits_soft_cap) is float)
+            and type(batch_invariant) is bool and type(kv_layout) is str):
+        return None
+    rank, shape = query.dim(), query.shape
+    if key_cache.dim() != 4 or not (rank == 3 or rank == 4 and shape[1] > 1):
+        return None
+    return (shape, query.dtype, query.device, key_cache.shape[1:], key_cache.dtype, kv_layout,
+            block_tables.shape, block_tables.dtype, context_lens.shape, context_lens.dtype,
+            num_splits, window_left, logits_soft_cap, batch_invariant)
+
+
+def _new_template(key: tuple, plan: DecodePlan) -> DecodePlan:
+    with _TEMPLATES_LOCK:
+        if len(_ONE_SHOT_TEMPLATES) >= _ONE_SHOT_TEMPLATES_MAX:
+            del _ONE_SHOT_TEMPLATES[next(iter(_ONE_SHOT_TEMPLATES))]
+        return _ONE_SHOT_TEMPLATES.setdefault(key, plan)
+
+
+def _runnable(query) -> bool:
+    """``check_device_runnable`` as a test (the full check raises its error in order)."""
+    try:
+        V.check_device_runnable("query", query)
+    except ValueError:
+        return False
+    return True
+
+
 def compiled_kernels(query, key_cache, value_cache, block_tables, context_lens, *,
                      impl: str = "auto", **kwargs) -> tuple[object, dict[str, object]]:
     """Run :func:`paged_decode` once; return its result and the compiled kernels that call
@@ -481,6 +560,22 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
             impl="auto", num_splits=None, out=None, kv_layout="NHD", k_scale=None, v_scale=None,
             return_lse=False, validate=None, window_left=-1, logits_soft_cap=None, sinks=None,
             alibi_slopes=None, batch_invariant=False):
+    # the fast path: a plain call of a static key that an earlier call passed check_metadata
+    # with (everything check_metadata reads is the key or checked here per call)
+    if type(impl) is str and impl == "auto" and sinks is None and alibi_slopes is None:
+        key = _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
+                          window_left, logits_soft_cap, batch_invariant)
+        plan = _ONE_SHOT_TEMPLATES.get(key) if key is not None else None
+        if plan is not None and plan._common_call(query, key_cache, value_cache, scale,
+                                                  k_scale, v_scale, out, return_lse, validate) \
+                and block_tables.device == plan.device and context_lens.device == plan.device \
+                and (not plan._on_cpu or _runnable(query)):
+            if plan._on_cpu:  # validate is None here: the value checks run on the CPU
+                _run_value_checks(query, block_tables, context_lens, key_cache.shape[0],
+                                  plan.page_size, validate, window_left=plan.window_left,
+                                  q_len=plan.q_len)
+            return plan._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
+                                return_lse, tables=(block_tables, context_lens))
     variants = dict(window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
                     alibi_slopes=alibi_slopes, batch_invariant=batch_invariant)
     V.check_metadata(
@@ -505,21 +600,30 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
         squeeze = query.dim() == 4 and q_len == 1  # a one-token plan on 3-D views
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        plan = DecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
-                          num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-                          q_dtype=query.dtype, kv_dtype=key_cache.dtype, kv_layout=kv_layout,
-                          num_splits=num_splits, q_len=q_len, window_left=window_left,
-                          logits_soft_cap=(None if logits_soft_cap is None
-                                           else float(logits_soft_cap)),
-                          batch_invariant=batch_invariant, one_shot=True)
-        result = plan._launch(query[:, 0] if squeeze else query, key_cache, value_cache,
-                              scale, k_scale, v_scale, out[:, 0] if squeeze else out,
-                              return_lse, sinks, alibi_slopes)
+        softcap = None if logits_soft_cap is None else float(logits_soft_cap)
+        statics = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       page_size=page_size, q_dtype=query.dtype, kv_dtype=key_cache.dtype,
+                       kv_layout=kv_layout, num_splits=num_splits, q_len=q_len,
+                       window_left=window_left, logits_soft_cap=softcap,
+                       batch_invariant=batch_invariant, one_shot=True)
+        # validated: a call of this static key may take the fast path from now on
+        key = _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
+                          int(window_left), softcap, batch_invariant)
+        if key is None:  # a 4-D query of one token, a str subclass...: a plan of its own
+            plan = DecodePlan(block_tables, context_lens, **statics)
+        else:
+            plan = _ONE_SHOT_TEMPLATES.get(key) or _new_template(
+                key, DecodePlan(None, None, table_shape=block_tables.shape,
+                                device=query.device, **statics))
+        result, compiled = plan._launch(
+            query[:, 0] if squeeze else query, key_cache, value_cache, scale, k_scale,
+            v_scale, out[:, 0] if squeeze else out, return_lse, sinks, alibi_slopes,
+            tables=(block_tables, context_lens))
         if return_lse:
             result = DecodeOutput(out, result.lse.unsqueeze(1) if squeeze else result.lse)
         else:
             result = out
-        return result, plan.last_compiled
+        return result, dict(compiled)  # a copy: the shared launcher's records
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     compiled: dict[str, object] = {}

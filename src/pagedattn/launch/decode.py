@@ -26,9 +26,11 @@ launcher records that launch's argument list, and later launches of the binding 
 per-call pointers and scales and call ``CompiledKernel.run`` directly (the host path of
 ``kernel[grid]`` re-derives the specialization from every argument each call). Everything
 else Triton specializes on (constexprs, integers, launch options) is fixed by the launcher,
-so the records live in the launcher object (one per plan), never in the module; a one-shot
-``paged_decode`` builds a fresh plan and so always launches through ``kernel[grid]``, and
-records nothing (``record=False``). On any
+so the records live in the launcher object (one per plan). Every tensor argument, the
+workspace's included, is a per-call slot, so a record holds no tensor and no address. A
+one-shot ``paged_decode`` launches through the launcher that :func:`one_shot_launcher` keeps
+per static key (a bounded LRU cache of launch configurations and their records), with a
+fresh workspace per call, so its repeats take the recorded path too. On any
 other Triton version or under the interpreter every launch goes through ``kernel[grid]``;
 launch hooks (profilers) are honoured on both paths. Calls with tensor scales always launch
 through ``kernel[grid]``; ``sinks`` and ``alibi_slopes`` (per-layer tensors, validated as
@@ -191,29 +193,45 @@ def _direct_launch_supported() -> bool:
 #: into a recorded launch (everything else is fixed by the binding and the launcher)
 _MAIN_SLOTS = ("query_ptr", "key_cache_ptr", "value_cache_ptr", "block_tables_ptr",
                "context_lens_ptr", "out_ptr", "lse_ptr", "sinks_ptr", "alibi_ptr",
-               "scale_log2", "k_scale_val", "v_scale_val")
-_MERGE_SLOTS = ("context_lens_ptr", "out_ptr", "lse_ptr", "sinks_ptr")
+               "scale_log2", "k_scale_val", "v_scale_val", "part_ml_ptr", "part_acc_ptr",
+               "seq_rows_ptr", "k_scale_ptr", "v_scale_ptr")
+_MERGE_SLOTS = ("context_lens_ptr", "out_ptr", "lse_ptr", "sinks_ptr", "part_ml_ptr",
+                "part_acc_ptr", "seq_rows_ptr")
 #: bindings kept per launcher (a plan sees one or two in practice: with and without LSE)
 _MAX_BINDINGS = 16
+
+
+def _hooks() -> tuple:
+    """Triton's launch hooks (profilers), ``None`` for a chain with no hook: Triton 3.6's
+    hooks are ``HookChain`` objects, never ``None``, so without this every launch would build
+    launch metadata and make two calls into empty chains."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if type(enter) is knobs.HookChain and not enter.calls:
+        enter = None
+    if type(leave) is knobs.HookChain and not leave.calls:
+        leave = None
+    return enter, leave
 
 
 def _launch_compiled(compiled, grid: tuple[int, int, int], stream: int, args: list,
                      enter, leave) -> None:
     """What ``kernel[grid](...)`` ends with on Triton 3.6 (``CompiledKernel.__getitem__``'s
     runner, without building a closure per call); ``enter``/``leave`` are Triton's launch
-    hooks (profilers), honoured as Triton does."""
-    metadata = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
+    hooks (:func:`_hooks`), honoured as Triton does."""
+    metadata = (compiled.launch_metadata(grid, stream, *args)
+                if enter is not None or leave is not None else None)
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata, enter,
                  leave, *args)
 
 
 def _recorded(kernel, args: dict, slots: tuple[str, ...]) -> tuple[list, tuple[int, ...]]:
-    """``kernel``'s arguments in parameter order, tensors as their addresses (the record must
-    not keep the caller's tensors alive; the launcher's own workspace outlives it), and the
-    positions of the per-call ``slots``."""
+    """``kernel``'s arguments in parameter order with ``None`` in the per-call ``slots``, and
+    the positions of those slots. Every tensor argument is a slot (the caller's tensors and
+    the workspace), so a record holds no tensor and no address: it is a function of the
+    launcher's shapes and the binding alone."""
     names = kernel.arg_names
-    rec = [None if n in slots else (args[n].data_ptr() if isinstance(args[n], torch.Tensor)
-                                    else args[n]) for n in names]
+    rec = [None if n in slots else args[n] for n in names]
+    assert not any(isinstance(a, torch.Tensor) for a in rec), "a tensor argument is no slot"
     return rec, tuple(names.index(n) for n in slots)
 
 
@@ -303,8 +321,11 @@ class AutoLauncher:
         q_len, window_left, softcap, batch_invariant: the plan-time variants (see
             :func:`pagedattn.plan_decode`); each is a constexpr of the kernels, off by default.
         record: record each binding's launch for the direct path of later launches (see the
-            module docstring); ``False`` for a launcher that launches once (a one-shot
-            ``paged_decode``), which saves the record's host time.
+            module docstring); ``False`` for a launcher that launches once, which saves the
+            record's host time.
+        workspace: own a workspace, used by every launch (a plan's launcher); ``False`` for a
+            launcher shared by one-shot calls (:func:`one_shot_launcher`): each of its
+            launches passes a fresh :meth:`new_workspace`.
     """
 
     def __init__(self, *, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
@@ -312,7 +333,7 @@ class AutoLauncher:
                  device: torch.device, num_splits: int | None,
                  config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
                  window_left: int = -1, softcap: float | None = None,
-                 batch_invariant: bool = False, record: bool = True):
+                 batch_invariant: bool = False, record: bool = True, workspace: bool = True):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         group = num_q_heads // num_kv_heads
@@ -406,78 +427,99 @@ class AutoLauncher:
             most_rows = self.forced_splits or min(self.rows_max, cdiv(capacity, self.min_chunk))
             self.merge_constexprs["BLOCK_R"] = min(_MERGE_MAX_BLOCK_R,
                                                    max(2, next_power_of_2(most_rows)))
-        # the workspace, one allocation owned by the launcher: per split row and query head
-        # and query token (m, l) then acc (fp32), then the [batch, 2] int32 (start_b, n_b)
+        # the workspace: per split row and query head and query token (m, l) then acc
+        # (fp32), then the [batch, 2] int32 (start_b, n_b)
         part_rows = 0 if self.one_unit else self.rows_max * q_len * num_q_heads
-        n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
-        n_acc = part_rows * bd
-        work = torch.empty(n_ml + n_acc + 2 * batch, dtype=torch.float32, device=device)
-        self.part_ml = work[:n_ml]
-        self.part_acc = work[n_ml:n_ml + n_acc]
-        self.seq_rows = work[n_ml + n_acc:].view(torch.int32)
-        # the main kernel writes an entry per non-empty sequence only; the per-group merge
-        # loads the entry of an empty one too (beside its length, in one round) and ignores
-        # it: zeroed once here, that load never reads uninitialized memory (initcheck);
-        # one unit per sequence never writes or reads it (and skips this fill kernel)
-        if not self.one_unit:
-            self.seq_rows.zero_()
-        # the stand-in address of the per-call pointers a launch leaves unused (LSE, sinks,
-        # slopes): the workspace's, never read under their flags off
-        self._ml_ptr = self.part_ml.data_ptr()
+        self._n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
+        self._n_acc = part_rows * bd
+        # a plan's launcher owns one (reused by each run); a shared one (one-shot calls)
+        # owns none and takes a fresh one per call
+        self.workspace = self.new_workspace() if workspace else None
+        self.part_ml, self.part_acc, self.seq_rows = self.workspace or (None, None, None)
         # recorded launches of this launcher, one per binding (see launch): every integer,
         # constexpr and launch option is fixed by the launcher, so the binding is the
-        # tensors' dtypes, strides and 16-byte alignment and whether LSE is written
+        # tensors' dtypes, strides and 16-byte alignment and whether LSE is written; the
+        # records hold no tensor and no address (the workspace's are per-call slots too)
         self._direct = (record and on_gpu and device.index is not None
                         and _direct_launch_supported())
         self._bindings: dict[tuple, tuple] = {}
+        self._get_stream = driver.active.get_current_stream if self._direct else None
+
+    def new_workspace(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fresh workspace ``(part_ml, part_acc, seq_rows)`` for this launcher's shapes, one
+        allocation on the current stream (the caching allocator's, so a CUDA graph captured
+        around the launch keeps its own)."""
+        n_ml, n_acc = self._n_ml, self._n_acc
+        work = torch.empty(n_ml + n_acc + 2 * self.batch, dtype=torch.float32,
+                           device=self.device)
+        seq_rows = work[n_ml + n_acc:].view(torch.int32)
+        # the main kernel writes an entry per non-empty sequence only; the per-group merge
+        # loads the entry of an empty one too (beside its length, in one round) and ignores
+        # it: zeroed here, that load never reads uninitialized memory (initcheck); one unit
+        # per sequence never writes or reads it (and skips this fill kernel)
+        if not self.one_unit:
+            seq_rows.zero_()
+        return work[:n_ml], work[n_ml:n_ml + n_acc], seq_rows
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
-               scale: float, k_scale=None, v_scale=None, sinks=None,
-               alibi_slopes=None) -> dict[str, object]:
+               scale: float, k_scale=None, v_scale=None, sinks=None, alibi_slopes=None,
+               workspace=None) -> dict[str, object]:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
         ``query``/``out`` are ``[batch, q_len, num_q_heads, head_dim]`` when ``q_len > 1``.
         ``sinks`` and ``alibi_slopes`` are contiguous ``[num_q_heads]`` float32 (the API makes
-        them so). Returns the compiled kernels launched, by name (compile metadata for the
-        tools)."""
+        them so). ``workspace``: a :meth:`new_workspace` for this launch, or ``None`` for the
+        launcher's own. Returns the compiled kernels launched, by name (compile metadata for
+        the tools)."""
+        part_ml, part_acc, seq_rows = workspace or self.workspace
         tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
         key = None
         if self._direct and not tensor_scales:
             q_ptr, k_ptr, v_ptr = query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr()
             bt_ptr, cl_ptr, out_ptr = (block_tables.data_ptr(), context_lens.data_ptr(),
                                        out.data_ptr())
-            # the binding: what Triton specializes on beyond the launcher's fixed choices
+            ml_ptr = part_ml.data_ptr()
+            # the binding: what Triton specializes on beyond the launcher's fixed choices (the
+            # workspace's parts are aligned with its base: new_workspace's offsets are
+            # multiples of 16 bytes)
             key = (lse is None, query.dtype, query.stride(), key_cache.dtype,
                    key_cache.stride(), value_cache.dtype, value_cache.stride(), out.dtype,
                    out.stride(), block_tables.dtype, block_tables.stride(),
                    context_lens.dtype, context_lens.stride(), q_ptr % 16 == 0,
                    k_ptr % 16 == 0, v_ptr % 16 == 0, bt_ptr % 16 == 0, cl_ptr % 16 == 0,
-                   out_ptr % 16 == 0,
+                   out_ptr % 16 == 0, ml_ptr % 16 == 0,
                    None if sinks is None else (sinks.dtype, sinks.data_ptr() % 16 == 0),
                    None if alibi_slopes is None else (alibi_slopes.dtype,
                                                       alibi_slopes.data_ptr() % 16 == 0))
             entry = self._bindings.get(key)
             if entry is not None:
                 main, merge, main_args, merge_args, main_slots, merge_slots, compiled = entry
-                lse_ptr = lse.data_ptr() if lse is not None else self._ml_ptr
-                sinks_ptr = sinks.data_ptr() if sinks is not None else self._ml_ptr
+                # unused pointers (flags off) point at the workspace, never read
+                lse_ptr = lse.data_ptr() if lse is not None else ml_ptr
+                sinks_ptr = sinks.data_ptr() if sinks is not None else ml_ptr
+                acc_ptr, rows_ptr = part_acc.data_ptr(), seq_rows.data_ptr()
                 args = main_args.copy()
                 (args[main_slots[0]], args[main_slots[1]], args[main_slots[2]],
                  args[main_slots[3]], args[main_slots[4]], args[main_slots[5]],
                  args[main_slots[6]], args[main_slots[7]], args[main_slots[8]],
-                 args[main_slots[9]], args[main_slots[10]], args[main_slots[11]]) = (
+                 args[main_slots[9]], args[main_slots[10]], args[main_slots[11]],
+                 args[main_slots[12]], args[main_slots[13]], args[main_slots[14]],
+                 args[main_slots[15]], args[main_slots[16]]) = (
                     q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, lse_ptr, sinks_ptr,
-                    alibi_slopes.data_ptr() if alibi_slopes is not None else self._ml_ptr,
+                    alibi_slopes.data_ptr() if alibi_slopes is not None else ml_ptr,
                     scale * LOG2E, 1.0 if k_scale is None else float(k_scale),
-                    1.0 if v_scale is None else float(v_scale))
-                stream = driver.active.get_current_stream(self.device.index)
-                enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+                    1.0 if v_scale is None else float(v_scale), ml_ptr, acc_ptr, rows_ptr,
+                    ml_ptr, ml_ptr)
+                stream = self._get_stream(self.device.index)
+                enter, leave = _hooks()
                 _launch_compiled(main, self.grid, stream, args, enter, leave)
                 if merge is None:
                     return compiled
                 args = merge_args.copy()
                 (args[merge_slots[0]], args[merge_slots[1]], args[merge_slots[2]],
-                 args[merge_slots[3]]) = (cl_ptr, out_ptr, lse_ptr, sinks_ptr)
+                 args[merge_slots[3]], args[merge_slots[4]], args[merge_slots[5]],
+                 args[merge_slots[6]]) = (cl_ptr, out_ptr, lse_ptr, sinks_ptr, ml_ptr, acc_ptr,
+                                          rows_ptr)
                 _launch_compiled(merge, self.merge_grid, stream, args, enter, leave)
                 return compiled
         multi = self.q_len > 1  # a 4-D query and out
@@ -489,17 +531,17 @@ class AutoLauncher:
         main_args = dict(
             query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
             block_tables_ptr=block_tables, context_lens_ptr=context_lens, out_ptr=out,
-            lse_ptr=lse if lse is not None else self.part_ml,
-            part_ml_ptr=self.part_ml, part_acc_ptr=self.part_acc, seq_rows_ptr=self.seq_rows,
-            k_scale_ptr=k_t if tensor_scales else self.part_ml,
-            v_scale_ptr=v_t if tensor_scales else self.part_ml,
+            lse_ptr=lse if lse is not None else part_ml,
+            part_ml_ptr=part_ml, part_acc_ptr=part_acc, seq_rows_ptr=seq_rows,
+            k_scale_ptr=k_t if tensor_scales else part_ml,
+            v_scale_ptr=v_t if tensor_scales else part_ml,
             stride_k_scale=k_t.stride(0) if tensor_scales and k_t.dim() == 1 else 0,
             stride_v_scale=v_t.stride(0) if tensor_scales and v_t.dim() == 1 else 0,
             k_scale_val=1.0 if tensor_scales or k_scale is None else float(k_scale),
             v_scale_val=1.0 if tensor_scales or v_scale is None else float(v_scale),
             scale_log2=scale * LOG2E,
-            sinks_ptr=self.part_ml if sinks is None else sinks,
-            alibi_ptr=self.part_ml if alibi_slopes is None else alibi_slopes,
+            sinks_ptr=part_ml if sinks is None else sinks,
+            alibi_ptr=part_ml if alibi_slopes is None else alibi_slopes,
             window_left=max(self.window_left, 0),
             softcap=1.0 if self.softcap is None else float(self.softcap),
             stride_q_t=query.stride(1) if multi else 0,
@@ -523,8 +565,8 @@ class AutoLauncher:
             **self.main_constexprs,
         )
         merge_args = dict(
-            context_lens_ptr=context_lens, part_ml_ptr=self.part_ml,
-            part_acc_ptr=self.part_acc, seq_rows_ptr=self.seq_rows, out_ptr=out,
+            context_lens_ptr=context_lens, part_ml_ptr=part_ml,
+            part_acc_ptr=part_acc, seq_rows_ptr=seq_rows, out_ptr=out,
             lse_ptr=main_args["lse_ptr"], sinks_ptr=main_args["sinks_ptr"],
             num_q_heads=self.num_q_heads, group=self.group,
             page_size=self.page_size, max_pages=self.max_pages,
@@ -550,3 +592,32 @@ class AutoLauncher:
             self._bindings[key] = (main, merge, main_rec, merge_rec, main_slots, merge_slots,
                                    compiled)
         return compiled
+
+
+#: shared one-shot launchers kept, at most (least recently used dropped first): each holds its
+#: launch configuration and at most ``_MAX_BINDINGS`` records, no tensor and no address
+ONE_SHOT_CACHE_SIZE = 64
+
+
+@functools.lru_cache(maxsize=ONE_SHOT_CACHE_SIZE)
+def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
+                      head_dim: int, page_size: int, q_dtype: torch.dtype,
+                      kv_dtype: torch.dtype, device: torch.device, num_splits: int | None,
+                      q_len: int, window_left: int, softcap: float | None,
+                      batch_invariant: bool) -> AutoLauncher:
+    """The launcher that every one-shot ``paged_decode`` of these shapes, dtypes, device and
+    variants shares (its arguments are the key; ``ragged`` is off, as a one-shot call has no
+    host copy of the lengths).
+
+    What it caches is a pure function of the key: the launch configuration (tiles, grid,
+    merge, constexprs) and, per binding, the recorded launch (the compiled kernels and their
+    argument list with every tensor argument a per-call slot). It owns no workspace: each
+    launch passes a fresh one (:meth:`AutoLauncher.new_workspace`, through the caching
+    allocator on the current stream), so calls on different streams, or captured in
+    different CUDA graphs, never share scratch. Context lengths, block tables, queries and
+    caches are per call and never part of the key."""
+    return AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                        q_dtype=q_dtype, kv_dtype=kv_dtype, device=device,
+                        num_splits=num_splits, q_len=q_len, window_left=window_left,
+                        softcap=softcap, batch_invariant=batch_invariant, workspace=False)
