@@ -5,6 +5,7 @@ and the last output (the cascade's merge) is checked against the float64 oracle.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -23,14 +24,14 @@ def python_blocks() -> list[str]:
 
 def test_readme_has_the_usage_and_variant_examples():
     blocks = python_blocks()
-    assert len(blocks) == 2
+    assert len(blocks) >= 2  # the usage and variants blocks come first
     assert "pagedattn.paged_decode(" in blocks[0] and "merge_states" in blocks[1]
     assert 'device="cuda"' in blocks[0]  # the substitution below has something to do
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU user's path")
 def test_readme_examples_run_on_the_cpu():
-    code = "\n".join(python_blocks()).replace('device="cuda"', 'device="cpu"')
+    code = "\n".join(python_blocks()[:2]).replace('device="cuda"', 'device="cpu"')
     assert "cuda" not in code
     ns: dict = {}
     torch.manual_seed(0)
@@ -46,3 +47,39 @@ def test_readme_examples_run_on_the_cpu():
     assert rel_l2_error(merged, ref.out) <= 1e-2
     finite = torch.isfinite(ref.lse)
     assert torch.allclose(lse[finite].double(), ref.lse[finite], atol=1e-3)
+
+
+def _block(word: str) -> str:
+    """The one README block that uses ``word``, as a CPU user runs it."""
+    found = [b for b in python_blocks() if word in b]
+    assert len(found) == 1, word
+    return found[0].replace('device="cuda"', 'device="cpu"')
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU user's path")
+def test_readme_flash_attention_example_runs_on_the_cpu():
+    ns: dict = {}
+    torch.manual_seed(0)
+    exec(compile(_block("flash_attn_with_kvcache"), str(README), "exec"), ns)  # noqa: S102
+    q, kc, vc, table, lens = (ns[k] for k in ("q", "k_cache", "v_cache", "page_table",
+                                              "cache_seqlens"))
+    ref = paged_decode_reference(q[:, 0], kc, vc, table, lens + 1)  # the new token included
+    assert ns["out"].shape == q.shape and ns["lse"].shape == (4, 8, 1)
+    assert rel_l2_error(ns["out"][:, 0], ref.out) <= 1e-2
+    assert torch.allclose(ns["lse"][..., 0].double(), ref.lse, atol=1e-3)  # natural log
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU user's path")
+def test_readme_flashinfer_example_runs_on_the_cpu():
+    ns: dict = {}
+    torch.manual_seed(0)
+    exec(compile(_block("BatchDecodeWithPagedKVCacheWrapper"), str(README), "exec"), ns)  # noqa: S102
+    kv, indptr, indices, last = (ns[k] for k in ("kv_cache", "indptr", "indices",
+                                                 "last_page_len"))
+    table = torch.zeros(3, 7, dtype=torch.int32)
+    for b in range(3):
+        table[b, :int(indptr[b + 1] - indptr[b])] = indices[indptr[b]:indptr[b + 1]]
+    lens = (indptr[1:] - indptr[:-1] - 1) * 16 + last
+    ref = paged_decode_reference(ns["q"], kv[:, 0], kv[:, 1], table, lens)
+    assert rel_l2_error(ns["out"], ref.out) <= 2e-3
+    assert torch.allclose(ns["lse"].double() * math.log(2), ref.lse, atol=1e-3)  # base 2

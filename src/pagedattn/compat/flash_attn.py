@@ -39,8 +39,9 @@ copied. What is mapped, and how:
 
 The plan for a call is cached (keyed by the tables' and lengths' storage and every shape and
 option): an engine calling once per layer with the same ``page_table`` and ``cache_seqlens``
-tensors builds one :func:`pagedattn.plan_decode` per step, and the later layers run the plan.
-The cache holds at most ``_PLAN_CACHE_SIZE`` plans (each keeps its tables alive).
+tensors builds one :func:`pagedattn.plan_decode` per step, and the later layers run the plan
+(the plain one-token call through a shorter path, ``_fast``). The caches hold at most
+``_PLAN_CACHE_SIZE`` plans each (each keeps its tables alive).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ _UNSUPPORTED = {"qv": None, "rotary_cos": None, "rotary_sin": None, "rotary_seql
 _IGNORED = frozenset({"scheduler_metadata", "pack_gqa", "sm_margin", "rotary_interleaved"})
 _PLAN_CACHE_SIZE = 32
 _plans: OrderedDict = OrderedDict()
+#: the repeated decode call (one query token, a table, tensor lengths, nothing appended or
+#: rescaled), keyed by the identity of its table and lengths and by every other argument that
+#: shapes the plan; an entry keeps its tensors alive, so an id names the same tensor, and
+#: their pointers and shapes are checked again on every hit
+_fast: dict = {}
 
 
 def _refuse_unsupported(kwargs: dict) -> None:
@@ -198,6 +204,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     """
     if fa_kwargs:
         _refuse_unsupported(fa_kwargs)
+    elif k is None and v is None and cache_batch_idx is None and q_descale is None \
+            and k_descale is None and v_descale is None and alibi_slopes is None:
+        # the decode call an engine repeats per layer: a plan found by identity (see _fast)
+        table = page_table if block_table is None else block_table
+        try:
+            entry = _fast.get((id(table), id(cache_seqlens), q.shape, q.dtype, k_cache.shape,
+                               k_cache.dtype, causal, window_size, softcap, num_splits,
+                               page_table is None))
+        except (AttributeError, TypeError):  # not tensors, an unhashable window: full path
+            entry = None
+        if entry is not None and entry[0] is table and entry[1] is cache_seqlens \
+                and table.data_ptr() == entry[2] and table.shape == entry[3] \
+                and cache_seqlens.data_ptr() == entry[4] and cache_seqlens.shape == entry[5]:
+            result = entry[6].run(q.squeeze(1), k_cache, v_cache, scale=softmax_scale,
+                                  return_lse=return_softmax_lse, sinks=sinks)
+            if return_softmax_lse is True:
+                return DecodeOutput(result.out.unsqueeze(1), result.lse.unsqueeze(-1))
+            return result.unsqueeze(1)
     _tensor("q", q, 4)
     _tensor("k_cache", k_cache, 4)
     _tensor("v_cache", v_cache, 4)
@@ -277,6 +301,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                  logits_soft_cap=float(softcap) if softcap > 0 else None)
     if appended:
         torch.add(cache_seqlens, k.shape[1], out=plan.context_lens)
+    elif seqlen_q == 1 and not fa_kwargs and cache_batch_idx is None and q_descale is None \
+            and k_descale is None and v_descale is None and alibi_slopes is None \
+            and table is (page_table if block_table is None else block_table) \
+            and lens_key == _key(cache_seqlens):
+        try:
+            sig = (id(table), id(cache_seqlens), q.shape, q.dtype, k_cache.shape,
+                   k_cache.dtype, causal, window_size, softcap, num_splits,
+                   page_table is None)
+            hash(sig)
+        except TypeError:  # an unhashable window (a tensor): no fast entry
+            sig = None
+        if sig is not None:
+            if len(_fast) >= _PLAN_CACHE_SIZE:
+                _fast.clear()
+            _fast[sig] = (table, cache_seqlens, table.data_ptr(), table.shape,
+                          cache_seqlens.data_ptr(), cache_seqlens.shape, plan)
 
     if flat:  # [b, sq, hk, g, d] -> [b, (hk sq g), d]
         query = q.view(batch, seqlen_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4) \
@@ -286,7 +326,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             sinks = sinks.view(num_kv_heads, 1, group).expand(num_kv_heads, seqlen_q, group) \
                 .reshape(plan_heads)
     else:
-        query = q[:, 0] if seqlen_q == 1 else q
+        query = q.squeeze(1) if seqlen_q == 1 else q
     result = plan.run(query, k_cache, v_cache, scale=softmax_scale,
                       return_lse=bool(return_softmax_lse), sinks=sinks,
                       alibi_slopes=alibi_slopes)

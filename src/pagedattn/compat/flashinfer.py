@@ -53,6 +53,8 @@ _PLAN_POSITIONAL = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_da
                     "rope_theta", "non_blocking", "block_tables", "seq_lens",
                     "fixed_split_size", "disable_split_kv", "q_len_per_req")
 _BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cute-dsl")
+#: one entry per layer's combined cache (each keeps its cache alive)
+_MAX_VIEWS = 512
 
 
 def get_alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
@@ -120,6 +122,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._use_tensor_cores = bool(use_tensor_cores)
         self._plan = None
         self._key = None
+        self._views: dict = {}  # id(cache) -> (cache, data_ptr, shape, k view, v view)
         if self._use_cuda_graph:
             named = (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
                      ("paged_kv_indices_buffer", paged_kv_indices_buffer),
@@ -342,9 +345,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 or q_len_per_req is not None:
             self._refuse(args, kv_cache_sf, skip_softmax_threshold_scale_factor, window_left,
                          q_len_per_req, q)
-        k_cache, v_cache = (paged_kv_cache if type(paged_kv_cache) is tuple
-                            and len(paged_kv_cache) == 2
-                            else _unpack(paged_kv_cache, self._kv_layout))
+        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:
+            k_cache, v_cache = paged_kv_cache
+        else:  # a layer's [pages, 2, ...] cache: its two views made once (checked per call)
+            views = self._views.get(id(paged_kv_cache))
+            if views is not None and views[0] is paged_kv_cache \
+                    and views[1] == paged_kv_cache.data_ptr() \
+                    and views[2] == paged_kv_cache.shape:
+                k_cache, v_cache = views[3], views[4]
+            else:
+                k_cache, v_cache = _unpack(paged_kv_cache, self._kv_layout)
+                if len(self._views) >= _MAX_VIEWS:
+                    self._views.clear()
+                self._views[id(paged_kv_cache)] = (paged_kv_cache, paged_kv_cache.data_ptr(),
+                                                   paged_kv_cache.shape, k_cache, v_cache)
         scale, ks, vs, post = self._scale, None, None, None
         if q_scale is not None:
             scale *= float(q_scale)
