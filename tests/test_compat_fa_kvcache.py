@@ -116,8 +116,9 @@ def _generate_block_kvcache(seqlen_k, page_size, batch_size, nheads_k, d, dv, de
     page_table = torch.randperm(num_blocks, dtype=torch.int32, device=device).view(
         batch_size, -1)
     # rearrange(paged[table.flatten()], "(b nblocks) block_size ... -> b (nblocks block_size) ...")
-    k_cache = k_cache_paged[page_table.flatten()].reshape(batch_size, -1, nheads_k, d)[:, :seqlen_k]
-    v_cache = v_cache_paged[page_table.flatten()].reshape(batch_size, -1, nheads_k, dv)[:, :seqlen_k]
+    rows = page_table.flatten()
+    k_cache = k_cache_paged[rows].reshape(batch_size, -1, nheads_k, d)[:, :seqlen_k]
+    v_cache = v_cache_paged[rows].reshape(batch_size, -1, nheads_k, dv)[:, :seqlen_k]
     return k_cache, v_cache, page_table, k_cache_paged, v_cache_paged, num_blocks
 
 
@@ -236,9 +237,11 @@ def run_kvcache_case(device, seqlen_q, seqlen_k, d, has_batch_idx, page_size,
                 assert torch.allclose(v_cache_select, v_cache_ref, rtol=1e-3, atol=1e-3)
             assert torch.equal(k_cache_select, k_cache_ref)  # rotary_dim == 0
         mult = 4 if dtype == torch.float8_e4m3fn else 2
-        assert (out - out_ref).abs().max().item() <= mult * (out_pt - out_ref).abs().max().item() + 1e-5
+        assert (out - out_ref).abs().max().item() <= \
+            mult * (out_pt - out_ref).abs().max().item() + 1e-5
         mult_mean = 3 if dtype == torch.float8_e4m3fn else 1.5
-        assert (out - out_ref).abs().mean().item() <= mult_mean * (out_pt - out_ref).abs().mean().item()
+        assert (out - out_ref).abs().mean().item() <= \
+            mult_mean * (out_pt - out_ref).abs().mean().item()
 
 
 @pytest.mark.gpu

@@ -265,7 +265,7 @@ def test_batch_decode_with_tuple_paged_kv_cache(device, batch_size, kv_len, page
                    contiguous_kv)
 
 
-#: the CPU subset, in the parameters' order: upstream's values with batch, kv_len and head_dim shrunk
+#: the CPU subset, in the parameters' order: upstream's values, batch/kv_len/head_dim shrunk
 CPU_CASES = [
     (3, 13, 8, 4, 4, 32, "NHD", "NONE", 0.0, True, torch.float16, torch.float16, True),
     (2, 20, 1, 4, 32, 32, "NHD", "NONE", 0.0, True, torch.float16, torch.float8_e4m3fn, True),

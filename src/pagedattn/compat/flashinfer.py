@@ -39,7 +39,6 @@ decode.py``, no code copied):
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
@@ -122,6 +121,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._use_tensor_cores = bool(use_tensor_cores)
         self._plan = None
         self._key = None
+        self._alibi = self._lse_shift = None
         self._views: dict = {}  # id(cache) -> (cache, data_ptr, shape, k view, v view)
         if self._use_cuda_graph:
             named = (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
@@ -287,8 +287,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
         self._num_qo_heads, self._head_dim = int(num_qo_heads), int(head_dim)
         self._fp8 = kv_dtype in V.FP8_DTYPES
-        self._alibi = (get_alibi_slopes(int(num_qo_heads), dev) if pos_encoding_mode == "ALIBI"
-                       else None)
+        if pos_encoding_mode != "ALIBI":
+            self._alibi = None
+        elif self._alibi is None or self._alibi.shape[0] != num_qo_heads:
+            # kept while the head count holds: a captured graph reads this tensor
+            self._alibi = get_alibi_slopes(int(num_qo_heads), dev)
         self._lens_host = lens_host
         options = dict(num_q_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
@@ -307,8 +310,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._plan = plan_decode(table, lens, host_context_lens=lens_host, **options)
             self._key = key
         # the run's LSE shape and its ALiBi shift (FlashInfer's query sits at position 0)
-        self._lse_shift = (None if self._alibi is None else
-                           (lens.float() - 1).clamp_(min=0)[:, None] * self._alibi[None, :])
+        if self._alibi is None:
+            self._lse_shift = None
+        else:  # rewritten in place, as the tables, for a captured graph
+            shift = (lens.float() - 1).clamp_(min=0)[:, None] * self._alibi[None, :]
+            old = self._lse_shift
+            self._lse_shift = (old.copy_(shift) if old is not None and old.shape == shift.shape
+                               else shift)
         self._q_shape = (batch, q_len, self._num_qo_heads, self._head_dim)
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None,
@@ -401,6 +409,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lse_nat = lse_nat.view(q.shape[:-1])
         if lse is None:
             return o, lse_nat.mul_(LOG2E)  # a fresh tensor: converted in place
+        if not isinstance(lse, torch.Tensor) or lse.shape != lse_nat.shape \
+                or lse.dtype != torch.float32 or lse.device != lse_nat.device:
+            raise ValueError(f"lse: expected a float32 tensor of shape "
+                             f"{tuple(lse_nat.shape)} on {lse_nat.device}")
         torch.mul(lse_nat, LOG2E, out=lse)
         return o, lse
 
