@@ -88,6 +88,52 @@ def _gather_request(kv_data_fp32, kv_indptr, kv_last_page_len, i, which, kv_layo
     ).to(kv_dtype)
 
 
+def _check_requests(o, q, kv_data_fp32, kv_indptr, kv_last_page_len, kv_layout, num_kv_heads,
+                    head_dim, kv_dtype, pos_encoding_mode, logits_soft_cap=0.0):
+    """Upstream's check: each request against the single-request reference."""
+    for i in range(q.shape[0]):
+        qi = q[i]
+        ki = _gather_request(kv_data_fp32, kv_indptr, kv_last_page_len, i, 0, kv_layout,
+                             num_kv_heads, head_dim, kv_dtype)
+        vi = _gather_request(kv_data_fp32, kv_indptr, kv_last_page_len, i, 1, kv_layout,
+                             num_kv_heads, head_dim, kv_dtype)
+        o_ref_i = single_decode_with_kv_cache(
+            qi, ki, vi, pos_encoding_mode=pos_encoding_mode, logits_soft_cap=logits_soft_cap,
+        )
+        torch.testing.assert_close(o[i], o_ref_i, rtol=1e-3, atol=1e-3)
+
+
+def _plan_and_run(device, q, kv_data, batch_size, kv_len, page_size, num_kv_heads,
+                  num_qo_heads, head_dim, kv_layout, pos_encoding_mode, logits_soft_cap,
+                  return_lse, q_dtype, kv_dtype, num_pages_per_seq, total_num_pages):
+    """Upstream's shared middle: one page run per sequence, plan, run (``None`` when the
+    plan is refused: ROPE_LLAMA, see the module docstring)."""
+    kv_indptr = (
+        torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * num_pages_per_seq
+    )
+    kv_indices = torch.arange(0, total_num_pages, device=device, dtype=torch.int32)
+    kv_last_page_len = torch.full(
+        (batch_size,), (kv_len - 1) % page_size + 1, dtype=torch.int32, device=device
+    )
+
+    workspace_buffer = torch.empty(32 * 1024 * 1024, dtype=torch.int8, device=device)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace_buffer, kv_layout)
+    plan_args = (kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads,
+                 head_dim, page_size)
+    plan_kwargs = dict(logits_soft_cap=logits_soft_cap, pos_encoding_mode=pos_encoding_mode,
+                       data_type=kv_dtype, q_data_type=q_dtype)
+    if pos_encoding_mode == "ROPE_LLAMA":
+        with pytest.raises(ValueError, match="pos_encoding_mode"):
+            wrapper.plan(*plan_args, **plan_kwargs)
+        return None
+    wrapper.plan(*plan_args, **plan_kwargs)
+    if return_lse:
+        o, _ = wrapper.run(q, kv_data, return_lse=True)
+    else:
+        o = wrapper.run(q, kv_data)
+    return o, wrapper, kv_indptr, kv_last_page_len
+
+
 def run_batch_decode_case(device, batch_size, kv_len, page_size, num_kv_heads, num_qo_heads,
                           head_dim, kv_layout, pos_encoding_mode, logits_soft_cap, return_lse,
                           q_dtype, kv_dtype, contiguous_kv):
@@ -117,40 +163,15 @@ def run_batch_decode_case(device, batch_size, kv_len, page_size, num_kv_heads, n
     else:
         kv_data_fp32 = torch.randn(*kv_shape, dtype=torch.float32, device=device)
         kv_data = kv_data_fp32.to(kv_dtype)
-    kv_indptr = (
-        torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * num_pages_per_seq
-    )
-    kv_indices = torch.arange(0, total_num_pages, device=device, dtype=torch.int32)
-    kv_last_page_len = torch.full(
-        (batch_size,), (kv_len - 1) % page_size + 1, dtype=torch.int32, device=device
-    )
-
-    workspace_buffer = torch.empty(32 * 1024 * 1024, dtype=torch.int8, device=device)
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace_buffer, kv_layout)
-    plan_args = (kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads,
-                 head_dim, page_size)
-    plan_kwargs = dict(logits_soft_cap=logits_soft_cap, pos_encoding_mode=pos_encoding_mode,
-                       data_type=kv_dtype, q_data_type=q_dtype)
-    if pos_encoding_mode == "ROPE_LLAMA":  # see the module docstring
-        with pytest.raises(ValueError, match="pos_encoding_mode"):
-            wrapper.plan(*plan_args, **plan_kwargs)
+    ran = _plan_and_run(device, q, kv_data, batch_size, kv_len, page_size, num_kv_heads,
+                        num_qo_heads, head_dim, kv_layout, pos_encoding_mode, logits_soft_cap,
+                        return_lse, q_dtype, kv_dtype, num_pages_per_seq, total_num_pages)
+    if ran is None:
         return
-    wrapper.plan(*plan_args, **plan_kwargs)
-    if return_lse:
-        o, _ = wrapper.run(q, kv_data, return_lse=True)
-    else:
-        o = wrapper.run(q, kv_data)
+    o, wrapper, kv_indptr, kv_last_page_len = ran
 
-    for i in range(batch_size):
-        qi = q[i]
-        ki = _gather_request(kv_data_fp32, kv_indptr, kv_last_page_len, i, 0, kv_layout,
-                             num_kv_heads, head_dim, kv_dtype)
-        vi = _gather_request(kv_data_fp32, kv_indptr, kv_last_page_len, i, 1, kv_layout,
-                             num_kv_heads, head_dim, kv_dtype)
-        o_ref_i = single_decode_with_kv_cache(
-            qi, ki, vi, pos_encoding_mode=pos_encoding_mode, logits_soft_cap=logits_soft_cap,
-        )
-        torch.testing.assert_close(o[i], o_ref_i, rtol=1e-3, atol=1e-3)
+    _check_requests(o, q, kv_data_fp32, kv_indptr, kv_last_page_len, kv_layout, num_kv_heads,
+                    head_dim, kv_dtype, pos_encoding_mode, logits_soft_cap)
 
     # test user-allocated output
     o_buffer = torch.empty_like(o)
@@ -186,42 +207,17 @@ def run_tuple_case(device, batch_size, kv_len, page_size, num_kv_heads, num_qo_h
                         for _ in range(2)]
         kv_data = [kv_data_fp32[i].to(kv_dtype) for i in range(2)]
     kv_data = tuple(kv_data)
-    kv_indptr = (
-        torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * num_pages_per_seq
-    )
-    kv_indices = torch.arange(0, total_num_pages, device=device, dtype=torch.int32)
-    kv_last_page_len = torch.full(
-        (batch_size,), (kv_len - 1) % page_size + 1, dtype=torch.int32, device=device
-    )
-
-    workspace_buffer = torch.empty(32 * 1024 * 1024, dtype=torch.int8, device=device)
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace_buffer, kv_layout)
-    plan_args = (kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads,
-                 head_dim, page_size)
-    plan_kwargs = dict(logits_soft_cap=logits_soft_cap, pos_encoding_mode=pos_encoding_mode,
-                       data_type=kv_dtype, q_data_type=q_dtype)
-    if pos_encoding_mode == "ROPE_LLAMA":
-        with pytest.raises(ValueError, match="pos_encoding_mode"):
-            wrapper.plan(*plan_args, **plan_kwargs)
+    ran = _plan_and_run(device, q, kv_data, batch_size, kv_len, page_size, num_kv_heads,
+                        num_qo_heads, head_dim, kv_layout, pos_encoding_mode, logits_soft_cap,
+                        return_lse, q_dtype, kv_dtype, num_pages_per_seq, total_num_pages)
+    if ran is None:
         return
-    wrapper.plan(*plan_args, **plan_kwargs)
-    if return_lse:
-        o, _ = wrapper.run(q, kv_data, return_lse=True)
-    else:
-        o = wrapper.run(q, kv_data)
+    o, wrapper, kv_indptr, kv_last_page_len = ran
 
     # the 5-D view of the two caches, for the shared gather
     stacked = torch.stack([kv_data_fp32[0], kv_data_fp32[1]], dim=1)
-    for i in range(batch_size):
-        qi = q[i]
-        ki = _gather_request(stacked, kv_indptr, kv_last_page_len, i, 0, kv_layout,
-                             num_kv_heads, head_dim, kv_dtype)
-        vi = _gather_request(stacked, kv_indptr, kv_last_page_len, i, 1, kv_layout,
-                             num_kv_heads, head_dim, kv_dtype)
-        o_ref_i = single_decode_with_kv_cache(
-            qi, ki, vi, pos_encoding_mode=pos_encoding_mode, logits_soft_cap=logits_soft_cap,
-        )
-        torch.testing.assert_close(o[i], o_ref_i, rtol=1e-3, atol=1e-3)
+    _check_requests(o, q, stacked, kv_indptr, kv_last_page_len, kv_layout, num_kv_heads,
+                    head_dim, kv_dtype, pos_encoding_mode, logits_soft_cap)
 
 
 _FULL = [
@@ -289,6 +285,20 @@ def test_batch_decode_with_tuple_paged_kv_cache_cpu_subset(device, case):
     run_tuple_case(device, *case)
 
 
+def _warm_and_capture(warm, capture):
+    """Upstream's warmup (3 runs on a side stream) and capture: ``(out, graph)``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            o = warm()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o = capture(o)
+    return o, g
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch_size", [12, 17, 128])
 @pytest.mark.parametrize("kv_len", [54, 2048, 16384])
@@ -332,18 +342,7 @@ def test_cuda_graph_batch_decode_with_paged_kv_cache(batch_size, kv_len, page_si
                      q_data_type=q_dtype)
 
     plan(kv_indptr_host_warmup, kv_indices_host_warmup, kv_last_page_len_host_warmup)
-    # warmup
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            o = wrapper.run(q, kv_data)
-    torch.cuda.current_stream().wait_stream(s)
-
-    # capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        o = wrapper.run(q, kv_data)
+    o, g = _warm_and_capture(lambda: wrapper.run(q, kv_data), lambda o: wrapper.run(q, kv_data))
 
     # replay multiple times
     for i in range(1, min(4, num_pages_per_seq)):
@@ -362,13 +361,8 @@ def test_cuda_graph_batch_decode_with_paged_kv_cache(batch_size, kv_len, page_si
     # compute ground truth and compare
     kv_indptr = kv_indptr_host.to(0)
     kv_last_page_len = kv_last_page_len_host.to(0)
-    for i in range(batch_size):
-        ki = _gather_request(kv_data_fp32, kv_indptr, kv_last_page_len, i, 0, kv_layout,
-                             num_kv_heads, head_dim, kv_dtype)
-        vi = _gather_request(kv_data_fp32, kv_indptr, kv_last_page_len, i, 1, kv_layout,
-                             num_kv_heads, head_dim, kv_dtype)
-        o_ref_i = single_decode_with_kv_cache(q[i], ki, vi, pos_encoding_mode=pos_encoding_mode)
-        torch.testing.assert_close(o[i], o_ref_i, rtol=1e-3, atol=1e-3)
+    _check_requests(o, q, kv_data_fp32, kv_indptr, kv_last_page_len, kv_layout, num_kv_heads,
+                    head_dim, kv_dtype, pos_encoding_mode)
 
 
 def prefill_ref(q, kv_data, indptr, indices, last_len, q_len_per_req, page_size):
@@ -446,15 +440,8 @@ def run_multi_token_case(device, batch_size, q_len_per_req, num_kv_heads, gqa_gr
 
     plan(indptr, indices, last_len)
     if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                o = wrapper.run(q, kv_data)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            o = wrapper.run(q, kv_data, out=o)
+        o, g = _warm_and_capture(lambda: wrapper.run(q, kv_data),
+                                 lambda o: wrapper.run(q, kv_data, out=o))
         replay = g.replay
     else:
         o = wrapper.run(q, kv_data)
