@@ -96,6 +96,46 @@ def test_fa_append_then_attend_and_the_plan_is_reused(device):
     assert rel_l2_error(out2[:, 0], ref2.out) <= tolerance_for(torch.float16)
 
 
+def test_fa_repeated_decode_call_takes_the_short_path(device):
+    """The per-layer call: the second call finds its plan by the tensors' identity, reads
+    the lengths updated in place, and a call with another dtype plans anew."""
+    fa_module._plans.clear()
+    fa_module._fast.clear()
+    inp = _inputs(device, lens=[4, 9, 30])
+    lens = inp.context_lens.clone()
+    call = dict(cache_seqlens=lens, page_table=inp.block_tables, causal=True,
+                return_softmax_lse=True)
+    q = inp.query.unsqueeze(1)
+    flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call)
+    assert len(fa_module._fast) == 1
+    lens -= 3  # the engine's next step, in place
+    out, lse = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call)
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 lens)
+    assert rel_l2_error(out[:, 0], ref.out) <= tolerance_for(torch.float16)
+    _close_lse(lse[..., 0], ref.lse)
+    q32, k32, v32 = (t.float() for t in (q, inp.key_cache, inp.value_cache))
+    out32 = flash_attn_with_kvcache(q32, k32, v32, cache_seqlens=lens,
+                                    page_table=inp.block_tables, causal=True)
+    assert len(fa_module._plans) == 2 and out32.dtype == torch.float32
+    assert rel_l2_error(out32[:, 0], ref.out) <= tolerance_for(torch.float32)
+
+
+def test_fa_causal_multi_token_lse_layout(device):
+    """causal=True, 3 query tokens: token j sits at len - 3 + j; lse [batch, heads, 3]."""
+    inp = _inputs(device, lens=[2, 9, 30])
+    q = torch.randn(3, 3, 6, 32, device=device, dtype=torch.float16)
+    out, lse = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache,
+                                       cache_seqlens=inp.context_lens,
+                                       page_table=inp.block_tables, causal=True,
+                                       return_softmax_lse=True)
+    ref = paged_decode_reference(q, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 inp.context_lens)  # 4-D: the same positions
+    assert lse.shape == (3, 6, 3)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float16)
+    _close_lse(lse.transpose(1, 2), ref.lse)
+
+
 def test_fa_contiguous_cache_is_one_page_per_sequence(device):
     kc = torch.randn(3, 20, 2, 32, device=device, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -190,6 +230,23 @@ def test_fi_lse_is_base_2_and_alibi_matches_flashinfer(device):
     assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float16)
     shift = (inp.context_lens.double() - 1)[:, None] * slopes.double()[None]
     _close_lse(lse, (ref.lse + shift) / math.log(2))
+
+
+def test_fi_multi_token_lse_into_a_given_buffer(device):
+    """q_len_per_req=2: q [batch * 2, heads, dim]; the base-2 LSE lands in ``lse=``."""
+    inp = _inputs(device, lens=[5, 17, 32])
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=device))
+    w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type=torch.float16, q_len_per_req=2)
+    q = torch.randn(6, 6, 32, device=device, dtype=torch.float16)
+    lse = torch.full((6, 6), float("nan"), device=device)
+    out, got = w.run(q, (inp.key_cache, inp.value_cache), return_lse=True, lse=lse)
+    ref = paged_decode_reference(q.view(3, 2, 6, 32), inp.key_cache, inp.value_cache,
+                                 inp.block_tables, inp.context_lens)
+    assert got is lse and out.shape == q.shape
+    assert rel_l2_error(out.view(3, 2, 6, 32), ref.out) <= tolerance_for(torch.float16)
+    _close_lse(lse.view(3, 2, 6), ref.lse / math.log(2))
+    with pytest.raises(ValueError, match="lse"):
+        w.run(q, (inp.key_cache, inp.value_cache), return_lse=True, lse=torch.empty(6))
 
 
 def test_fi_scales_sinks_and_the_combined_cache(device):

@@ -218,8 +218,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                 and table.data_ptr() == entry[2] and table.shape == entry[3] \
                 and cache_seqlens.data_ptr() == entry[4] and cache_seqlens.shape == entry[5]:
             result = entry[6].run(q.squeeze(1), k_cache, v_cache, scale=softmax_scale,
-                                  return_lse=return_softmax_lse, sinks=sinks)
-            if return_softmax_lse is True:
+                                  return_lse=bool(return_softmax_lse), sinks=sinks)
+            if return_softmax_lse:
                 return DecodeOutput(result.out.unsqueeze(1), result.lse.unsqueeze(-1))
             return result.unsqueeze(1)
     _tensor("q", q, 4)
