@@ -136,6 +136,29 @@ def test_fa_causal_multi_token_lse_layout(device):
     _close_lse(lse.transpose(1, 2), ref.lse)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa_long_multi_token_queries_run_in_chunks(device, monkeypatch, causal):
+    """More query rows than one tile (here 4, patched down from 64): chunks with their own
+    lengths give what one call gives (the oracle's 4-D positions; all keys non-causal)."""
+    monkeypatch.setattr(fa_module, "_MAX_TILE_ROWS", 4)
+    inp = _inputs(device, lens=[2, 9, 30], num_q_heads=4)
+    q = torch.randn(3, 5, 4, 32, device=device, dtype=torch.float16)  # 10 rows, group 2
+    out, lse = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache,
+                                       cache_seqlens=inp.context_lens,
+                                       page_table=inp.block_tables, causal=causal,
+                                       return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (3, 4, 5)
+    for j in range(5):
+        ref = paged_decode_reference(q[:, :j + 1] if causal else q[:, j], inp.key_cache,
+                                     inp.value_cache, inp.block_tables,
+                                     (inp.context_lens - (4 - j)).clamp(min=0) if causal
+                                     else inp.context_lens)
+        ref_out = ref.out[:, -1] if causal else ref.out
+        ref_lse = ref.lse[:, -1] if causal else ref.lse
+        assert rel_l2_error(out[:, j], ref_out) <= tolerance_for(torch.float16)
+        _close_lse(lse[..., j], ref_lse)
+
+
 def test_fa_contiguous_cache_is_one_page_per_sequence(device):
     kc = torch.randn(3, 20, 2, 32, device=device, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)

@@ -20,7 +20,9 @@ copied. What is mapped, and how:
   Causal attention with a left window is our ``window_left``; non-causal attention without a
   window runs every query token at the last position (the token axis becomes heads).
   A right bound strictly between 0 and ``seqlen_q - 1``, or a left window on non-causal
-  multi-token queries, has no kernel here and raises.
+  multi-token queries, has no kernel here and raises. A long multi-token query (more than
+  ``_MAX_TILE_ROWS`` query rows: tokens x group) runs in chunks, each with its own lengths
+  (the kernel is a decode kernel: one tile holds a call's query rows).
 - ``softcap`` is our ``logits_soft_cap``; ``sinks`` (``[heads]`` float32, the gpt-oss sink
   logits that vLLM's FA fork calls ``s_aux``) and FA2's ``alibi_slopes`` (``[heads]``) map to
   ours.
@@ -62,6 +64,8 @@ _UNSUPPORTED = {"qv": None, "rotary_cos": None, "rotary_sin": None, "rotary_seql
 #: FA arguments that change no value (schedules and hints): accepted and ignored
 _IGNORED = frozenset({"scheduler_metadata", "pack_gqa", "sm_margin", "rotary_interleaved"})
 _PLAN_CACHE_SIZE = 32
+#: query rows (tokens x group) per kernel call: a longer multi-token query runs in chunks
+_MAX_TILE_ROWS = 64
 _plans: OrderedDict = OrderedDict()
 #: the repeated decode call (one query token, a table, tensor lengths, nothing appended or
 #: rescaled), keyed by the identity of its table and lengths and by every other argument that
@@ -285,6 +289,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if flat and alibi_slopes is not None:
         raise ValueError("alibi_slopes: non-causal multi-token queries put every token at the "
                          "last position, which changes ALiBi's distances; use causal=True")
+    if seqlen_q > 1 and seqlen_q * group > _MAX_TILE_ROWS:
+        total = cache_seqlens + k.shape[1] if appended else cache_seqlens
+        out, lse = _in_chunks(q, k_cache, v_cache, table, total, group, causal_kernel,
+                              window_left, dict(softmax_scale=softmax_scale, softcap=softcap,
+                                                sinks=sinks, alibi_slopes=alibi_slopes,
+                                                num_splits=num_splits))
+        if vs is not None:
+            out5 = out.view(batch, seqlen_q, num_kv_heads, group, head_dim)
+            out = (out5.float() * vs).to(out_dtype).view(batch, seqlen_q, num_heads, head_dim)
+        return DecodeOutput(out, lse) if return_softmax_lse else out
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
@@ -346,6 +360,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         out5 = out.view(batch, seqlen_q, num_kv_heads, group, head_dim)
         out = (out5.float() * vs).to(out_dtype).view(batch, seqlen_q, num_heads, head_dim)
     return DecodeOutput(out, lse) if return_softmax_lse else out
+
+
+def _in_chunks(q, k_cache, v_cache, table, total, group, causal, window_left, options):
+    """A long multi-token query (a prefill, as FA's tests run) in chunks of at most
+    ``_MAX_TILE_ROWS`` query rows: the decode kernel holds all of a call's query rows in one
+    tile. Causal chunk ``[j0, j1)`` keeps its positions through ``total - (seqlen_q - j1)``
+    (FA's window bounds move with them); non-causal chunks all see ``total``."""
+    seqlen_q = q.shape[1]
+    step = max(1, _MAX_TILE_ROWS // group)
+    outs, lses = [], []
+    for j0 in range(0, seqlen_q, step):
+        j1 = min(j0 + step, seqlen_q)
+        lens = (total - (seqlen_q - j1)).clamp_(min=0).to(torch.int32) if causal else total
+        out, lse = flash_attn_with_kvcache(
+            q[:, j0:j1], k_cache, v_cache, cache_seqlens=lens, page_table=table,
+            causal=causal, window_size=(window_left, 0) if causal else (-1, -1),
+            return_softmax_lse=True, **options)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
 
 
 def _append(k, v, k_cache, v_cache, table, cache_seqlens, capacity) -> None:
