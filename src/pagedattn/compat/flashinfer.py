@@ -271,7 +271,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             ptr = indptr.to(dev, torch.int64)
             t = torch.arange(nnz, device=dev) + int(indptr_host[0])
             row = torch.searchsorted(ptr[1:], t, right=True)
-            table[row, t - ptr[row]] = indices[t].to(dev, torch.int32)
+            table[row, t - ptr[row]] = indices.to(dev, torch.int32)[t]  # indices may be on the host
             count = ptr[1:] - ptr[:-1]
             lens = torch.where(count > 0, (count - 1) * page_size
                                + last_page_len.to(dev, torch.int64), 0)
