@@ -26,6 +26,8 @@
 #   as consecutive warm calls with PAGEDATTN_GIT_SHA set: final5c (carry .ext2), final5b (carry
 #   .ext3 .whl, SERVEPROF=0), fi074 (carry .ext4 .peers, BENCH_S=560), fi074v (carry .ext4) and
 #   host11c: about 1,150 device-seconds with the start.
+# Session 13: compat13 (prepared, not yet run): the compat layer's GPU tests, beside the real
+#   FA3 (carry .peers with fa3.tar) and FlashInfer 0.7.4 (carry .ext4).
 # Session 3's phases (earlier sessions' phases are in git history):
 #   lean1 / lean2 / lean3 / lean4   exploration: sweeps beside the plain floor (carry .peers),
 #                                   host time and its profile, fp8 bisection
@@ -587,6 +589,28 @@ case "$phase" in
       --peer-file .peers/plain_floor.py --budget-s 340 2>&1 | tee "$RES/sweep.log" \
       | grep -v "^  DecodeConfig"
     pack
+    ;;
+  compat13)  # session 13, prepared, not yet run: the compat layer (issue 26). Its own tests on
+    # CUDA, compat beside the real FA3 (carry .peers with fa3.tar) and FlashInfer 0.7.4 (carry
+    # .ext4), then FlashInfer's and FA3's own decode tests at full size (as far as time allows)
+    RES=$OUT
+    env_info
+    setup_flashinfer074
+    XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadfile")
+    stamp "compat: own tests on CUDA, beside the real FA3 and FlashInfer 0.7.4"
+    PAGEDATTN_FA3_TAR=$PWD/.peers/fa3.tar timeout 150 python3 -m pytest -q -p no:cacheprovider \
+      -rfEs tests/test_compat.py tests/test_compat_vs_peers.py > "$RES/pytest-compat.log" 2>&1
+    tail -8 "$RES/pytest-compat.log"
+    stamp "FlashInfer's own batch-decode tests, full size"
+    # shellcheck disable=SC2086
+    timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider $XDIST -rfE \
+      tests/test_compat_fi_batch_decode.py > "$RES/pytest-compat-fi.log" 2>&1
+    tail -6 "$RES/pytest-compat-fi.log"
+    stamp "FA3's own test_flash_attn_kvcache, full size"
+    # shellcheck disable=SC2086
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider $XDIST -rfE --maxfail 20 \
+      tests/test_compat_fa_kvcache.py > "$RES/pytest-compat-fa.log" 2>&1
+    tail -6 "$RES/pytest-compat-fa.log"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
