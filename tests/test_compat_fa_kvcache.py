@@ -11,8 +11,10 @@ Adaptations (semantics, references and tolerances unchanged):
 - einops' ``rearrange``/``repeat`` written as torch reshapes (einops is not a dependency);
   the parts of the reference for features skipped below are dropped.
 - ``device="cuda"`` is the suite's ``device`` fixture; the function under test is ours.
-- The upstream body is one function run by two parametrizations: the upstream one at full
-  size, marked ``gpu``; and a CPU subset (Triton's interpreter) at shrunken sizes (batch 2
+- The upstream body is one function run by three parametrizations: the upstream grid at
+  full size, marked ``gpu`` and run only with ``PAGEDATTN_PEER_SUITES=full`` (6,336 cases:
+  more than the GPU-test phase's budget); ``GPU_CASES``, 120 of its cases at full size,
+  marked ``gpu``; and a CPU subset (Triton's interpreter) at shrunken sizes (batch 2
   instead of 5, head dim 32 instead of 128, the shrunken ``(seqlen_q, seqlen_k)`` pairs and
   page sizes in ``CPU_CASES``), each case one combination of the upstream parameters.
 
@@ -34,6 +36,7 @@ argument for each):
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -244,7 +247,14 @@ def run_kvcache_case(device, seqlen_q, seqlen_k, d, has_batch_idx, page_size,
             mult_mean * (out_pt - out_ref).abs().mean().item()
 
 
+#: the whole upstream grid (6,336 cases x 3 split counts) runs only when asked for: it would
+#: take the GPU-test phase's whole budget; GPU_CASES below runs by default at full size
+FULL_GRID = pytest.mark.skipif(os.environ.get("PAGEDATTN_PEER_SUITES") != "full",
+                               reason="the full upstream grid: set PAGEDATTN_PEER_SUITES=full")
+
+
 @pytest.mark.gpu
+@FULL_GRID
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("mha_type", ["mha", "mqa", "gqa"])
 @pytest.mark.parametrize("new_kv", [False, True])
@@ -260,6 +270,23 @@ def test_flash_attn_kvcache(device, seqlen_q, seqlen_k, d, has_batch_idx, page_s
                             seqlen_new_eq_seqlen_q, causal, local, new_kv, mha_type, dtype):
     run_kvcache_case(device, seqlen_q, seqlen_k, d, has_batch_idx, page_size,
                      seqlen_new_eq_seqlen_q, causal, local, new_kv, mha_type, dtype)
+
+
+#: the default GPU subset at upstream's full sizes (batch 5, d 128): (seqlen_q, seqlen_k,
+#: has_batch_idx, page_size, seqlen_new_eq_seqlen_q, causal, local, new_kv, mha_type, dtype)
+GPU_CASES = [(sq, sk, False, ps, True, c, lo, nk, mt, dt)
+             for sq, sk in [(1, 128), (1, 339), (3, 1024), (64, 800), (16, 20000)]
+             for ps in (None, 4) for c, lo in [(True, False), (False, False), (False, True)]
+             for nk in (False, True) for mt, dt in [("gqa", torch.bfloat16),
+                                                    ("mqa", torch.float8_e4m3fn)]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_flash_attn_kvcache_gpu_subset(device, case):
+    seqlen_q, seqlen_k, has_batch_idx, page_size, eq, causal, local, new_kv, mha, dtype = case
+    run_kvcache_case(device, seqlen_q, seqlen_k, 128, has_batch_idx, page_size, eq, causal,
+                     local, new_kv, mha, dtype)
 
 
 #: the CPU subset: (seqlen_q, seqlen_k, has_batch_idx, page_size, seqlen_new_eq_seqlen_q,

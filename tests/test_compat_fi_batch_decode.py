@@ -15,7 +15,10 @@ FlashInfer's own kernels; without it, ``single_decode_with_kv_cache`` and ``pref
 below are float32 torch transcriptions of their documented semantics (softmax of
 ``q·kᵀ / sqrt(head_dim)``, soft-capped, GQA by ``h // group``; causal bottom-right).
 
-The upstream parametrization runs at full size under ``@pytest.mark.gpu``; the CPU runs
+The upstream parametrizations run at full size under ``@pytest.mark.gpu`` when
+``PAGEDATTN_PEER_SUITES=full`` (thousands of cases); by default the GPU runs ``GPU_CASES``
+(64 of them at full size, half through each cache form) and the multi-token graph test; the
+CPU runs
 ``CPU_CASES`` (Triton's interpreter): upstream's parameters with batch, kv_len and head_dim
 shrunk, plus one HND and one non-contiguous case (branches of upstream's test body that its
 parametrization does not select). ``test_paged_decode_extreme_negative_logits`` runs at its
@@ -36,6 +39,7 @@ Skipped, with the reason:
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -235,10 +239,34 @@ _FULL = [
     pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn]),
     pytest.mark.parametrize("contiguous_kv", [True]),
 ]
+#: the whole upstream grids run only when asked for (thousands of cases: more than the
+#: GPU-test phase's budget); the ``*_gpu_subset`` tests run by default at full size
+FULL_GRID = pytest.mark.skipif(os.environ.get("PAGEDATTN_PEER_SUITES") != "full",
+                               reason="the full upstream grid: set PAGEDATTN_PEER_SUITES=full")
+
+
 def _full(fn):
     for mark in reversed(_FULL):
         fn = mark(fn)
-    return pytest.mark.gpu(fn)
+    return pytest.mark.gpu(FULL_GRID(fn))
+
+
+#: the default GPU subset at upstream's sizes, in the parameters' order
+GPU_CASES = [(b, n, ps, 4, hq, hd, "NHD", "NONE", 0.0, True, torch.float16, kd, True)
+             for b in (12, 128) for n in (54, 2048) for ps in (1, 16) for hq in (4, 32)
+             for hd in (128, 256) for kd in (torch.float16, torch.float8_e4m3fn)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES[::2], ids=lambda c: "-".join(map(str, c)))
+def test_batch_decode_with_paged_kv_cache_gpu_subset(device, case):
+    run_batch_decode_case(device, *case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES[1::2], ids=lambda c: "-".join(map(str, c)))
+def test_batch_decode_with_tuple_paged_kv_cache_gpu_subset(device, case):
+    run_tuple_case(device, *case)
 
 
 @_full
@@ -300,6 +328,7 @@ def _warm_and_capture(warm, capture):
 
 
 @pytest.mark.gpu
+@FULL_GRID
 @pytest.mark.parametrize("batch_size", [12, 17, 128])
 @pytest.mark.parametrize("kv_len", [54, 2048, 16384])
 @pytest.mark.parametrize("page_size", [1, 8, 16])
