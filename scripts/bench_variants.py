@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"us[{cfg}]"] = f"{type(e).__name__}: {str(e)[:80]}"
                     continue
                 row["ok"] = row["ok"] and cerr <= tolerance_for(shape.cache_dtype)
+                row[f"rel_l2[{cfg}]"] = cerr
                 row[f"us[{cfg}]"] = (time_cold(cfn, reps=args.reps).median_us
                                      if not args.dry_run else cerr)
             results.append(row)

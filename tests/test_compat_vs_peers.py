@@ -5,8 +5,8 @@ Each peer is skipped cleanly when it does not import. FlashInfer: ``import flash
 (0.7.4 on the H200). FA3: an installed ``flash_attn_interface`` if there is one, else the
 repacked wheel ``fa3.tar`` (its Python files and the xz-compressed ``_C.abi3.so``, as the
 peers' fetch script makes it), found through ``PAGEDATTN_FA3_TAR``, in ``.peers/`` (the
-carried copy of the peers) or in a ``shared/peers/`` folder beside the checkout, unpacked once into ``PAGEDATTN_FA3_DIR`` (default
-``/tmp/pagedattn-fa3``).
+carried copy of the peers, or ``$PEERS``) or in a ``shared/peers/`` folder beside the
+checkout, unpacked once into ``PAGEDATTN_FA3_DIR`` (default ``/tmp/pagedattn-fa3``).
 
 Outputs are compared by relative L2 error at the contract's bound for the dtype (both sides
 carry their own rounding, so the bound is the oracle's), LSEs elementwise (``atol`` 1e-2 in
@@ -42,7 +42,8 @@ def _fa3():
     dest = os.environ.get("PAGEDATTN_FA3_DIR", "/tmp/pagedattn-fa3")
     so = os.path.join(dest, "flash_attn_3", "_C.abi3.so")
     if not os.path.exists(so):
-        tars = [os.environ.get("PAGEDATTN_FA3_TAR", ""), str(ROOT / ".peers/fa3.tar"),
+        tars = [os.environ.get("PAGEDATTN_FA3_TAR", ""), os.environ.get("PEERS", "") + "/fa3.tar",
+                str(ROOT / ".peers/fa3.tar"),
                 str(ROOT / "shared/peers/fa3.tar"), str(ROOT.parent / "shared/peers/fa3.tar")]
         tar = next((t for t in tars if t and os.path.exists(t)), None)
         if tar is None:

@@ -206,3 +206,49 @@ def test_split_planner_batch_sizes(batch, device):
         out = _run("auto", inputs, num_splits=num_splits)
         assert rel_l2_error(out, ref) <= tolerance_for(torch.float16)
         assert (out[-1] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fp8_value_pairs_match_the_byte_path(layout, device, monkeypatch):
+    """fp8 value caches are read as 16-bit pairs of dims where the layout allows (perf-notes
+    step 28): NHD and HND caches take that path (e4m3 and e5m2), a head_dim whose strides are
+    not multiples of 16 bytes falls back to bytes, and both paths give the same outputs
+    (exact conversions; bit for bit in the interpreter) within the fp8 tolerance of the
+    oracle on the dequantized cache, a bf16 query range-scaled as before."""
+    import pagedattn.launch.decode as launch
+
+    kw = dict(kv_layout=layout) if layout == "HND" else {}
+    for fp8, head_dim in ((torch.float8_e4m3fn, 128), (torch.float8_e5m2, 80),
+                          (torch.float8_e4m3fn, 72)):
+        x = make_paged_inputs([0, 5, 70, 33], num_q_heads=8, num_kv_heads=2,
+                              head_dim=head_dim, page_size=16, dtype=torch.bfloat16,
+                              cache_dtype=fp8, seed=head_dim, device=device, kv_layout=layout)
+        view = x.value_cache.transpose(1, 2) if layout == "HND" else x.value_cache
+        want = 0 if head_dim == 72 else (1 if fp8 == torch.float8_e4m3fn else 2)
+        assert launch.fp8_v_pairs(view, head_dim) == want
+        out = _run("auto", x, k_scale=0.7, v_scale=1.3, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(launch, "fp8_v_pairs", lambda value_cache, head_dim: 0)
+            out_bytes = _run("auto", x, k_scale=0.7, v_scale=1.3, **kw)
+        ref = paged_decode_reference(*x, k_scale=0.7, v_scale=1.3, **kw).out
+        assert rel_l2_error(out, ref) <= 1e-2, (fp8, head_dim)
+        assert rel_l2_error(out_bytes, ref) <= 1e-2, (fp8, head_dim)
+        if device == "cpu":
+            assert torch.equal(out, out_bytes), (fp8, head_dim)
+        else:
+            assert rel_l2_error(out, out_bytes) <= 1e-3, (fp8, head_dim)
+
+
+@pytest.mark.parametrize("batch, kv_heads, dtype, few", [
+    (1, 8, torch.float8_e4m3fn, True), (16, 8, torch.float8_e5m2, True),
+    (17, 8, torch.float8_e4m3fn, False), (64, 8, torch.float8_e4m3fn, False),
+    (1, 8, torch.bfloat16, False)])
+def test_fp8_split_target_by_pairs(batch, kv_heads, dtype, few):
+    """fp8 plans of one token whose (sequence, kv head) pairs are fewer than the SMs split for
+    four units per SM, others keep the fp8 default of three (perf-notes step 28: b1-c32k
+    38.6 µs at four against 41.6; b64-c8k 308.4 at three against 312.8)."""
+    import pagedattn.launch.decode as launch
+
+    assert launch.fp8_few_pairs(batch=batch, num_kv_heads=kv_heads, sms=132, kv_dtype=dtype,
+                                head_dim=128) is few
+    assert launch.heuristic_config(128, 4, torch.float8_e4m3fn).ctas_per_sm == 3

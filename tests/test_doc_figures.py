@@ -62,3 +62,16 @@ def test_a_planted_wrong_figure_fails(tmp_path, pick):
     result = _run(root)
     assert result.returncode == 1, result.stdout
     assert where in result.stdout
+
+
+def test_a_figure_of_an_older_run_is_no_source(tmp_path):
+    """A figure only the runs CSV holds (an older run's time) does not pass as a source: the
+    docs quote the current pages."""
+    root = _copy(tmp_path)
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    old, _, _ = _first_prose_figure(readme)
+    with (root / "docs" / "results" / "bench-runs.csv").open("a", encoding="utf-8") as f:
+        f.write("0000000,2026-01-01,NVIDIA H200,,,old,auto,bf16,bf16,one,9876.54,,,,,,,,,,ok,old\n")
+    (root / "README.md").write_text(readme.replace(old, "9,877 GB/s", 1), encoding="utf-8")
+    result = _run(root)
+    assert result.returncode == 1 and "9,877" in result.stdout

@@ -108,12 +108,66 @@ def test_overlapped_engine_discards_the_token_in_flight_after_eos(model, dense):
 
 
 def test_a_request_that_cannot_fit_raises_cache_full(model):
+    """Refused when added (it was queued, then every step raised): the whole cache holds 8
+    tokens, the request writes 21."""
     from pagedattn.serving.cache import CacheFullError
 
     engine = Engine(model, model.make_cache(2, page_size=4))
-    engine.add_request(list(range(20)), 2)
+    with pytest.raises(CacheFullError, match="needs 6 pages of 4 tokens, more than the 2"):
+        engine.add_request(list(range(20)), 2)
+    assert engine.done
+
+
+def test_a_request_that_fits_only_an_empty_cache_waits_for_the_callers_pages(model):
+    """The caller's own sequence holds the pages: step() says the cache is full (the request
+    waits, nothing is lost), and once the caller frees them the request runs."""
+    from pagedattn.serving.cache import CacheFullError
+
+    cache = model.make_cache(4, page_size=4)
+    cache.add_sequence("mine")
+    cache.append("mine", 12)
+    engine = Engine(model, cache)
+    engine.add_request(list(range(10)), 3)
     with pytest.raises(CacheFullError, match="request 0"):
-        engine.run()
+        engine.step()
+    cache.free("mine")
+    (r,) = engine.run()
+    assert len(r.output) == 3 and cache.num_free_pages == 4
+
+
+def test_abort_and_a_raising_callback_leave_the_others_equal_to_dense(model, dense):
+    """With the real model: request 1 is aborted between decode steps (a step in flight),
+    request 3's callback raises at its first token (the prefill); the others still give the
+    dense tokens and every page comes back."""
+    cache = model.make_cache(64, page_size=4)
+    engine = Engine(model, cache, max_batch_size=5)
+    for p, n in zip(PROMPTS, MAX_NEW, strict=True):
+        engine.add_request(p, n)
+
+    def cb(r, tok):
+        if r.rid == 3:
+            raise RuntimeError("client went away")
+
+    engine.on_token = cb
+    with pytest.raises(RuntimeError, match="client went away"):
+        engine.step()  # the prefill of all five
+    engine.step()
+    assert engine.abort(1)
+    reqs = engine.run()
+    assert [r.finish_reason for r in reqs] == ["length", "abort", "length", "abort", "length"]
+    for i in (0, 2, 4):
+        assert reqs[i].output == dense[i][0], i
+    assert reqs[1].output == dense[1][0][:len(reqs[1].output)] and reqs[3].output == dense[3][0][:1]
+    assert cache.num_free_pages == 64 and cache.seq_ids == []
+
+
+def test_a_cache_for_another_model_is_refused_at_construction(model):
+    from pagedattn.serving.cache import PagedKVCache
+
+    other = PagedKVCache(CFG.num_layers, CFG.num_kv_heads * 2, CFG.head_dim, num_pages=4,
+                         dtype=model.dtype, device=model.device)
+    with pytest.raises(ValueError, match="^cache: num_kv_heads 4 does not match the model's 2"):
+        Engine(model, other)
 
 
 def test_engine_rejects_bad_requests(model):

@@ -147,7 +147,7 @@ def test_rms_norm_matches_llama_reference_in_bf16():
     """Our RMSNorm normalizes in float32 and multiplies in the model's dtype, bit for bit as
     transformers' ``LlamaRMSNorm`` (``F.rms_norm`` on bf16 normalizes in bf16). The first
     token of the H200's "L'É…" answer is a near-tie in float32 ("The" 25.33 against "L"
-    25.24, docs/results/session5), so bf16 rounding anywhere can flip it."""
+    25.24; `git show 718df37:docs/results/session5/`), so bf16 rounding anywhere can flip it."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from pagedattn.serving.model import LayerFunctions, RMSNorm

@@ -18,7 +18,8 @@ from pagedattn.bench.peers import PeerUnsupported, load_peer_file
 from pagedattn.bench.shapes import build_batch, make_shape
 from pagedattn.bench.timing import Timing
 
-FLOOR = Path("/work/shared/peers/plain_floor.py")
+SDPA_PEER = Path(__file__).parent / "peers" / "torch_sdpa_peer.py"
+FLOOR = Path(__file__).resolve().parents[1] / "scripts" / "peers" / "plain_floor.py"
 
 PEER_FILE = '''
 import torch
@@ -135,7 +136,28 @@ def test_peer_file_runner_is_built_once_per_batch(peer_path):
     assert peer.factory(shape, build_batch(shape, "cpu", poison=False), False) is not first
 
 
-@pytest.mark.skipif(not FLOOR.exists(), reason="the shared plain floor is not on this machine")
+def test_the_repository_peer_file_runs_as_a_passing_row():
+    """tests/peers/torch_sdpa_peer.py (plain torch SDPA over the gathered pages) loads by its
+    PEER_NAME and passes the float64 oracle check on bf16, fp8 (its scales) and an empty
+    sequence, beside auto, as any --peer-file peer does."""
+    peer = load_peer_file(str(SDPA_PEER))
+    assert peer.name == "torch-sdpa"
+    for shape in (make_shape("t", "llama-3-8b", [0, 5, 17, 40]),
+                  make_shape("t8", "llama-3-8b", [9, 33], fp8=True)):
+        row = _rows(shape, [peer])["torch-sdpa"]
+        assert row["status"] == "ok", row
+        assert row["rel_l2_error"] <= row["tolerance"]
+
+
+def test_a_broken_repository_peer_fails_its_check(tmp_path):
+    """The same file with its softmax scale doubled gives a FAIL cell (the check is real)."""
+    broken = tmp_path / "sdpa_broken.py"
+    broken.write_text(SDPA_PEER.read_text().replace("scale=scale,", "scale=2 * scale,"))
+    peer = load_peer_file(f"broken={broken}")
+    row = _rows(make_shape("t", "llama-3-8b", [5, 17, 40]), [peer])["broken"]
+    assert row["status"] == "FAIL" and row["rel_l2_error"] > row["tolerance"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on the CPU the floor cannot run")
 def test_the_plain_floor_loads_and_fails_as_a_cell_on_the_cpu():
     peer = load_peer_file(f"floor={FLOOR}:best_floor_runner")

@@ -1,8 +1,9 @@
 """The profiling lab on the CPU: ncu CSV parsing, the table/report/charts, and the fallback.
 
-The parser runs on every ``tests/data/ncu_h200_*.csv`` (real exports captured on the H200; see
-``scripts/gpu_check.sh``) and on the synthetic fixtures ``tests/data/ncu_synthetic_*.csv``,
-which are made up in ncu's documented formats (values from the study) and are no measurement.
+The parser runs on every ``tests/data/ncu_h200_*.csv`` (real exports captured on the H200 by
+``pagedattn profile``; ``tests/data/README.md``) and on the synthetic fixtures
+``tests/data/ncu_synthetic_*.csv``, which are made up in ncu's documented formats (values
+from the study) and are no measurement.
 The fallback runs the real impls under the Triton interpreter on tiny shapes; nothing is timed.
 """
 

@@ -75,3 +75,16 @@ def test_table_from_rows_keeps_measured_gains_only():
     assert set(table) == {"k1"}
     assert table["k1"] == {"block_n": 32, "num_stages": 3, "ctas_per_sm": 4}
     assert table_from_rows(rows, min_gain=0.06) == {}
+
+
+def test_the_package_data_holds_the_tables_the_launcher_reads():
+    """pyproject's package-data patterns match the path ``launch/decode.py`` reads a GPU's
+    table from (``launch/tuned/<name>.json``), so a table written there ships in the wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["pagedattn"]
+    package = ROOT / "src" / "pagedattn"
+    table = L.tuned_table_path("NVIDIA H200").relative_to(package)
+    assert table.as_posix() == "launch/tuned/NVIDIA_H200.json"
+    matching = [p for p in patterns if table.match(p) and len(Path(p).parts) == len(table.parts)]
+    assert matching, f"no package-data pattern in {patterns} matches {table}"

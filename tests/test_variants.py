@@ -432,7 +432,8 @@ def test_kernels_compile_for_sm90(tmp_path):
     """The interpreter never runs Triton's code generator: compile the plain kernel and the
     variant specializations for sm_90 in a subprocess without it (no GPU needed). Then
     Triton's bundled ``ptxas`` states the registers: the one-token bf16 kernel and the
-    sliding window without LSE (as ``plan.run`` serves it) fit four 4-warp programs per SM
+    sliding window without LSE (as ``plan.run`` serves it) and the fp8 kernels (the value
+    tile read as dim pairs: the byte tile took 255, step 28) fit four 4-warp programs per SM
     (≤ 128 registers), as the split planner's ``ctas_per_sm=4`` assumes (a window that masked
     its loads took 160 and ran 1.17x its 128-register form); so does the multi-token kernel
     under its cap, with no spill in its 32-token tiles (uncapped 64-token tiles took 168 and
@@ -444,18 +445,21 @@ def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
     cases = ("plain-bf16,everything,sinks-per-head-merge,q_len2-fp8-sinks,q_len4,one-unit-fp8,"
-             "window-no-lse,window-one-unit-no-lse")
+             "window-no-lse,window-one-unit-no-lse,plain-fp8")
     run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"),
                           "--cases", cases, "--ptx-dir", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count(" ok,") == 14  # six mains and merges, two mains alone
+    assert run.stdout.count(" ok,") == 16  # seven mains and merges, two mains alone
     import triton
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
         pytest.skip("no ptxas bundled with this Triton")
-    for case in ("plain-bf16", "q_len4", "window-no-lse", "window-one-unit-no-lse"):
+    # fp8 too since its value tile is read as dim pairs: 116 registers where the byte tile
+    # took 255 (two programs per SM; perf-notes step 28)
+    for case in ("plain-bf16", "q_len4", "window-no-lse", "window-one-unit-no-lse",
+                 "plain-fp8", "one-unit-fp8"):
         log = subprocess.run([str(ptxas), "-lineinfo", "-v", "--gpu-name=sm_90a",
                               str(tmp_path / f"{case}.paged_decode.ptx"), "-o",
                               str(tmp_path / f"{case}.cubin")], capture_output=True,
@@ -526,8 +530,9 @@ def test_window_one_unit_rule(change, unit):
     # two programs per SM already leave 256 registers: nothing changes
     (64, torch.bfloat16, False, True, dict(block_n=64, num_stages=3, ctas_per_sm=2,
                                            maxnreg=None)),
-    (128, torch.float8_e4m3fn, False, True, dict(block_n=128, num_stages=3, ctas_per_sm=2,
-                                                 maxnreg=None)),
+    # fp8: 64-token tiles at three units per SM (perf-notes step 28); the cap counts three
+    (128, torch.float8_e4m3fn, False, True, dict(block_n=64, num_stages=3, ctas_per_sm=3,
+                                                 maxnreg=168)),
     (128, torch.float32, False, True, dict(block_n=32, num_stages=3, ctas_per_sm=2,
                                            maxnreg=None)),
     (256, torch.bfloat16, False, True, dict(block_n=32, num_stages=3, ctas_per_sm=4,

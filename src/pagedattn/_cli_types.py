@@ -12,7 +12,10 @@ Subparsers created from a :class:`OneLineParser` are of the same class, so a sub
 
 :func:`output_file` and :func:`output_dir` check an output path before any work starts (an
 unwritable ``--csv`` fails at once, not after the run); they create nothing. Give such an option
-a non-string default (``None``, a ``Path``): argparse runs ``type`` on string defaults too.
+a non-string default (``None``, a ``Path``): argparse runs ``type`` on string defaults too. The
+path a subcommand will really write (a default, or a file derived from a prefix) goes through
+:func:`checked_output` at the top of its ``main``, the same check: symlinks are followed (a
+loop or a dangling link is refused), then the nearest existing directory must take a new file.
 
 A value that can only be judged after parsing (a model file, a device) is reported by raising
 :class:`ArgumentError` from the subcommand's ``main``: :func:`pagedattn.cli.main` prints it as one
@@ -22,14 +25,16 @@ line and exits with status 2, the same way.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["INT_MAX", "ArgumentError", "OneLineParser", "name_list", "nonneg_float", "nonneg_int",
-           "output_dir", "output_file", "positive_float", "positive_int"]
+__all__ = ["INT_MAX", "ArgumentError", "OneLineParser", "checked_output", "name_list",
+           "nonneg_float", "nonneg_int", "output_dir", "output_file", "positive_float",
+           "positive_int", "say_duration"]
 
 
 class ArgumentError(ValueError):
@@ -105,43 +110,94 @@ def name_list(known: Iterable[str], *, what: str,
     return parse
 
 
-def _check_writable(text: str, *, directory: bool) -> str:
-    """``text`` if a file (``directory`` False) or a directory could be written there: the
-    nearest existing ancestor is a directory that takes a new file (probed with a temporary
+def _symlink_problem(path: Path) -> str | None:
+    """Why a symlink on ``path`` or one of its ancestors cannot be written through (a loop, a
+    target that does not exist, a target under a file), or None. ``Path.exists`` is False for
+    all three, so without this check the nearest existing ancestor passed and the write failed
+    after the work (``mkdir`` of a dangling link raises FileExistsError, ``open`` ENOENT)."""
+    for p in (path, *path.parents):
+        if not p.is_symlink():
+            continue
+        try:
+            p.stat()
+        except OSError as e:
+            target = os.readlink(p)
+            if e.errno == errno.ELOOP:
+                return f"{str(p)!r} is a symlink loop"
+            return (f"{str(p)!r} is a symlink to {target!r}, which "
+                    + ("does not exist" if e.errno == errno.ENOENT else
+                       f"cannot be reached ({e.strerror or e})"))
+    return None
+
+
+def _check_writable(text: str, *, directory: bool) -> Path:
+    """The resolved path of ``text`` if a file (``directory`` False) or a directory could be
+    written there: no symlink loop or dangling symlink on the way, and the nearest existing
+    ancestor of the resolved path is a directory that takes a new file (probed with a temporary
     file, removed at once). Raises ArgumentTypeError saying why not."""
-    if not text.strip():
+    if not str(text).strip():
         raise argparse.ArgumentTypeError("expected a path, got ''")
-    path = Path(text).expanduser().absolute()
+    given = Path(text).expanduser().absolute()
+    why = _symlink_problem(given)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"cannot write {str(text)!r}: {why}")
+    path = given.resolve()  # every symlink on the way exists now
     if path.exists() and not directory and path.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a directory")
+        raise argparse.ArgumentTypeError(f"cannot write {str(text)!r}: it is a directory")
     if path.exists() and directory and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: it is not a directory")
+        raise argparse.ArgumentTypeError(f"cannot write into {str(text)!r}: it is not a "
+                                         "directory")
     if path.is_file() and not os.access(path, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the file is read-only")
+        raise argparse.ArgumentTypeError(f"cannot write {str(text)!r}: the file is read-only")
     base = path if directory else path.parent
     while not base.exists():
         base = base.parent
     if not base.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(base)!r} is not a "
+        raise argparse.ArgumentTypeError(f"cannot write {str(text)!r}: {str(base)!r} is not a "
                                          "directory")
     try:
         with tempfile.TemporaryFile(dir=base):
             pass
     except OSError as e:
         raise argparse.ArgumentTypeError(
-            f"cannot write {text!r}: {str(base)!r} does not take new files "
+            f"cannot write {str(text)!r}: {str(base)!r} does not take new files "
             f"({e.strerror or e})") from None
-    return text
+    return path
+
+
+def checked_output(path: str | os.PathLike, option: str, *, directory: bool = False) -> Path:
+    """The one check of an output path, for the path a subcommand will really write (its
+    default included, which argparse does not type-check) before any work: ``path`` as a
+    Path if it can be written (see :func:`output_file`/:func:`output_dir`), else
+    :class:`ArgumentError` naming ``option`` (one line, exit status 2)."""
+    try:
+        _check_writable(os.fspath(path), directory=directory)
+    except argparse.ArgumentTypeError as e:
+        raise ArgumentError(f"{option}: {e}") from None
+    return Path(path)
 
 
 def output_file(text: str) -> str:
-    """A path a file can be written to (missing parent directories are made when written)."""
-    return _check_writable(text, directory=False)
+    """A path a file can be written to (missing parent directories are made when written):
+    ``text`` as given, once checked."""
+    _check_writable(text, directory=False)
+    return text
 
 
 def output_dir(text: str) -> str:
-    """A directory that exists or can be made, and that takes new files."""
-    return _check_writable(text, directory=True)
+    """A directory that exists or can be made, and that takes new files: ``text`` as given,
+    once checked."""
+    _check_writable(text, directory=True)
+    return text
+
+
+def say_duration(seconds: float) -> str:
+    """``"about 40 s"``, ``"about 12 min"``, ``"about 3.5 h"``."""
+    if seconds < 90:
+        return f"about {max(seconds, 1):.0f} s"
+    if seconds < 90 * 60:
+        return f"about {seconds / 60:.0f} min"
+    return f"about {seconds / 3600:.1f} h"
 
 
 class OneLineParser(argparse.ArgumentParser):

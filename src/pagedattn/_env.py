@@ -12,13 +12,26 @@ from pathlib import Path
 
 import torch
 
+#: the values Triton's ``getenv_bool`` reads as true (case-insensitive); any other value, an
+#: empty one included, is false (``TRITON_INTERPRET=false`` must not read as on)
+TRUE_WORDS = ("1", "true", "on", "yes", "y")
+
 
 def is_interpreter() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``).
+    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET``
+    set to ``1``, ``true``, ``on``, ``yes`` or ``y``, read as Triton reads it).
 
     The variable must be set before ``triton`` is imported; this library never sets it.
     """
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in TRUE_WORDS
+
+
+def interpreter_refused() -> bool:
+    """True when ``TRITON_INTERPRET`` is set to a false value (``0``, ``false``, ...) on a
+    machine without a CUDA GPU: the kernels can then run nowhere (Triton has no CPU backend
+    besides its interpreter). Unset, the ``pagedattn`` command sets it for itself."""
+    return ("TRITON_INTERPRET" in os.environ and not is_interpreter()
+            and not torch.cuda.is_available())
 
 
 @contextlib.contextmanager

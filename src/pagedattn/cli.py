@@ -11,7 +11,9 @@ fails later is reported the same way), and so is a value a subcommand finds bad 
 the CLI sets ``TRITON_INTERPRET=1`` for itself before anything imports Triton (the library
 never does), so the kernels run on the CPU through Triton's interpreter; a subcommand then runs
 inside :func:`pagedattn._env.quiet_interpreter_warnings`, which hides that interpreter's known,
-harmless warnings.
+harmless warnings. ``TRITON_INTERPRET=0`` (or another false value) without a GPU leaves the
+kernels nowhere to run: one line, exit status 2, before anything loads (``bench --list``, which
+runs no kernel, still works).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedattn._cli_types import ArgumentError, OneLineParser
-from pagedattn._env import quiet_interpreter_warnings
+from pagedattn._env import interpreter_refused, quiet_interpreter_warnings
 
 
 def _run() -> Any:
@@ -67,6 +69,12 @@ COMMANDS: dict[str, tuple[Callable[[], Any], str]] = {
 }
 
 
+#: the one line for ``TRITON_INTERPRET`` set to a false value on a machine without a CUDA GPU
+NO_BACKEND = ("TRITON_INTERPRET={!r} turns Triton's interpreter off, but there is no CUDA GPU, so "
+              "the kernels cannot run: unset TRITON_INTERPRET (pagedattn then sets it to 1 for "
+              "itself) or set TRITON_INTERPRET=1")
+
+
 def _use_interpreter_without_gpu() -> None:
     if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules:
         return
@@ -103,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:  # only the chosen subcommand's module is imported
             _command(name).add_arguments(p)
     args = parser.parse_args(argv)
+    if interpreter_refused() and not getattr(args, "list", False):  # --list runs no kernel
+        why = NO_BACKEND.format(os.environ["TRITON_INTERPRET"])
+        print(f"pagedattn {args.command}: error: {why}", file=sys.stderr)
+        return 2
     try:
         with quiet_interpreter_warnings():  # the interpreter's known, harmless noise (CPU only)
             return int(_command(args.command).main(args) or 0)

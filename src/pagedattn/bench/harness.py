@@ -14,8 +14,13 @@ shrunk for the CPU interpreter, where it checks correctness only.
 roofline measured at the start and the end of the same run (the higher counts), a "to beat"
 column (the fastest peer that passed its check, same run) and whether each impl is at most
 ``TO_BEAT_SLACK`` x that. Outputs in ``--out-dir`` (``bench.csv``, ``.json``, ``.md``, ``.png``)
-are rewritten after every shape and name the commit measured. Needs CUDA, except ``--list``
-and ``--dry-run`` (shrunken shapes on the interpreter: checked, untimed)::
+are rewritten after every shape and name the commit measured; every error is kept whole
+(the CSV/JSON as raised, the tables in numbered notes). Exit status
+(:func:`bench_status`): 1 when one of our impls gives a wrong result, or when any impl or peer
+raised an error (an ``error`` cell, or a timing that raised) unless ``--allow-errors``; an
+``unsupported`` cell and a peer's own ``FAIL`` are reported only; 2 for a bad argument. Needs
+CUDA, except ``--list`` and ``--dry-run`` (shrunken shapes on the interpreter: checked,
+untimed)::
 
     pagedattn bench --shapes peers --graph --peer-file floor=PATH/plain_floor.py:best_floor_runner
 
@@ -39,6 +44,7 @@ import torch
 
 from pagedattn._cli_types import (
     ArgumentError,
+    checked_output,
     name_list,
     nonneg_int,
     output_dir,
@@ -46,6 +52,7 @@ from pagedattn._cli_types import (
     positive_int,
 )
 from pagedattn.bench import report
+from pagedattn.bench.cpu_time import interpreter_seconds, say_estimate
 from pagedattn.bench.peers import DEFAULT_PEERS, PEERS, PeerUnsupported, peer_file
 from pagedattn.bench.report import TO_BEAT_SLACK
 from pagedattn.bench.shapes import (
@@ -168,7 +175,7 @@ def measure(entry: Entry, shape: BenchShape, b: BenchBatch, ref: torch.Tensor | 
     except (PeerUnsupported, NotImplementedError) as e:
         return {**row, "status": "unsupported", "error": str(e) or type(e).__name__}
     except Exception as e:  # noqa: BLE001 - a failing impl or peer is a row, not a crash
-        return {**row, "status": "error", "error": f"{type(e).__name__}: {e}"[:300]}
+        return {**row, "status": "error", "error": f"{type(e).__name__}: {e}"}  # whole
     row["_compiled"] = compiled  # every kernel launched; the interpreter leaves its facts empty
     row["kernels"] = report.format_kernels({k: v for k, v in compiled.items() if v})
     row["peer_info"] = getattr(fn, "info", "")
@@ -179,6 +186,7 @@ def measure(entry: Entry, shape: BenchShape, b: BenchBatch, ref: torch.Tensor | 
         row["rel_l2_error"] = rel_l2_error(out, ref)
         row["status"] = "ok" if row["rel_l2_error"] <= row["tolerance"] else "FAIL"
     del out
+    problems: list[str] = []
     for prefix, time_it, for_graph in (("", timers.eager, False), ("graph_", timers.graph, True)):
         if time_it is None:
             continue
@@ -186,13 +194,18 @@ def measure(entry: Entry, shape: BenchShape, b: BenchBatch, ref: torch.Tensor | 
             t = time_it(entry.make(shape, b, True) if for_graph else fn)
             row[f"{prefix}median_us"], row[f"{prefix}p20_us"], row[f"{prefix}p80_us"] = t[:3]
             row[f"{prefix}gbps"] = gb_per_s(shape.minimal_bytes, t.median_us)
-        except Exception as e:  # noqa: BLE001 - e.g. a peer that cannot be captured
-            row["error"] += f"{prefix or 'eager_'}timing: {type(e).__name__}: {e}"[:300]
+        except (PeerUnsupported, NotImplementedError) as e:  # e.g. no graph capture: no time
+            problems.append(f"{prefix or 'eager_'}timing unsupported: {e or type(e).__name__}")
+        except Exception as e:  # noqa: BLE001 - a timing that raised is an error of the row
+            problems.append(f"{prefix or 'eager_'}timing: {type(e).__name__}: {e}")
+            row["_timing_error"] = True
     if timers.host is not None:
         try:
             row["host_us"] = timers.host(fn)
         except Exception as e:  # noqa: BLE001
-            row["error"] += f"host timing: {type(e).__name__}: {e}"[:300]
+            problems.append(f"host timing: {type(e).__name__}: {e}")
+            row["_timing_error"] = True
+    row["error"] = "; ".join(problems)
     return row
 
 
@@ -253,16 +266,33 @@ def finalize(rows: list[dict[str, Any]], meta: dict[str, Any], roofline: float |
             r[f"{p}pct_roofline"] = pct_of(r.get(f"{p}gbps"), roofline)
 
 
+def report_files(out_dir: str | Path, stem: str = "bench") -> dict[str, Path]:
+    """The files :func:`write_reports` writes under ``out_dir``: ``csv``, ``json``, ``md``,
+    ``png``."""
+    out_dir = Path(out_dir)
+    return {"csv": out_dir / f"{stem}.csv", "json": out_dir / f"{stem}.json",
+            "md": out_dir / f"{stem}.md", "png": out_dir / f"{stem}_roofline.png"}
+
+
+def check_report_files(out_dir: str | Path, option: str = "--out-dir") -> Path:
+    """Before any work: ``out_dir`` and each of :func:`report_files` can be written (a
+    dangling symlink, a directory named ``bench.csv``, an unwritable folder fail now, not
+    after the run). Raises ArgumentError naming ``option``; returns ``out_dir`` as a Path."""
+    out = checked_output(out_dir, option, directory=True)
+    for path in report_files(out).values():
+        checked_output(path, option)
+    return out
+
+
 def write_reports(rows, meta, roofline, out_dir: str | Path, *,
                   stem: str = "bench") -> dict[str, Path]:
     """CSV, JSON, markdown and PNG under ``out_dir``; returns their paths."""
-    out_dir = Path(out_dir)
+    files = report_files(out_dir, stem)
     finalize(rows, meta, roofline)
-    paths = {"csv": report.write_csv(rows, out_dir / f"{stem}.csv"),
-             "json": report.write_json(rows, {**meta, "roofline_gbps": roofline},
-                                       out_dir / f"{stem}.json"),
-             "md": report.write_markdown(rows, meta, roofline, out_dir / f"{stem}.md"),
-             "png": report.plot_roofline(rows, out_dir / f"{stem}_roofline.png", roofline,
+    paths = {"csv": report.write_csv(rows, files["csv"]),
+             "json": report.write_json(rows, {**meta, "roofline_gbps": roofline}, files["json"]),
+             "md": report.write_markdown(rows, meta, roofline, files["md"]),
+             "png": report.plot_roofline(rows, files["png"], roofline,
                                          title=f"paged decode on {meta.get('gpu', '?')}")}
     return {k: v for k, v in paths.items() if v is not None}
 
@@ -282,11 +312,27 @@ def _gpu_timers(args, device) -> tuple[Timers, float | None, dict[str, Any]]:
     return timers, roofline, meta
 
 
-def _failed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    failed = [r for r in rows if r["kind"] == "ours" and r["status"] in ("FAIL", "error")]
-    for r in failed:
-        print(f"FAILED {r['shape']} / {r['impl']}: {r['status']} {r.get('error', '')}")
-    return failed
+def errored(row: dict[str, Any]) -> bool:
+    """The row's impl or peer raised: while building or running it (status ``error``) or
+    while timing it. ``unsupported`` (PeerUnsupported, NotImplementedError) is not an error."""
+    return row["status"] == "error" or bool(row.get("_timing_error"))
+
+
+def bench_status(rows: list[dict[str, Any]], *, allow_errors: bool = False) -> int:
+    """``pagedattn bench``'s exit status: 1 when one of our impls gives a wrong result
+    (``FAIL``), or when any row (ours or a peer) raised (:func:`errored`) unless
+    ``allow_errors``; else 0. A peer's ``FAIL`` (its own result off the oracle) and an
+    ``unsupported`` cell are reported, not failures. Prints one line per row that counts."""
+    bad = [r for r in rows if (r["kind"] == "ours" and r["status"] == "FAIL")
+           or (errored(r) and not allow_errors)]
+    for r in bad:  # a long error is whole in the table's notes, printed just before
+        error = r.get("error") or ""
+        print(f"FAILED {r['shape']} / {r['impl']} ({r['kind']}): {r['status']}"
+              + (f": {error}" if len(error) <= report.STATUS_WIDTH else " (see its note)"))
+    if bad and any(errored(r) for r in bad):
+        print("(exit status 1: a row raised an error; --allow-errors reports errors without "
+              "failing the run)")
+    return 1 if bad else 0
 
 
 # --- pagedattn bench ---------------------------------------------------------------------------
@@ -322,6 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the reports go (default: out/bench)")
     parser.add_argument("--dry-run", action="store_true",
                         help="shrunken shapes, checked and untimed (the CPU interpreter)")
+    parser.add_argument("--allow-errors", action="store_true",
+                        help="exit 0 even when an impl or peer raised an error (its row says "
+                             "so); a wrong result of ours still exits 1")
     parser.add_argument("--list", action="store_true", help="list the shapes and exit")
 
 
@@ -346,12 +395,18 @@ def main(args: argparse.Namespace) -> int:
               "interpreter is not performance). Use --dry-run to check impls and peers on "
               "shrunken shapes, or `pagedattn run` for a correctness run.", file=sys.stderr)
         return 2
+    out_dir = check_report_files(args.out_dir)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     shapes = [resolve_shape(n, small=args.dry_run) for n in args.shapes]
     columns = entries(args.impls, args.peers, args.peer_file)
     if args.dry_run:
         timers, roof_start, meta = UNTIMED, None, report.environment_meta(None)
         print("pagedattn bench --dry-run: shrunken shapes, outputs checked, nothing timed")
+        if not on_gpu:
+            seconds = sum(interpreter_seconds(s, args.impls) for s in shapes)
+            print(say_estimate("pagedattn bench --dry-run", seconds,
+                               f"{len(shapes)} shapes x {len(args.impls)} impls (peers not "
+                               "counted)"))
     else:
         timers, roof_start, meta = _gpu_timers(args, device)
     from tqdm import tqdm
@@ -362,7 +417,7 @@ def main(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         rows += measure_shape(shape, columns, device, timers=timers, check=not args.no_check,
                               seed=args.seed, progress=progress)
-        write_reports(rows, meta, roof_start, args.out_dir)
+        write_reports(rows, meta, roof_start, out_dir)
         tqdm.write(f"{shape.describe()}  [{time.perf_counter() - t0:.0f} s]")
         gc.collect()
         if on_gpu:
@@ -375,10 +430,10 @@ def main(args: argparse.Namespace) -> int:
         roof_end = measure_read_bandwidth(device)
         roofline = max(roof_start or 0.0, roof_end)
         meta["roofline_start_gbps"], meta["roofline_end_gbps"] = roof_start, roof_end
-    paths = write_reports(rows, meta, roofline, args.out_dir)
+    paths = write_reports(rows, meta, roofline, out_dir)
     print(report.terminal_table(rows))
     print(report.roofline_line(roofline) + "; " + ", ".join(f"{k}: {v}" for k, v in paths.items()))
-    return 1 if _failed(rows) else 0
+    return bench_status(rows, allow_errors=args.allow_errors)
 
 
 # --- pagedattn run -----------------------------------------------------------------------------
@@ -412,6 +467,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_main(args: argparse.Namespace) -> int:
     """Run ``pagedattn run``; returns the exit status (1 if any impl fails)."""
+    if args.csv:
+        checked_output(args.csv, "--csv")
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda") if on_gpu else torch.device("cpu")
     model = MODELS[args.model]
@@ -436,6 +493,9 @@ def run_main(args: argparse.Namespace) -> int:
               "correctness only; interpreter times are not performance.")
         timers, roofline, meta = UNTIMED, None, report.environment_meta(None)
     print(shape.describe())
+    if not on_gpu:
+        print(say_estimate("pagedattn run", interpreter_seconds(shape, args.impls),
+                           f"{len(args.impls)} impls"))
     from tqdm import tqdm
 
     t0 = time.perf_counter()

@@ -1,7 +1,11 @@
 """``pagedattn ladder``: the study's five stages and ``auto``, profiled, charted and discussed.
 
-    pagedattn ladder                      # a GPU with ncu: both shapes -> docs/ladder-h200.md
+    pagedattn ladder                      # a GPU with ncu: both shapes -> out/ladder/ladder.md
     pagedattn ladder --dry-run            # anywhere: the pipeline on shrunken shapes, unmeasured
+    pagedattn ladder --out docs/ladder-h200.md   # refresh the committed page (asked for by name)
+
+Everything goes under ``--out-dir`` (``out/ladder``) unless ``--out`` names the page: a run never
+overwrites a committed page by default. Every path is checked before the first profile.
 
 Two shapes: the study's workload (``seed-fp32-b64-c2048``: fp32, batch 64, 32/8 heads,
 head_dim 128, page_size 16, context 2048) and a real bf16 Llama-3-8B batch
@@ -28,13 +32,15 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import name_list, output_dir, output_file
+from pagedattn._cli_types import checked_output, name_list, output_dir, output_file
 from pagedattn.bench.profile import ImplProfile, add_profiling_arguments, smem_bytes
 from pagedattn.bench.report import fmt_bytes, fmt_count, fmt_pct, fmt_time
 from pagedattn.bench.shapes import SHAPES
 
-DEFAULT_OUT = "docs/ladder-h200.md"
-SMALL_OUT = "out/ladder-small.md"  # never overwrite the committed GPU report with a small run
+DEFAULT_OUT_DIR = "out/ladder"
+#: the page's name in ``--out-dir`` (without ``--out``): a measured run, a shrunken one
+PAGE_NAME, SMALL_PAGE_NAME = "ladder.md", "ladder-small.md"
+CHARTS = ("duration", "bandwidth", "occupancy")  # <stem>-<chart>.png beside the page
 LADDER_SHAPES = ("seed-fp32-b64-c2048", "azure-conv-b64-llama8b")
 STUDY_SHAPE = "seed-fp32-b64-c2048"
 STUDY_GPU = "a 36-SM consumer GPU"
@@ -392,6 +398,14 @@ def plot_occupancy(by_shape: dict[str, list[ImplProfile]], path: str | Path) -> 
 
 # --- the page and the command ------------------------------------------------------------------
 
+def report_files(out: Path) -> dict[str, Path]:
+    """The files :func:`write_report` writes for the page ``out``: ``md`` (``out``), ``csv``
+    and one PNG per chart (``<stem>-<chart>.png``), so that all are checked before the work."""
+    stem = out.with_suffix("")
+    return {"md": out, "csv": stem.with_name(f"{stem.name}.csv"),
+            **{c: stem.with_name(f"{stem.name}-{c}.png") for c in CHARTS}}
+
+
 def write_report(out: Path, by_shape: dict[str, list[ImplProfile]], descriptions: dict[str, str],
                  roofline_gbps: float | None, env: dict[str, str], small: bool) -> Path:
     """The markdown page, its charts (``<stem>-*.png``, only those with data) and tidy CSV."""
@@ -399,15 +413,15 @@ def write_report(out: Path, by_shape: dict[str, list[ImplProfile]], descriptions
     from pagedattn.bench.report import header_lines
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    stem = out.with_suffix("")
+    files = report_files(out)
     charts = {
-        "Duration per stage (log scale)": plot_durations(by_shape, f"{stem}-duration.png"),
+        "Duration per stage (log scale)": plot_durations(by_shape, files["duration"]),
         "Achieved bandwidth vs the read roofline": plot_bandwidth(
-            by_shape, roofline_gbps, f"{stem}-bandwidth.png"),
-        "Occupancy vs registers": plot_occupancy(by_shape, f"{stem}-occupancy.png"),
+            by_shape, roofline_gbps, files["bandwidth"]),
+        "Occupancy vs registers": plot_occupancy(by_shape, files["occupancy"]),
     }
     all_profiles = [p for ps in by_shape.values() for p in ps]
-    write_csv(f"{stem}.csv", all_profiles, env, roofline_gbps)
+    write_csv(files["csv"], all_profiles, env, roofline_gbps)
     md = ["# The study's ladder, profiled", "", *banner(all_profiles)]
     if small and any(p.total_us is not None for p in all_profiles):
         md += ["> **Shrunken shapes (--small)**: not the study's sizes; the figures are not "
@@ -440,10 +454,12 @@ def write_report(out: Path, by_shape: dict[str, list[ImplProfile]], descriptions
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pagedattn ladder``."""
     parser.add_argument("--out", default=None, type=output_file,
-                        help=f"markdown report [{DEFAULT_OUT}; {SMALL_OUT} with shrunken "
-                             "shapes]; charts and the tidy CSV go beside it")
-    parser.add_argument("--out-dir", default=Path("out/ladder"), type=output_dir,
-                        help="ncu reports and their CSV exports [out/ladder]")
+                        help=f"markdown report [OUT_DIR/{PAGE_NAME}; OUT_DIR/{SMALL_PAGE_NAME} "
+                             "with shrunken shapes]; charts and the tidy CSV go beside it "
+                             "(--out docs/ladder-h200.md refreshes the committed page)")
+    parser.add_argument("--out-dir", default=Path(DEFAULT_OUT_DIR), type=output_dir,
+                        help=f"the page (without --out), ncu reports and their CSV exports "
+                             f"[{DEFAULT_OUT_DIR}]")
     parser.add_argument("--shapes", default=list(LADDER_SHAPES),
                         type=name_list(SHAPES, what="shape"),
                         help=f"comma list of shapes [{','.join(LADDER_SHAPES)}]")
@@ -454,6 +470,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``pagedattn ladder``; returns the exit status."""
     from pagedattn.api import STAGES
     from pagedattn.bench.profile import (
+        check_output_files,
         measure_roofline,
         nothing_measurable,
         profile_impls,
@@ -467,17 +484,21 @@ def main(args: argparse.Namespace) -> int:
     on_gpu = torch.cuda.is_available()
     small = args.small or not on_gpu
     impls = [*STAGES, "auto"]
+    out_dir = check_output_files(args.out_dir, [resolve_shape(n, small).name
+                                                for n in args.shapes], impls)
+    page = Path(args.out) if args.out else out_dir / (SMALL_PAGE_NAME if small else PAGE_NAME)
+    for path in report_files(page).values():  # before the first profile, not after the last
+        checked_output(path, "--out" if args.out else "--out-dir")
     roofline = measure_roofline()
     by_shape, descriptions = {}, {}
     for name in args.shapes:
         shape = resolve_shape(name, small)
         print(f"[ladder] {shape.describe()}")
-        by_shape[shape.name] = profile_impls(impls, name, args.out_dir, small=small,
+        by_shape[shape.name] = profile_impls(impls, name, out_dir, small=small,
                                              use_ncu=not args.no_ncu, warmup=args.warmup)
         descriptions[shape.name] = shape.describe()
     env = environment_meta("cuda" if on_gpu else None)
-    out = write_report(Path(args.out or (SMALL_OUT if small else DEFAULT_OUT)), by_shape,
-                       descriptions, roofline, env, small)
+    out = write_report(page, by_shape, descriptions, roofline, env, small)
     print(f"[ladder] wrote {out}")
     why = verdict([p for ps in by_shape.values() for p in ps], dry_run=args.dry_run,
                   no_ncu=args.no_ncu)

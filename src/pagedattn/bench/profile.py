@@ -1,10 +1,10 @@
 """``pagedattn profile``: Nsight Compute for impls on one shape, its table, and its target.
 
-    pagedattn profile --impl gqa_reuse_v3,split_kv_v4 --shape seed-fp32-b64-c2048
+    pagedattn profile --impls gqa_reuse_v3,split_kv_v4 --shape seed-fp32-b64-c2048
 
 With a GPU and ``ncu``, one ncu process per impl profiles a child Python process (this module
 run as ``python -m pagedattn.bench.profile --impl .. --shape ..``: :func:`target_main`) that
-builds the batch, warms the impl up outside the profiled range, then runs it ``--repeat`` times
+builds the batch, warms the impl up outside the profiled range, then runs it ``--reps`` times
 between cudaProfilerStart/Stop. Every kernel in that range is profiled, the split-KV merge
 included (sections SpeedOfLight, LaunchStats, Occupancy, MemoryWorkloadAnalysis;
 ``--clock-control none``). The ``.ncu-rep`` and its CSV exports stay in ``--out-dir``.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import name_list, nonneg_int, output_dir, positive_int
+from pagedattn._cli_types import checked_output, name_list, nonneg_int, output_dir, positive_int
 from pagedattn.bench import ncu
 from pagedattn.bench.ncu import METRIC_KEYS, METRICS, KernelCounters
 from pagedattn.bench.report import (
@@ -137,9 +137,28 @@ def target_command(impl: str, shape_name: str, small: bool, *, warmup: int = 3,
                    repeat: int = 1, meta_out: Path | None = None) -> list[str]:
     """The child command that ncu profiles (:func:`target_main`)."""
     cmd = [sys.executable, "-m", "pagedattn.bench.profile", "--impl", impl,
-           "--shape", shape_name, "--warmup", str(warmup), "--repeat", str(repeat)]
+           "--shape", shape_name, "--warmup", str(warmup), "--reps", str(repeat)]
     return cmd + (["--small"] if small else []) + (["--meta-out", str(meta_out)] if meta_out
                                                    else [])
+
+
+def ncu_files(out_dir: str | os.PathLike, shape: str, impl: str) -> dict[str, Path]:
+    """Extension -> the file ncu's run of ``impl`` on the (resolved) ``shape`` writes."""
+    return {ext: Path(out_dir) / f"{shape}_{impl}{ext}"
+            for ext in (".ncu-rep", ".raw.csv", ".details.csv", ".meta.json")}
+
+
+def check_output_files(out_dir: str | os.PathLike, shapes: list[str], impls: list[str],
+                       option: str = "--out-dir") -> Path:
+    """Before any work: ``out_dir`` and every ncu file of ``impls`` x ``shapes`` (resolved
+    names) can be written (:func:`pagedattn._cli_types.checked_output`); returns ``out_dir``
+    as a Path. Raises ArgumentError naming ``option``."""
+    out = checked_output(out_dir, option, directory=True)
+    for shape in shapes:
+        for impl in impls:
+            for path in ncu_files(out, shape, impl).values():
+                checked_output(path, option)
+    return out
 
 
 def profile_with_ncu(ncu_path: str, impl: str, shape_name: str, out_dir: Path, *,
@@ -147,8 +166,7 @@ def profile_with_ncu(ncu_path: str, impl: str, shape_name: str, out_dir: Path, *
                      timeout: float = 600.0) -> ImplProfile:
     """One ncu process for ``impl`` on a registered shape; raises :class:`ncu.NcuError`."""
     shape = resolve_shape(shape_name, small)
-    paths = {ext: out_dir / f"{shape.name}_{impl}{ext}"
-             for ext in (".ncu-rep", ".raw.csv", ".details.csv", ".meta.json")}
+    paths = ncu_files(out_dir, shape.name, impl)
     target = target_command(impl, shape_name, small, warmup=warmup, repeat=repeat,
                             meta_out=paths[".meta.json"])
     raw, details = ncu.run_profile(ncu_path, paths[".ncu-rep"], target, timeout=timeout,
@@ -401,17 +419,21 @@ def nothing_measurable(command: str, args: argparse.Namespace) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pagedattn profile``."""
-    parser.add_argument("--impl", default=["auto"], type=_impls_type(),
+    parser.add_argument("--impls", default=["auto"], type=_impls_type(),
                         help="comma list of impls (pagedattn.api.IMPLS) or 'all' [auto]")
+    parser.add_argument("--impl", dest="impls", type=_impls_type(), default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)  # the old spelling (sessions <= 12), hidden
     parser.add_argument("--shape", default="seed-fp32-b64-c2048", choices=SHAPES,
                         metavar="SHAPE", help="a shape of pagedattn.bench.shapes "
                                               "[seed-fp32-b64-c2048]")
     parser.add_argument("--out-dir", default=Path(DEFAULT_OUT_DIR), type=output_dir,
                         help=f"reports, CSV and markdown go here [{DEFAULT_OUT_DIR}]")
     add_profiling_arguments(parser)
-    parser.add_argument("--repeat", type=positive_int, default=1,
+    parser.add_argument("--reps", type=positive_int, default=1,
                         help="profiled calls per impl; repeated launches are merged by the "
                              "median [1]")
+    parser.add_argument("--repeat", dest="reps", type=positive_int, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)  # the old spelling (sessions <= 12), hidden
 
 
 def main(args: argparse.Namespace) -> int:
@@ -423,17 +445,19 @@ def main(args: argparse.Namespace) -> int:
     on_gpu = torch.cuda.is_available()
     small = args.small or not on_gpu
     shape = resolve_shape(args.shape, small)
-    out = Path(args.out_dir)
-    profiles = profile_impls(args.impl, args.shape, out, small=small, use_ncu=not args.no_ncu,
-                             warmup=args.warmup, repeat=args.repeat)
+    out = check_output_files(args.out_dir, [shape.name], args.impls)
+    csv_path = out / f"profile_{shape.name}.csv"
+    md_path = out / f"profile_{shape.name}.md"
+    for path in (csv_path, md_path):  # before the first profile, not after the last
+        checked_output(path, "--out-dir")
+    profiles = profile_impls(args.impls, args.shape, out, small=small, use_ncu=not args.no_ncu,
+                             warmup=args.warmup, repeat=args.reps)
     roofline = measure_roofline()
     env = environment_meta("cuda" if on_gpu else None)
     print(shape.describe())
     print(to_text(table(profiles, roofline)))
     print("\n".join(notes(profiles)))
-    csv_path = out / f"profile_{shape.name}.csv"
     write_csv(csv_path, profiles, env, roofline)
-    md_path = out / f"profile_{shape.name}.md"
     md = ["# pagedattn profile", "", *banner(profiles), *header_lines(env, roofline), "",
           shape_section(profiles, shape.describe(), roofline)]
     files = [f for p in profiles for f in p.files]
@@ -448,19 +472,29 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def target_parser() -> argparse.ArgumentParser:
+    """Options of the process ncu profiles (:func:`target_main`; built by
+    :func:`target_command`)."""
+    parser = argparse.ArgumentParser(prog="python -m pagedattn.bench.profile")
+    parser.add_argument("--impl", required=True, help="the one impl to run")
+    parser.add_argument("--shape", required=True, choices=SHAPES, metavar="SHAPE",
+                        help="a shape of pagedattn.bench.shapes")
+    parser.add_argument("--small", action="store_true", help="the shrunken shape")
+    parser.add_argument("--warmup", type=nonneg_int, default=3,
+                        help="calls before the profiled range (the first compiles) [3]")
+    parser.add_argument("--reps", type=positive_int, default=1,
+                        help="calls inside the profiled range [1]")
+    parser.add_argument("--num-splits", type=positive_int, default=None,
+                        help="split-KV splits (default: the impl's own choice)")
+    parser.add_argument("--meta-out", default=None, help="write compile metadata JSON here")
+    return parser
+
+
 def target_main(argv: list[str] | None = None) -> int:
     """The process ncu profiles: warm-up (Triton compiles; not profiled, since ncu runs with
-    ``--profile-from-start off``), then ``--repeat`` calls between cudaProfilerStart/Stop.
+    ``--profile-from-start off``), then ``--reps`` calls between cudaProfilerStart/Stop.
     With ``--meta-out`` it also writes the compile metadata of the kernels it launched."""
-    parser = argparse.ArgumentParser(prog="python -m pagedattn.bench.profile")
-    parser.add_argument("--impl", required=True)
-    parser.add_argument("--shape", required=True, choices=SHAPES, metavar="SHAPE")
-    parser.add_argument("--small", action="store_true", help="the shrunken shape")
-    parser.add_argument("--warmup", type=nonneg_int, default=3)
-    parser.add_argument("--repeat", type=positive_int, default=1)
-    parser.add_argument("--num-splits", type=positive_int, default=None)
-    parser.add_argument("--meta-out", default=None, help="write compile metadata JSON here")
-    args = parser.parse_args(argv)
+    args = target_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("profile target: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -471,7 +505,7 @@ def target_main(argv: list[str] | None = None) -> int:
         compiled_kernels(args.impl, batch, num_splits=args.num_splits, out=out)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    for _ in range(args.repeat):
+    for _ in range(args.reps):
         compiled_kernels(args.impl, batch, num_splits=args.num_splits, out=out)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()

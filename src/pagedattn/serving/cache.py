@@ -43,15 +43,17 @@ class CacheFullError(RuntimeError):
     """Not enough free pages for an append; nothing was changed.
 
     Attributes: ``seq_id`` (the first sequence that does not fit), ``pages_needed`` (new pages
-    the whole request needs), ``pages_free``.
+    the whole request needs), ``pages_free``. ``message`` replaces the default text (the
+    engine's refusal of a request that could never fit says so).
     """
 
-    def __init__(self, seq_id: Hashable, num_tokens: int, pages_needed: int, pages_free: int):
+    def __init__(self, seq_id: Hashable, num_tokens: int, pages_needed: int, pages_free: int,
+                 *, message: str | None = None):
         self.seq_id, self.pages_needed, self.pages_free = seq_id, pages_needed, pages_free
-        super().__init__(
+        super().__init__(message or (
             f"KV cache full: appending {num_tokens} token(s) to sequence {seq_id!r} needs "
             f"{pages_needed} new page(s) for the request, only {pages_free} free; free or "
-            "preempt a sequence, or build the cache with more pages")
+            "preempt a sequence, or build the cache with more pages"))
 
 
 class StepMetadata(NamedTuple):

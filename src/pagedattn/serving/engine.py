@@ -15,6 +15,16 @@ request is preempted: its pages are freed and it goes back to the front of the q
 re-prefilled later from its prompt plus the tokens it already produced (recompute, as vLLM).
 Greedy decoding only (argmax; ties go to the lowest token id, as ``torch.argmax``).
 
+Every request ends exactly once, with ``finish_reason`` ``"eos"``, ``"length"`` or
+``"abort"``, and is then handed back once, by the next :meth:`Engine.run` (or
+:meth:`Engine.take_finished`); the engine keeps no reference to it afterwards. A request that
+could never fit (its longest sequence needs more pages than the whole cache) is refused at
+:meth:`Engine.add_request` with :class:`CacheFullError`. :meth:`Engine.abort` ends a queued or
+running request at once (its pages freed, a token of it still in flight discarded). An
+``on_token`` callback that raises aborts its own request; the step finishes for every other
+request, and the exception then propagates from :meth:`Engine.step` / :meth:`Engine.run`, the
+engine consistent and ready for the next call.
+
 Decode steps overlap the host with the GPU (unless ``keep_logits``): when the running batch is
 the one of the step in flight and none of its requests ends by length with that step's token,
 the next step is launched first, with its token ids taken from the step in flight on the
@@ -35,6 +45,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedattn._validation import FP8_DTYPES
 from pagedattn.serving.cache import CacheFullError, PagedKVCache
 from pagedattn.serving.model import Transformer
 from pagedattn.serving.runner import DecodeRunner, DecodeStep
@@ -61,7 +72,7 @@ class Request:
     max_new_tokens: int
     key: RequestKey | None = None  # its sequence id in the cache (set by the engine)
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos" or "length" once done
+    finish_reason: str | None = None  # "eos", "length" or "abort" once done
     preemptions: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)  # fp32 [vocab] per token, if kept
     first_token_s: float = 0.0  # perf_counter() when the first token came
@@ -97,8 +108,11 @@ class Engine:
     """Greedy continuous-batching generator.
 
     Args:
-        model: a :class:`Transformer` (paged attention).
-        cache: a :class:`PagedKVCache` shaped for it (empty, or holding other sequences).
+        model: a :class:`Transformer` (paged attention), or any object with its ``cfg``,
+            ``dtype``, ``device``, ``prefill`` and ``decode`` (the tests' fake model).
+        cache: a :class:`PagedKVCache` shaped for it (empty, or holding other sequences):
+            the model's ``num_layers``, ``num_kv_heads``, ``head_dim`` and device, the
+            model's dtype or an fp8 dtype. Else ValueError naming the mismatch.
         max_batch_size: most sequences decoded together (1..256).
         eos_token_ids: tokens that end a request (kept in its output).
         keep_logits: store each produced token's logits (fp32, on the host) in its request.
@@ -125,6 +139,7 @@ class Engine:
         self.max_model_len = model.cfg.max_position if max_model_len is None else max_model_len
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
+        _check_cache_fits(model, cache)
         self.model, self.cache = model, cache
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         max_pages = min(-(-self.max_model_len // cache.page_size), cache.num_pages)
@@ -134,10 +149,13 @@ class Engine:
         self.keep_logits = keep_logits
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # ended requests not handed back yet (run() and take_finished() empty it)
         self.finished: dict[int, Request] = {}
+        self._live: dict[int, Request] = {}  # queued or running, by request id
         self.stats = EngineStats()
         self._next_rid = 0
         self.on_token: Callable[[Request, int], None] | None = None
+        self._callback_errors: list[BaseException] = []  # raised by on_token in this step
         # the decode step launched but not read yet (its requests, in batch order)
         self._inflight: tuple[list[Request], DecodeStep] | None = None
 
@@ -145,7 +163,10 @@ class Engine:
         """Queue a prompt (token ids); returns its request id. Raises TypeError for a
         token or count that is not an int, ValueError for an empty prompt, a token outside
         ``[0, vocab_size)``, ``max_new_tokens < 1`` or a total over ``max_model_len``
-        (checked here: a bad token found at prefill would strand the request)."""
+        (checked here: a bad token found at prefill would strand the request), and
+        CacheFullError for a request that could never fit: the ``prompt + max_new_tokens -
+        1`` tokens it writes need more pages than the whole cache holds (the error gives
+        both counts)."""
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
             raise TypeError(f"prompt: expected a sequence of token ids, got "
                             f"{type(prompt).__name__}")
@@ -164,11 +185,52 @@ class Engine:
         if len(prompt) + max_new_tokens > self.max_model_len:
             raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
                              f"({max_new_tokens}) exceeds max_model_len {self.max_model_len}")
+        # its last token is never fed back: the cache holds prompt + max_new_tokens - 1
+        longest = len(prompt) + max_new_tokens - 1
+        need, limit = self._pages_for(longest), self.runner.max_pages
+        if need > limit:
+            ps, pool = self.cache.page_size, self.cache.num_pages
+            where = (f"the {pool} pages of the whole cache" if limit == pool else
+                     f"the {limit} pages a sequence may hold (max_model_len "
+                     f"{self.max_model_len})")
+            raise CacheFullError(
+                None, longest, need, pool, message=(
+                    f"request: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
+                    f"needs {need} pages of {ps} tokens, more than {where}: it could never "
+                    "run; build the cache with more pages or ask for fewer tokens"))
         rid = self._next_rid
         self._next_rid += 1
-        self.waiting.append(Request(rid, [int(t) for t in prompt], int(max_new_tokens),
-                                    key=RequestKey(id(self), rid)))
+        r = Request(rid, [int(t) for t in prompt], int(max_new_tokens),
+                    key=RequestKey(id(self), rid))
+        self.waiting.append(r)
+        self._live[rid] = r
         return rid
+
+    def abort(self, request_id: int) -> bool:
+        """End a queued or running request now, as vLLM's ``abort_request``: its pages return
+        to the pool, a token of it still in flight is discarded, and it is handed back (once)
+        by the next :meth:`run` / :meth:`take_finished` with ``finish_reason == "abort"`` and
+        the tokens it had. May be called from an ``on_token`` callback (a stop string).
+
+        Returns True when it aborted the request; False, changing nothing, for a request that
+        has already ended (finished or aborted: a no-op, so a late abort is harmless). Raises
+        KeyError for an id :meth:`add_request` never returned, TypeError for a non-int id.
+        """
+        if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
+            raise TypeError(f"request_id: expected an int, got {request_id!r}")
+        if not 0 <= request_id < self._next_rid:
+            raise KeyError(f"request_id: no request {request_id} was added")
+        r = self._live.get(int(request_id))
+        if r is None:
+            return False
+        self._retire(r, "abort")
+        return True
+
+    def take_finished(self) -> list[Request]:
+        """The requests that ended since the last call (or :meth:`run`), in request-id order;
+        each is handed back once and the engine forgets it (with its logits)."""
+        done, self.finished = self.finished, {}
+        return [done[r] for r in sorted(done)]
 
     def warmup(self) -> None:
         """Compile (eager) or capture (graphs) the decode step of every batch bucket now, so
@@ -180,21 +242,62 @@ class Engine:
         return not self.waiting and not self.running
 
     def run(self, on_token: Callable[[Request, int], None] | None = None) -> list[Request]:
-        """Step until every request finished; returns them in request-id order."""
+        """Step until no request is queued or running; returns every request that ended since
+        the last call (finished or aborted), in request-id order, each once.
+
+        ``on_token(request, token)`` is called for each token appended. If it raises, that
+        request is aborted, the step completes for the others, and the exception propagates;
+        a later call goes on, and hands back the requests that ended meanwhile."""
         self.on_token = on_token
         while not self.done:
             self.step()
-        self._drain()  # a step launched for requests that all met EOS meanwhile
-        return [self.finished[r] for r in sorted(self.finished)]
+        with self._callbacks_checked():
+            self._drain()  # a step launched for requests that all met EOS meanwhile
+        return self.take_finished()
+
+    @contextlib.contextmanager
+    def _callbacks_checked(self) -> Iterator[None]:
+        """Re-raise the first ``on_token`` exception of the block once the block is done (the
+        engine consistent: those requests aborted); an error of the block itself wins."""
+        try:
+            yield
+        finally:
+            errors, self._callback_errors = self._callback_errors, []
+        if errors:
+            if len(errors) > 1:
+                errors[0].add_note(f"on_token raised for {len(errors) - 1} more request(s) "
+                                   "of the step; each was aborted")
+            raise errors[0]
+
+    def _retire(self, r: Request, reason: str, now: float | None = None) -> None:
+        """End ``r`` (queued or running): free its pages, queue it to be handed back."""
+        r.finish_reason = reason
+        r.finish_s = time.perf_counter() if now is None else now
+        if r in self.running:
+            self.cache.free(r.key)
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        del self._live[r.rid]
+        self.finished[r.rid] = r
 
     # -- one scheduler iteration ---------------------------------------------------------
     def step(self) -> None:
         """Prefill admitted requests if any fit, else decode the running batch. Raises
-        CacheFullError when a single request cannot fit even in an otherwise empty cache."""
+        CacheFullError when a single request cannot fit even in an otherwise empty cache
+        (pages held by the caller's own sequences), and whatever an ``on_token`` callback
+        raised (see :meth:`run`)."""
+        with self._callbacks_checked():
+            self._step()
+
+    def _step(self) -> None:
         admitted = self._admit()
         if admitted:
             self._drain()  # a decode step in flight gives its tokens first
-            self._prefill(admitted)
+            # its callbacks may have aborted an admitted request (out of the queue already)
+            admitted = [r for r in admitted if r.finish_reason is None]
+            if admitted:
+                self._prefill(admitted)
         elif self.running:
             self._decode()
         elif self.waiting:
@@ -227,8 +330,10 @@ class Engine:
     def _emit(self, reqs: list[Request], tokens: list[int],
               logits: torch.Tensor | None) -> int:
         """Append each request's next token (``logits`` ``[len(reqs), vocab]`` kept when asked);
-        retire the done. A request already finished (an extra step was in flight when it met
-        EOS) drops its token. Returns the number of tokens appended."""
+        retire the done. A request already ended (an extra step was in flight when it met
+        EOS, or it was aborted) drops its token. A callback that raises aborts its request;
+        its exception is kept for :meth:`_callbacks_checked`. Returns the number of tokens
+        appended."""
         host_logits = logits.float().cpu() if self.keep_logits and logits is not None else None
         now = time.perf_counter()
         emitted = 0
@@ -243,16 +348,18 @@ class Engine:
             if host_logits is not None:
                 r.logits.append(host_logits[i])
             if self.on_token is not None:
-                self.on_token(r, tok)
+                try:
+                    self.on_token(r, tok)
+                except BaseException as e:  # noqa: BLE001 (re-raised after the step)
+                    self._callback_errors.append(e)
+                    if r.finish_reason is None:
+                        self._retire(r, "abort", now)
+                if r.finish_reason is not None:  # aborted by (or for) its callback
+                    continue
             if tok in self.eos:
-                r.finish_reason = "eos"
+                self._retire(r, "eos", now)
             elif len(r.output) >= r.max_new_tokens:
-                r.finish_reason = "length"
-            if r.finish_reason is not None:
-                r.finish_s = now
-                self.cache.free(r.key)
-                self.running.remove(r)
-                self.finished[r.rid] = r
+                self._retire(r, "length", now)
         return emitted
 
     def _prefill(self, reqs: list[Request]) -> None:
@@ -344,6 +451,22 @@ class Engine:
 class GenerateResult(NamedTuple):
     requests: list[Request]  # in prompt order
     stats: EngineStats
+
+
+def _check_cache_fits(model: Transformer, cache: PagedKVCache) -> None:
+    """ValueError naming the first of the cache's shape, dtype and device that does not fit
+    ``model`` (a mismatch failed only inside the first prefill)."""
+    cfg = model.cfg
+    for name, got, want in (("num_layers", cache.num_layers, cfg.num_layers),
+                            ("num_kv_heads", cache.num_kv_heads, cfg.num_kv_heads),
+                            ("head_dim", cache.head_dim, cfg.head_dim)):
+        if got != want:
+            raise ValueError(f"cache: {name} {got} does not match the model's {want}")
+    if cache.dtype != model.dtype and cache.dtype not in FP8_DTYPES:
+        raise ValueError(f"cache: dtype {cache.dtype} does not fit the model: expected its "
+                         f"dtype {model.dtype} or an fp8 dtype")
+    if cache.kv.device != model.device:
+        raise ValueError(f"cache: on {cache.kv.device}, the model on {model.device}")
 
 
 def generate_greedy(model: Transformer, prompts: Sequence[Sequence[int]],

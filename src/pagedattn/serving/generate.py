@@ -5,7 +5,8 @@
     pagedattn generate "Name a color." "Name a fruit." --max-batch-size 2
 
 Each prompt goes through the model's chat template (when it has one) as one user turn;
-``--raw`` feeds the text as it is. One prompt streams its answer as the tokens come; several
+``--raw`` feeds the text as it is. One prompt streams its answer as the tokens come (decoded
+incrementally: a character split across tokens is printed once complete); several
 prompts run with continuous batching (:class:`pagedattn.serving.engine.Engine`) and each
 completion is printed when it finishes. Generation stops at EOS or ``--max-new-tokens``; the
 timings (load, prefill, decode, tokens/s) and why generation stopped go to stderr. An answer
@@ -47,7 +48,8 @@ CPU_IMPL = "gqa_reuse_v3"  # the study's GQA stage: same results, fewer interpre
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     one_line_errors(parser)
     parser.add_argument("prompt", nargs="+", help="prompt text; repeat for a batch")
-    parser.add_argument("--max-new-tokens", type=int_in(1), default=128)
+    parser.add_argument("--max-new-tokens", type=int_in(1), default=128,
+                        help="most tokens to generate per prompt (default: %(default)s)")
     parser.add_argument("--raw", action="store_true",
                         help="no chat template: the prompt text is the model's whole input")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if "
@@ -65,8 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paged_decode impl (default: auto; on the CPU without an fp8 "
                         f"cache {CPU_IMPL}, which Triton's interpreter runs about 2x faster)")
     parser.add_argument("--gguf", default=None, help="path of the SmolLM2 GGUF file")
-    parser.add_argument("--max-batch-size", type=int_in(1, MAX_BATCH), default=8)
-    parser.add_argument("--page-size", type=int_in(1, 4096), default=16)
+    parser.add_argument("--max-batch-size", type=int_in(1, MAX_BATCH), default=8,
+                        help="most prompts decoded at once (default: %(default)s)")
+    parser.add_argument("--page-size", type=int_in(1, 4096), default=16,
+                        help="tokens per KV-cache page (default: %(default)s)")
     parser.add_argument("--num-pages", type=int_in(1), default=None,
                         help="cache pages (default: enough for every prompt at full length)")
 
@@ -96,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
     device, dtype, graphs, path = check_args(args)
     from pagedattn.serving.engine import generate_greedy
     from pagedattn.serving.model import Transformer
-    from pagedattn.serving.tokenizer import encode, eos_ids, load_tokenizer
+    from pagedattn.serving.tokenizer import TextStream, encode, eos_ids, load_tokenizer
 
     t0 = time.perf_counter()
     with reading_gguf(path):  # raises ArgumentError naming --gguf
@@ -118,14 +122,11 @@ def main(args: argparse.Namespace) -> int:
               f"of {args.page_size} tokens, got {args.num_pages}", file=sys.stderr)
         return 2
     single = len(prompts) == 1
-    printed = [""]
+    text_stream = TextStream(tokenizer)
 
-    def stream(req, _tok):  # one prompt: print the text delta of every token
-        text = tokenizer.decode(req.output, skip_special_tokens=True)
-        if text.startswith(printed[0]):
-            sys.stdout.write(text[len(printed[0]):])
-            sys.stdout.flush()
-        printed[0] = text
+    def stream(req, tok):  # one prompt: print the text each token completes
+        sys.stdout.write(text_stream.push(tok))
+        sys.stdout.flush()
 
     def report(req, tok):  # several prompts: print each completion when it finishes
         if len(req.output) >= req.max_new_tokens or tok in eos:
@@ -143,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
                           compile=args.compile, on_token=stream if single else report)
     took = time.perf_counter() - t0
     if single:
-        print()
+        print(text_stream.end())
         r = res.requests[0]
         if r.finish_reason == "eos" and len(r.output) == 1:
             hint = ("; with --raw the text goes in without the chat template, and an instruct "

@@ -1,5 +1,6 @@
 """The tokenizer of a GGUF model: transformers builds it from the file's own vocabulary, merges
-and chat template (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``)."""
+and chat template (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``); :class:`TextStream`
+turns generated token ids into text as they come."""
 
 from __future__ import annotations
 
@@ -34,3 +35,37 @@ def eos_ids(tokenizer, cfg) -> list[int]:
     """The end-of-sequence ids of the tokenizer and of the model config."""
     ids = {cfg.eos_token_id, tokenizer.eos_token_id}
     return sorted(int(i) for i in ids if i is not None)
+
+
+class TextStream:
+    """Incremental detokenization of one generated sequence, for streaming.
+
+    :meth:`push` takes the next token id and returns the text it completes: ``""`` while the
+    bytes so far end inside a multi-byte UTF-8 character (an emoji or a CJK character split
+    across byte-level tokens) or the token is a skipped special token. The pieces concatenate
+    to the decoded text, with no ``U+FFFD`` of a character cut in two. This is ``tokenizers``'
+    ``DecodeStream`` (the decoder's own pipeline, as vLLM and TGI stream), over the backend of
+    a fast tokenizer (``tokenizer.backend_tokenizer``). :meth:`end` gives what is still held
+    back when generation stops inside a character (decoded with ``U+FFFD``, as transformers'
+    ``TextStreamer`` ends).
+    """
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer, self._skip = tokenizer, skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # ids pushed since the last text returned
+
+    def push(self, token_id: int) -> str:
+        text = self._stream.step(self._tokenizer.backend_tokenizer, int(token_id))
+        if text is None:
+            self._held.append(int(token_id))
+            return ""
+        self._held = []
+        return text
+
+    def end(self) -> str:
+        """The text of the ids still held back (``""`` when none is)."""
+        held, self._held = self._held, []
+        return self._tokenizer.decode(held, skip_special_tokens=self._skip) if held else ""

@@ -1,0 +1,112 @@
+"""``scripts/results.py``: a harness run appended to the runs CSV (a fake run written by the
+harness's own report functions, on the CPU), and the current page and README's Results table
+regenerated from the committed results files."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedattn.bench import report
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "results.py"
+_spec = importlib.util.spec_from_file_location("results_script", SCRIPT)
+results = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(results)
+
+
+def _fake_run(commit: str, date: str) -> list[dict]:
+    meta = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
+            "git_commit": commit, "src_dirty": "unknown", "date": date}
+    rows = []
+    for shape, us in (("llama8b-b64-c2k", 143.912), ("ragged-b64-llama8b", 157.03)):
+        for impl, scale in (("auto", 1.0), ("floor", 0.99)):
+            rows.append({"shape": shape, "impl": impl, "kind": "ours" if impl == "auto" else
+                         "peer", "dtype": "bfloat16", "cache_dtype": "bfloat16", "batch": 64,
+                         "median_us": us * scale, "graph_median_us": us * scale - 0.6,
+                         "gbps": 3738.41, "pct_roofline": 83.71, "roofline_gbps": 4466.33,
+                         "rel_l2_error": 2.25e-3, "status": "ok", **meta})
+    return rows
+
+
+def _lines(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_run_appends_once(tmp_path):
+    bench = report.write_csv(_fake_run("a" * 40, "2026-12-02T10:01:29+00:00"),
+                             tmp_path / "bench-h200.csv")
+    runs = tmp_path / "bench-runs.csv"
+    rc = subprocess.run([sys.executable, str(SCRIPT), "append", str(bench), "--runs", str(runs),
+                         "--source", "out/bench"], capture_output=True, text=True, timeout=60)
+    assert rc.returncode == 0, rc.stderr
+    lines = _lines(runs)
+    assert list(lines[0]) == list(results.RUN_COLUMNS)
+    assert [(r["shape"], r["impl"]) for r in lines] == [
+        ("llama8b-b64-c2k", "auto"), ("llama8b-b64-c2k", "floor"),
+        ("ragged-b64-llama8b", "auto"), ("ragged-b64-llama8b", "floor")]
+    first = lines[0]
+    assert first["commit"] == "a" * 40 and first["gpu"] == "NVIDIA H200"
+    assert first["median_us"] == "143.91" and first["graph_median_us"] == "143.31"
+    assert first["rel_l2_error"] == "2.250e-03" and first["source"] == "out/bench"
+    # the same run again adds nothing; a later run of the same commit adds its four rows
+    rows, meta = results.read_bench(bench)
+    assert results.append_runs(rows, runs, meta) == 0
+    later = _fake_run("a" * 40, "2026-12-03T08:00:00+00:00")
+    assert results.append_runs(later, runs) == 4
+    assert len(_lines(runs)) == 8
+
+
+def test_a_run_without_a_commit_takes_the_given_one(tmp_path):
+    runs = tmp_path / "runs.csv"
+    doc = tmp_path / "bench.json"
+    report.write_json(_fake_run("unknown", "2026-12-02T10:00:00+00:00"), {}, doc)
+    rows, meta = results.read_bench(doc)
+    assert results.append_runs(rows, runs, meta, commit="718df37") == 4
+    assert {r["commit"] for r in _lines(runs)} == {"718df37"}
+
+
+def test_what_is_not_a_run_is_refused(tmp_path):
+    page = tmp_path / "bench.md"
+    page.write_text("# pagedattn benchmark\n")
+    rc = subprocess.run([sys.executable, str(SCRIPT), "append", str(page), "--runs",
+                         str(tmp_path / "runs.csv")], capture_output=True, text=True, timeout=60)
+    assert rc.returncode == 2 and "not a bench CSV or JSON" in rc.stderr
+    assert not (tmp_path / "runs.csv").exists()
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="header"):
+        results.append_runs(_fake_run("b" * 40, "d"), other)
+    untimed = [{**r, "median_us": None, "graph_median_us": None} for r in _fake_run("c", "d")]
+    with pytest.raises(ValueError, match="nothing was timed"):
+        results.append_runs(untimed, tmp_path / "runs.csv")
+    assert not (tmp_path / "runs.csv").exists()
+
+
+def test_the_runs_csv_holds_the_current_run():
+    """Every (shape, impl) of the current bench page is a line of bench-runs.csv."""
+    rows, meta = results.read_bench(ROOT / "docs" / "results" / "bench-h200.json")
+    lines = _lines(ROOT / "docs" / "results" / "bench-runs.csv")
+    have = {(r["commit"], r["date"], r["shape"], r["impl"]) for r in lines}
+    want = {(meta["git_commit"], r["date"], r["shape"], r["impl"]) for r in rows}
+    assert want <= have
+
+
+def test_the_h200_page_and_readme_table_are_regenerated_from_the_results():
+    """docs/results/h200.md is what ``results.py page`` makes from the files beside it, and
+    README's Results table is what ``results.py readme-table`` prints."""
+    results_dir = ROOT / "docs" / "results"
+    page = results.page(results_dir, "h200")
+    assert (results_dir / "h200.md").read_text(encoding="utf-8") == page
+    _, meta = results.read_bench(results_dir / "bench-h200.json")
+    assert page.splitlines()[2].startswith(f"> Measured on commit {meta['git_commit'][:7]}")
+    table = results.readme_table(results_dir, "h200")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert table in readme.split("## Results", 1)[1]
