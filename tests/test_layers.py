@@ -1,5 +1,6 @@
 """The import rules DESIGN.md states, read from the source with ``ast`` (nothing is imported):
-one-way layers ``cli → bench/serving → api → launch → kernels``, leaves that import no
+one-way layers ``cli → bench/serving → api → launch → kernels`` (``compat → api`` beside
+bench/serving: nothing below imports it), leaves that import no
 ``pagedattn`` layer, no cycles, and dispatch through real import statements. Imports inside
 functions count: they are what a reader (and a tool such as import-linter) follows too."""
 
@@ -78,6 +79,12 @@ def test_imports_go_one_way(module):
     wrong = {t for t in GRAPH[module] if _layer(t) not in ALLOWED[layer]
              and not (layer == "bench" and t in MEASUREMENT_KERNELS)}
     assert not wrong, f"{module} ({layer}) imports {sorted(wrong)}"
+
+
+def test_compat_sits_above_the_api():
+    assert "pagedattn.compat.flash_attn" in GRAPH and "pagedattn.compat.flashinfer" in GRAPH
+    assert not [m for m, targets in GRAPH.items() if _layer(m) != "compat"
+                and any(_layer(t) == "compat" for t in targets)]
 
 
 def test_nothing_imports_the_cli():

@@ -5,6 +5,7 @@ and the last output (the cascade's merge) is checked against the float64 oracle.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -48,3 +49,40 @@ def test_readme_examples_run_on_the_cpu():
     assert rel_l2_error(merged, ref.out) <= 1e-2
     finite = torch.isfinite(ref.lse)
     assert torch.allclose(lse[finite].double(), ref.lse[finite], atol=1e-3)
+
+
+def _block(word: str) -> str:
+    """The one README block that uses ``word``, as a CPU user runs it."""
+    every = re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), re.M | re.S)
+    found = [b for b in every if word in b]
+    assert len(found) == 1, word
+    return found[0].replace('device="cuda"', 'device="cpu"')
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU user's path")
+def test_readme_flash_attention_example_runs_on_the_cpu():
+    ns: dict = {}
+    torch.manual_seed(0)
+    exec(compile(_block("flash_attn_with_kvcache"), str(README), "exec"), ns)  # noqa: S102
+    q, kc, vc, table, lens = (ns[k] for k in ("q", "k_cache", "v_cache", "page_table",
+                                              "cache_seqlens"))
+    ref = paged_decode_reference(q[:, 0], kc, vc, table, lens + 1)  # the new token included
+    assert ns["out"].shape == q.shape and ns["lse"].shape == (4, 8, 1)
+    assert rel_l2_error(ns["out"][:, 0], ref.out) <= 1e-2
+    assert torch.allclose(ns["lse"][..., 0].double(), ref.lse, atol=1e-3)  # natural log
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU user's path")
+def test_readme_flashinfer_example_runs_on_the_cpu():
+    ns: dict = {}
+    torch.manual_seed(0)
+    exec(compile(_block("BatchDecodeWithPagedKVCacheWrapper"), str(README), "exec"), ns)  # noqa: S102
+    kv, indptr, indices, last = (ns[k] for k in ("kv_cache", "indptr", "indices",
+                                                 "last_page_len"))
+    table = torch.zeros(3, 7, dtype=torch.int32)
+    for b in range(3):
+        table[b, :int(indptr[b + 1] - indptr[b])] = indices[indptr[b]:indptr[b + 1]]
+    lens = (indptr[1:] - indptr[:-1] - 1) * 16 + last
+    ref = paged_decode_reference(ns["q"], kv[:, 0], kv[:, 1], table, lens)
+    assert rel_l2_error(ns["out"], ref.out) <= 2e-3
+    assert torch.allclose(ns["lse"].double() * math.log(2), ref.lse, atol=1e-3)  # base 2

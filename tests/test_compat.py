@@ -1,0 +1,363 @@
+"""pagedattn.compat against the float64 oracle: what the peers' own tests do not check (the
+LSE in each peer's base, fp8 descales per batch, sinks, ALiBi, the plan reuse that keeps the
+host time small, the refusals), on fresh random inputs with poisoned pages."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedattn.compat import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    flash_attn_with_kvcache,
+)
+from pagedattn.compat import flash_attn as fa_module
+from pagedattn.compat.flashinfer import get_alibi_slopes
+from pagedattn.reference import paged_decode_reference
+from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
+
+LENS = [0, 5, 17, 32]  # an empty sequence, a page boundary (page_size 8)
+
+
+def _inputs(device, dtype=torch.float16, lens=LENS, **kw):
+    kw.setdefault("num_q_heads", 6)
+    kw.setdefault("num_kv_heads", 2)
+    kw.setdefault("head_dim", 32)
+    kw.setdefault("page_size", 8)
+    return make_paged_inputs(lens, dtype=dtype, device=device, **kw)
+
+
+def _close_lse(lse, ref_lse, atol=2e-3):
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=atol)
+
+
+# --- flash_attn_with_kvcache -------------------------------------------------------------
+
+def test_fa_decode_out_and_natural_lse(device):
+    inp = _inputs(device)
+    sinks = torch.randn(6, device=device)
+    out, lse = flash_attn_with_kvcache(
+        inp.query.unsqueeze(1), inp.key_cache, inp.value_cache, cache_seqlens=inp.context_lens,
+        block_table=inp.block_tables, causal=True, window_size=(9, 0), softcap=3.0,
+        sinks=sinks, return_softmax_lse=True)
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 inp.context_lens, window_left=9, logits_soft_cap=3.0,
+                                 sinks=sinks)
+    assert out.shape == (4, 1, 6, 32) and lse.shape == (4, 6, 1)  # FA's layouts
+    assert rel_l2_error(out[:, 0], ref.out) <= tolerance_for(torch.float16)
+    _close_lse(lse[..., 0], ref.lse)
+
+
+def test_fa_non_causal_multi_token_sees_every_key(device):
+    """causal=False (FA's default): each of 3 query tokens attends to the whole cache."""
+    inp = _inputs(device)
+    q = torch.randn(4, 3, 6, 32, device=device, dtype=torch.float16)
+    out, lse = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache,
+                                       cache_seqlens=inp.context_lens,
+                                       page_table=inp.block_tables, return_softmax_lse=True)
+    for j in range(3):
+        ref = paged_decode_reference(q[:, j], inp.key_cache, inp.value_cache,
+                                     inp.block_tables, inp.context_lens)
+        assert rel_l2_error(out[:, j], ref.out) <= tolerance_for(torch.float16)
+        _close_lse(lse[..., j], ref.lse)
+
+
+def test_fa_append_then_attend_and_the_plan_is_reused(device):
+    """k/v land at cache_seqlens (in place) and are seen; a second call with the same tensors
+    (cache_seqlens updated in place, as an engine does) reuses the cached plan."""
+    fa_module._plans.clear()
+    inp = _inputs(device, lens=[3, 10, 14, 17], max_pages=3)
+    before = torch.tensor([1, 8, 12, 15], dtype=torch.int32, device=device)
+    k = torch.randn(4, 1, 2, 32, device=device, dtype=torch.float16)
+    v = torch.randn_like(k)
+    kc, vc = inp.key_cache, inp.value_cache
+    q = inp.query.unsqueeze(1)
+    args = dict(cache_seqlens=before, page_table=inp.block_tables, causal=True)
+    out = flash_attn_with_kvcache(q, kc, vc, k, v, **args)
+    lens = before + 1
+    ref = paged_decode_reference(inp.query, kc, vc, inp.block_tables, lens)
+    assert rel_l2_error(out[:, 0], ref.out) <= tolerance_for(torch.float16)
+    for b in range(4):  # the new key sits at position before[b]
+        p = int(before[b])
+        page = int(inp.block_tables[b, p // 8])
+        assert torch.equal(kc[page, p % 8], k[b, 0]) and torch.equal(vc[page, p % 8], v[b, 0])
+    assert len(fa_module._plans) == 1
+    before += 1  # the next step, in place
+    out2 = flash_attn_with_kvcache(q, kc, vc, k, v, **args)
+    assert len(fa_module._plans) == 1
+    ref2 = paged_decode_reference(inp.query, kc, vc, inp.block_tables, before + 1)
+    assert rel_l2_error(out2[:, 0], ref2.out) <= tolerance_for(torch.float16)
+
+
+def test_fa_repeated_decode_call_takes_the_short_path(device):
+    """The per-layer call: the second call finds its plan by the tensors' identity, reads
+    the lengths updated in place, and a call with another dtype plans anew."""
+    fa_module._plans.clear()
+    fa_module._fast.clear()
+    inp = _inputs(device, lens=[4, 9, 30])
+    lens = inp.context_lens.clone()
+    call = dict(cache_seqlens=lens, page_table=inp.block_tables, causal=True,
+                return_softmax_lse=True)
+    q = inp.query.unsqueeze(1)
+    flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call)
+    assert len(fa_module._fast) == 1
+    lens -= 3  # the engine's next step, in place
+    out, lse = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call)
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 lens)
+    assert rel_l2_error(out[:, 0], ref.out) <= tolerance_for(torch.float16)
+    _close_lse(lse[..., 0], ref.lse)
+    q32, k32, v32 = (t.float() for t in (q, inp.key_cache, inp.value_cache))
+    out32 = flash_attn_with_kvcache(q32, k32, v32, cache_seqlens=lens,
+                                    page_table=inp.block_tables, causal=True)
+    assert len(fa_module._plans) == 2 and out32.dtype == torch.float32
+    assert rel_l2_error(out32[:, 0], ref.out) <= tolerance_for(torch.float32)
+
+
+def test_fa_causal_multi_token_lse_layout(device):
+    """causal=True, 3 query tokens: token j sits at len - 3 + j; lse [batch, heads, 3]."""
+    inp = _inputs(device, lens=[2, 9, 30])
+    q = torch.randn(3, 3, 6, 32, device=device, dtype=torch.float16)
+    out, lse = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache,
+                                       cache_seqlens=inp.context_lens,
+                                       page_table=inp.block_tables, causal=True,
+                                       return_softmax_lse=True)
+    ref = paged_decode_reference(q, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 inp.context_lens)  # 4-D: the same positions
+    assert lse.shape == (3, 6, 3)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float16)
+    _close_lse(lse.transpose(1, 2), ref.lse)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa_long_multi_token_queries_run_in_chunks(device, monkeypatch, causal):
+    """More query rows than one tile (here 4, patched down from 64): chunks with their own
+    lengths give what one call gives (the oracle's 4-D positions; all keys non-causal)."""
+    monkeypatch.setattr(fa_module, "_MAX_TILE_ROWS", 4)
+    inp = _inputs(device, lens=[2, 9, 30], num_q_heads=4)
+    q = torch.randn(3, 5, 4, 32, device=device, dtype=torch.float16)  # 10 rows, group 2
+    out, lse = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache,
+                                       cache_seqlens=inp.context_lens,
+                                       page_table=inp.block_tables, causal=causal,
+                                       return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (3, 4, 5)
+    for j in range(5):
+        ref = paged_decode_reference(q[:, :j + 1] if causal else q[:, j], inp.key_cache,
+                                     inp.value_cache, inp.block_tables,
+                                     (inp.context_lens - (4 - j)).clamp(min=0) if causal
+                                     else inp.context_lens)
+        ref_out = ref.out[:, -1] if causal else ref.out
+        ref_lse = ref.lse[:, -1] if causal else ref.lse
+        assert rel_l2_error(out[:, j], ref_out) <= tolerance_for(torch.float16)
+        _close_lse(lse[..., j], ref_lse)
+
+
+def test_fa_contiguous_cache_is_one_page_per_sequence(device):
+    kc = torch.randn(3, 20, 2, 32, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(2, 1, 4, 32, device=device, dtype=torch.bfloat16)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=7, cache_batch_idx=idx, causal=True)
+    ref = paged_decode_reference(q[:, 0], kc, vc, idx.view(2, 1),
+                                 torch.tensor([7, 7], device=device))
+    assert rel_l2_error(out[:, 0], ref.out) <= tolerance_for(torch.bfloat16)
+
+
+def test_fa_fp8_per_batch_descales(device):
+    """FA3's [batch, heads_k] descales, differing per batch: exact by folding."""
+    inp = _inputs(device, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+                  lens=[5, 17, 32])
+    kd = torch.rand(3, 2, device=device) + 0.5
+    vd = torch.rand(3, 2, device=device) + 0.5
+    out, lse = flash_attn_with_kvcache(
+        inp.query.unsqueeze(1), inp.key_cache, inp.value_cache, cache_seqlens=inp.context_lens,
+        page_table=inp.block_tables, k_descale=kd, v_descale=vd, return_softmax_lse=True)
+    for b in range(3):
+        ref = paged_decode_reference(inp.query[b:b + 1], inp.key_cache, inp.value_cache,
+                                     inp.block_tables[b:b + 1], inp.context_lens[b:b + 1],
+                                     k_scale=kd[b], v_scale=vd[b])
+        assert rel_l2_error(out[b:b + 1, 0], ref.out) <= tolerance_for(torch.float8_e4m3fn)
+        _close_lse(lse[b:b + 1, :, 0], ref.lse, atol=3e-2)
+
+
+@pytest.mark.parametrize("name,value", [("rotary_cos", 1), ("cache_leftpad", 1),
+                                        ("cu_seqlens_q", 1), ("qv", 1), ("attention_chunk", 8),
+                                        ("max_seqlen_q", 4), ("cu_seqlens_k_new", 1)])
+def test_fa_unsupported_arguments_are_named(name, value):
+    q = torch.zeros(1, 1, 2, 16)
+    kc = torch.zeros(2, 4, 1, 16)
+    with pytest.raises(ValueError, match=name):
+        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=1, page_table=torch.zeros(1, 2,
+                                dtype=torch.int32), **{name: value})
+
+
+def test_fa_refusals_and_ignored_hints(device):
+    inp = _inputs(device, lens=[5, 9])
+    q = inp.query.unsqueeze(1)
+    call = dict(cache_seqlens=inp.context_lens, page_table=inp.block_tables)
+    with pytest.raises(TypeError, match="no_such_arg"):
+        flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, no_such_arg=1, **call)
+    with pytest.raises(ValueError, match="page_table, block_table"):
+        flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache,
+                                block_table=inp.block_tables.clone(), **call)
+    q3 = q.expand(2, 3, 6, 32)
+    with pytest.raises(ValueError, match="window_size"):  # a right bound inside the queries
+        flash_attn_with_kvcache(q3, inp.key_cache, inp.value_cache, window_size=(-1, 1), **call)
+    with pytest.raises(ValueError, match="k_descale"):
+        flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache,
+                                k_descale=torch.ones(2, 2), **call)
+    out = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, pack_gqa=True,
+                                  sm_margin=4, scheduler_metadata=torch.zeros(3), **call)
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 inp.context_lens)
+    assert rel_l2_error(out[:, 0], ref.out) <= tolerance_for(torch.float16)
+
+
+# --- BatchDecodeWithPagedKVCacheWrapper ----------------------------------------------------
+
+def _csr(inp, page_size=8):
+    """FlashInfer's (indptr, indices, last_page_len) of a batch from make_paged_inputs."""
+    lens = inp.context_lens.tolist()
+    pages = [max(math.ceil(n / page_size), 1) for n in lens]  # FlashInfer: >= 1 page each
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.cat([inp.block_tables[b, :p].cpu() for b, p in enumerate(pages)])
+    last = torch.tensor([(n - 1) % page_size + 1 for n in lens], dtype=torch.int32)
+    dev = inp.query.device
+    return indptr.to(dev), indices.to(dev), last.to(dev)
+
+
+def test_fi_lse_is_base_2_and_alibi_matches_flashinfer(device):
+    inp = _inputs(device, lens=[5, 17, 32])
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=device))
+    w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type=torch.float16)
+    out, lse = w.run(inp.query, (inp.key_cache, inp.value_cache), return_lse=True)
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 inp.context_lens)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float16)
+    _close_lse(lse, ref.lse / math.log(2))
+    # ALiBi: FlashInfer's default slopes; its decode LSE puts the query at position 0
+    w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type=torch.float16, pos_encoding_mode="ALIBI")
+    out, lse = w.run(inp.query, (inp.key_cache, inp.value_cache), return_lse=True)
+    slopes = get_alibi_slopes(6, device)
+    assert torch.allclose(slopes.cpu(), torch.tensor([2.0 ** (-8 * i / 4) for i in (1, 2, 3, 4)]
+                                                     + [2.0 ** (-4 * i / 4) for i in (1, 3)]))
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 inp.context_lens, alibi_slopes=slopes)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float16)
+    shift = (inp.context_lens.double() - 1)[:, None] * slopes.double()[None]
+    _close_lse(lse, (ref.lse + shift) / math.log(2))
+
+
+def test_fi_multi_token_lse_into_a_given_buffer(device):
+    """q_len_per_req=2: q [batch * 2, heads, dim]; the base-2 LSE lands in ``lse=``."""
+    inp = _inputs(device, lens=[5, 17, 32])
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=device))
+    w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type=torch.float16, q_len_per_req=2)
+    q = torch.randn(6, 6, 32, device=device, dtype=torch.float16)
+    lse = torch.full((6, 6), float("nan"), device=device)
+    out, got = w.run(q, (inp.key_cache, inp.value_cache), return_lse=True, lse=lse)
+    ref = paged_decode_reference(q.view(3, 2, 6, 32), inp.key_cache, inp.value_cache,
+                                 inp.block_tables, inp.context_lens)
+    assert got is lse and out.shape == q.shape
+    assert rel_l2_error(out.view(3, 2, 6, 32), ref.out) <= tolerance_for(torch.float16)
+    _close_lse(lse.view(3, 2, 6), ref.lse / math.log(2))
+    with pytest.raises(ValueError, match="lse"):
+        w.run(q, (inp.key_cache, inp.value_cache), return_lse=True, lse=torch.empty(6))
+
+
+def test_fi_scales_sinks_and_the_combined_cache(device):
+    """One [pages, 2, ...] tensor (HND); q_scale and k_scale multiply sm_scale, v_scale the
+    output; sinks per head."""
+    inp = _inputs(device, lens=[5, 17, 32], kv_layout="HND")
+    cache = torch.stack([inp.key_cache, inp.value_cache], dim=1)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=device),
+                                           "HND")
+    w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type="float16", sm_scale=0.1)
+    sinks = torch.randn(6, device=device)
+    out = w.run(inp.query, cache, q_scale=2.0, k_scale=1.5, v_scale=0.5, sinks=sinks)
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 inp.context_lens, kv_layout="HND", scale=0.3, sinks=sinks)
+    assert rel_l2_error(out, 0.5 * ref.out) <= tolerance_for(torch.float16)
+
+
+def test_fi_fp8_cache_with_tensor_scales(device):
+    inp = _inputs(device, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+                  lens=[5, 17, 32])
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=device))
+    w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type=torch.bfloat16,
+           kv_data_type=torch.float8_e4m3fn)
+    ks, vs = torch.tensor([0.5, 2.0], device=device), torch.tensor(0.75, device=device)
+    out = w.run(inp.query, (inp.key_cache, inp.value_cache), k_scale=ks, v_scale=vs)
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 inp.context_lens, k_scale=ks, v_scale=vs)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float8_e4m3fn)
+
+
+def test_fi_replan_reuses_the_plan_and_graph_mode_rewrites_in_place(device):
+    """A re-plan with the same shapes keeps the DecodePlan (its recorded launches, hence the
+    host time); in cudagraph mode the tables are the same tensors, rewritten in place."""
+    inp = _inputs(device, lens=[5, 17, 30])
+    inp2 = _inputs(device, lens=[12, 20, 31], seed=1)  # as ragged as the first (not)
+    ws = torch.empty(16, dtype=torch.uint8, device=device)
+    for graph in (False, True):
+        if graph:
+            w = CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
+                ws, torch.empty(4, dtype=torch.int32, device=device),
+                torch.empty(12, dtype=torch.int32, device=device),
+                torch.empty(3, dtype=torch.int32, device=device))
+        else:
+            w = BatchDecodeWithPagedKVCacheWrapper(ws)
+        w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type=torch.float16)
+        plan, table = w._plan, w._plan.block_tables
+        w.plan(*_csr(inp2), 6, 2, 32, 8, q_data_type=torch.float16)
+        assert w._plan is plan and w._plan.block_tables is table
+        out = w.run(inp2.query, (inp2.key_cache, inp2.value_cache))
+        ref = paged_decode_reference(inp2.query, inp2.key_cache, inp2.value_cache,
+                                     inp2.block_tables, inp2.context_lens)
+        assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float16)
+    with pytest.raises(ValueError, match="cudagraph"):  # graph mode: fixed options
+        w.plan(*_csr(inp2), 6, 2, 32, 8, q_data_type=torch.float16, window_left=4)
+
+
+def test_fi_refusals_are_named(device):
+    inp = _inputs(device, lens=[5, 9])
+    ws = torch.empty(16, dtype=torch.uint8, device=device)
+    w = BatchDecodeWithPagedKVCacheWrapper(ws)
+    with pytest.raises(ValueError, match="plan"):
+        w.run(inp.query, (inp.key_cache, inp.value_cache))
+    csr = _csr(inp)
+    for kw, name in ((dict(pos_encoding_mode="ROPE_LLAMA"), "pos_encoding_mode"),
+                     (dict(window_right=3), "window_right"),
+                     (dict(fixed_split_size=4), "fixed_split_size"),
+                     (dict(o_data_type=torch.float32), "o_data_type"),
+                     (dict(pos_encoding_mode="ALIBI", logits_soft_cap=5.0), "logits_soft_cap")):
+        with pytest.raises(ValueError, match=name):
+            w.plan(*csr, 6, 2, 32, 8, q_data_type=torch.float16, **kw)
+    with pytest.raises(ValueError, match="jit_args"):
+        BatchDecodeWithPagedKVCacheWrapper(ws, jit_args=[1])
+    w.plan(*csr, 6, 2, 32, 8, q_data_type=torch.float16, window_left=4)
+    caches = (inp.key_cache, inp.value_cache)
+    with pytest.raises(ValueError, match="window_left"):
+        w.run(inp.query, caches, window_left=7)
+    with pytest.raises(ValueError, match="kv_cache_sf"):
+        w.run(inp.query, caches, kv_cache_sf=caches)
+    with pytest.raises(ValueError, match="paged_kv_cache"):
+        w.run(inp.query, torch.zeros(4, 3, 8, 2, 32, device=device))
+
+
+def test_compat_modules_import_neither_triton_nor_transformers():
+    """``import pagedattn.compat`` stays light: its own modules import no Triton and no
+    transformers (read from the source; the rest of the import graph is test_layers')."""
+    root = Path(fa_module.__file__).parent
+    for name in ("__init__.py", "flash_attn.py", "flashinfer.py"):
+        for node in ast.walk(ast.parse((root / name).read_text(encoding="utf-8"))):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [m for m in mods if m.split(".")[0] in ("triton", "transformers")]
