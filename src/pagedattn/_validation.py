@@ -462,9 +462,12 @@ def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, o
     if out is not None:
         if not isinstance(out, torch.Tensor):
             _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
-        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-            _fail(ValueError, "out", f"a {query.dtype} tensor of shape {tuple(query.shape)} on "
-                  f"{query.device}", f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        # the error types of check_metadata's: one type per mistake on both paths
+        if out.shape != query.shape:
+            _fail(ValueError, "out", f"shape {tuple(query.shape)}", tuple(out.shape))
+        if out.dtype != query.dtype:
+            _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
+        check_same_device("query", query.device, (("out", out),))
         check_out_aliasing(out, query, (("key_cache", key_cache), ("value_cache", value_cache)))
     _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
                        scale=scale)
