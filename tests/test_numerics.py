@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import pagedattn
+from pagedattn.reference import paged_decode_reference
 from pagedattn.serving.cache import PagedKVCache
-from pagedattn.testing import make_paged_inputs
+from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
 NAN = float("nan")
 INF = float("inf")
@@ -119,3 +120,69 @@ def test_the_base_call_runs():
     for entry in ("paged_decode", "plan.run"):
         out = _call(entry, _base())
         assert torch.isfinite(out).all()
+
+
+# --- int32 safety, with the interpreter's int32 wrapping as a GPU's -------------------------
+
+INT32_MAX = (1 << 31) - 1
+
+
+def _poisoned_run(inputs, query=None, **kw):
+    query = inputs.query if query is None else query
+    out = torch.full_like(query, NAN)
+    result = pagedattn.paged_decode(query, *inputs[1:], out=out, **kw)
+    assert result is out
+    return out
+
+
+@pytest.mark.parametrize("num_splits", [None, 2])
+@pytest.mark.parametrize("window_left", [INT32_MAX, INT32_MAX - 1, 1 << 40, 200])
+def test_multi_token_huge_window_is_int32_safe(window_left, num_splits):
+    """A window at least as wide as the context sees every key (README), with several query
+    tokens and a length-0 sequence in the batch: the planner's ``n - q_len - window_left``
+    overflowed int32 (an interpreter traceback; with a GPU's wrapping the other sequences'
+    outputs were left unwritten). Now no int32 operation of the kernels overflows."""
+    from _int32 import gpu_int32
+
+    inputs = make_paged_inputs([5, 0, 200], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                               page_size=16, dtype=torch.float32, max_pages=20, seed=1)
+    query = torch.randn(3, 3, 4, 16, generator=torch.Generator().manual_seed(2))
+    with gpu_int32() as overflows:
+        out = _poisoned_run(inputs, query, window_left=window_left, num_splits=num_splits)
+    assert overflows == []
+    ref = paged_decode_reference(query, *inputs[1:], window_left=window_left).out
+    assert rel_l2_error(out, ref) <= tolerance_for(torch.float32)
+
+
+@pytest.mark.parametrize("impl", list(pagedattn.IMPLS))
+def test_table_capacity_past_int32_is_safe(impl):
+    """``max_pages * page_size >= 2^31`` (a table of 2^19 pages of 4096 tokens): the kernels'
+    int32 ``max_pages * page_size`` wrapped to a negative capacity (the stages returned zeros,
+    ``auto`` read outside the cache). The kernels now see at most ``MAX_CONTEXT_LEN``."""
+    from _int32 import gpu_int32
+
+    lens = [4100, 0, 9] if impl in ("auto", "gqa_reuse_v3") else [20, 0, 9]
+    inputs = make_paged_inputs(lens, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                               page_size=4096, dtype=torch.float32, max_pages=1 << 19)
+    with gpu_int32() as overflows:
+        out = _poisoned_run(inputs, impl=impl)
+    assert overflows == []
+    assert rel_l2_error(out, paged_decode_reference(*inputs).out) <= tolerance_for(
+        torch.float32)
+
+
+def test_lengths_past_the_kernels_int32_bound_are_refused():
+    """A length past ``MAX_CONTEXT_LEN`` (2^30) is refused by the value checks, naming
+    ``context_lens``, even when the table holds it; ``page_size`` past it by the metadata
+    checks."""
+    from pagedattn._validation import MAX_CONTEXT_LEN
+
+    inputs = make_paged_inputs([5], num_q_heads=2, num_kv_heads=1, head_dim=16,
+                               page_size=4096, dtype=torch.float32, max_pages=1 << 19)
+    lens = torch.tensor([MAX_CONTEXT_LEN + 1], dtype=torch.int64)
+    with pytest.raises(ValueError, match="context_lens.*int32"):
+        pagedattn.paged_decode(*inputs[:4], lens)
+    q = torch.zeros(1, 1, 16)
+    k = torch.zeros(1, 1, 1, 16).expand(1, MAX_CONTEXT_LEN + 1, 1, 16)
+    with pytest.raises(ValueError, match="page_size"):
+        pagedattn.paged_decode(q, k, k, inputs.block_tables[:, :1], inputs.context_lens)

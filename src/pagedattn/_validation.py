@@ -39,6 +39,18 @@ KERNEL_SCALAR_MAX = FLOAT32_MAX / math.log2(math.e)
 #: the smallest soft-cap whose ln(2) / cap is finite in float32
 SOFTCAP_MIN = math.log(2) / FLOAT32_MAX
 _WITHIN = "within +-2.36e38 (float32's range / log2(e): the kernels work in base 2)"
+#: the longest context the kernels hold: they compute token positions, split bounds and
+#: window starts in int32, and the largest of those intermediates is about twice the
+#: capacity (a split's start plus its length), so the capacity they clamp lengths to is at
+#: most 2^30 tokens (a ``max_pages * page_size`` past it is cut to it, on the host)
+MAX_CONTEXT_LEN = 1 << 30
+
+
+def kernel_max_pages(max_pages: int, page_size: int) -> int:
+    """The table width the kernels are given: ``max_pages``, or fewer so that
+    ``max_pages * page_size <= MAX_CONTEXT_LEN`` (the entries past it could only serve
+    lengths past the kernels' int32 range, which the value checks refuse)."""
+    return min(max_pages, MAX_CONTEXT_LEN // page_size)
 
 
 def _fail(exc: type[Exception], name: str, expected: str, got: Any) -> None:
@@ -252,8 +264,9 @@ def check_metadata(
               cache_head_dim)
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         _fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
-    if page_size < 1:
-        _fail(ValueError, "page_size", "at least 1 (key_cache dim)", page_size)
+    if not 1 <= page_size <= MAX_CONTEXT_LEN:
+        _fail(ValueError, "page_size", f"in [1, {MAX_CONTEXT_LEN}] (key_cache dim; the "
+              "kernels hold token positions in int32)", page_size)
     if num_kv_heads < 1:
         _fail(ValueError, "key_cache", f"num_kv_heads >= 1 (dim {1 if kv_layout == 'HND' else 2} "
               f"in layout {kv_layout})", num_kv_heads)
@@ -337,21 +350,23 @@ def check_values(
     block_tables: torch.Tensor, context_lens: torch.Tensor, num_pages: int, page_size: int,
     window_left: int = -1, q_len: int = 1,
 ) -> None:
-    """Value checks: lengths in ``[0, max_pages * page_size]`` and used page ids in
-    ``[0, num_pages)``. Reads the data (a host sync on CUDA). Raises ValueError naming the
-    argument and the first offending batch row. With a sliding window the pages wholly
-    before the earliest query token's window are never read, so they may hold anything
-    (a server frees them: -1)."""
+    """Value checks: lengths in ``[0, max_pages * page_size]`` (and at most
+    ``MAX_CONTEXT_LEN``, the kernels' int32 bound) and used page ids in ``[0, num_pages)``.
+    Reads the data (a host sync on CUDA). Raises ValueError naming the argument and the first
+    offending batch row. With a sliding window the pages wholly before the earliest query
+    token's window are never read, so they may hold anything (a server frees them: -1)."""
     batch, max_pages = block_tables.shape
     if batch == 0:
         return
-    capacity = max_pages * page_size
+    capacity = kernel_max_pages(max_pages, page_size) * page_size
     lens = context_lens.long()
     bad = (lens < 0) | (lens > capacity)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        _fail(ValueError, "context_lens",
-              f"lengths in [0, max_pages * page_size = {capacity}] (row {row})", int(lens[row]))
+        bound = (f"max_pages * page_size = {capacity}" if capacity == max_pages * page_size
+                 else f"{capacity} (the kernels' int32 bound)")
+        _fail(ValueError, "context_lens", f"lengths in [0, {bound}] (row {row})",
+              int(lens[row]))
     used_pages = (lens.clamp(0, capacity) + page_size - 1) // page_size  # [batch]
     cols = torch.arange(max_pages, device=block_tables.device)
     used = cols[None, :] < used_pages[:, None]
@@ -424,7 +439,7 @@ def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_di
     _check_int("head_dim", head_dim, 1)
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         _fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
-    _check_int("page_size", page_size, 1)
+    _check_int("page_size", page_size, 1, MAX_CONTEXT_LEN)
     if q_dtype not in FLOAT_DTYPES:
         _fail(TypeError, "q_dtype", "torch.float32, torch.float16 or torch.bfloat16", q_dtype)
     if kv_dtype is not None and kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:

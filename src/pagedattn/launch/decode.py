@@ -50,7 +50,7 @@ from triton import knobs
 from triton.runtime import driver
 
 from pagedattn._env import device_name_for, is_interpreter, num_sms
-from pagedattn._validation import FP8_DTYPES
+from pagedattn._validation import FP8_DTYPES, kernel_max_pages
 from pagedattn.kernels.decode import (
     _merge_per_group_kernel,
     _merge_per_head_kernel,
@@ -290,6 +290,14 @@ class AutoLauncher:
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         group = num_q_heads // num_kv_heads
+        # int32 safety: the kernels hold positions in 32 bits, so the table they see holds at
+        # most MAX_CONTEXT_LEN tokens (max_pages * page_size past 2^31 wrapped: zeros, or
+        # reads outside the cache), and a window at least that wide is no window (it sees
+        # every key; n - q_len - window_left wrapped in the planner); both on the host, so
+        # the kernels are unchanged
+        max_pages = kernel_max_pages(max_pages, page_size)
+        if window_left >= max_pages * page_size:
+            window_left = -1
         self.config = cfg = config or choose_config(
             head_dim, group, kv_dtype, page_size, interpret,
             device_name_for(device) if on_gpu else None, ragged and not batch_invariant)
