@@ -186,3 +186,114 @@ def test_lengths_past_the_kernels_int32_bound_are_refused():
     k = torch.zeros(1, 1, 1, 16).expand(1, MAX_CONTEXT_LEN + 1, 1, 16)
     with pytest.raises(ValueError, match="page_size"):
         pagedattn.paged_decode(q, k, k, inputs.block_tables[:, :1], inputs.context_lens)
+
+
+# --- value bounds derived from the kernels' float32 arithmetic ------------------------------
+
+D = 16
+LOG2E = 1.4426950408889634
+LIMIT = 2.0 ** 127
+
+
+def _uniform_inputs(dtype, q_val, k_val, v_scale_val=1.0, lens=(4, 7), seed=0, cache=None):
+    """q all ``q_val``; token 0 of each sequence's keys all ``k_val`` (so ``q·k`` reaches
+    ``D · q_val · k_val``), the other keys ``± k_val`` at random; values random in
+    ``[-v_scale_val, v_scale_val]``."""
+    inputs = make_paged_inputs(list(lens), num_q_heads=2, num_kv_heads=1, head_dim=D,
+                               page_size=4, dtype=dtype, cache_dtype=cache, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.full_like(inputs.query, q_val)
+    k = inputs.key_cache.float()
+    v = inputs.value_cache.float()
+    used = torch.isfinite(k)
+    signs = torch.where(torch.rand(k.shape, generator=g) < 0.5, -1.0, 1.0)
+    k = torch.where(used, signs * k_val, k)
+    for b in range(len(lens)):  # token 0 of each sequence: all +k_val
+        k[inputs.block_tables[b, 0], 0] = k_val
+    v = torch.where(used, (torch.rand(v.shape, generator=g) * 2 - 1) * v_scale_val, v)
+    cd = inputs.key_cache.dtype
+    return inputs._replace(query=q, key_cache=k.to(cd), value_cache=v.to(cd))
+
+
+def _inside_and_outside(impl, inside, outside, name, **kw):
+    """``inside`` computes within tolerance of the float64 oracle; ``outside`` is refused,
+    naming ``name``."""
+    ref_kw = {k: v for k, v in kw.items() if k in ("scale", "k_scale", "v_scale")}
+    out = _poisoned_run(inside, impl=impl, **kw)
+    ref = paged_decode_reference(*inside, **ref_kw).out
+    tol = tolerance_for(inside.key_cache.dtype)
+    assert rel_l2_error(out, ref) <= tol, rel_l2_error(out, ref)
+    with pytest.raises(ValueError, match=f"^{name}:.*2\\^127"):
+        _poisoned_run(outside, impl=impl, **kw)
+
+
+@pytest.mark.parametrize("impl", ["auto", "gqa_reuse_v3", "split_kv_v4"])
+def test_qk_dot_bound(impl):
+    """bf16 q and k near 1e19 with a small scale: ``q·k`` overflowed float32 before the scale
+    (NaN). ``D · max|q| · max|k| <= 2^127`` (``query``): 2^127 exactly computes; one bf16 step
+    more is refused."""
+    a, b = 2.0 ** 62, 2.0 ** 61  # D · a · b = 2^127
+    step = 1 + 2.0 ** -7  # the next bf16 value
+    inside = _uniform_inputs(torch.bfloat16, a, b)
+    outside = _uniform_inputs(torch.bfloat16, a, b * step)
+    _inside_and_outside(impl, inside, outside, "query", scale=2.0 ** -123)
+
+
+@pytest.mark.parametrize("impl", ["auto", "fused_v1", "split_kv_v4"])
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+def test_score_bound(impl, sign):
+    """scale = -1e37 or 2e38 with ordinary q and k: scores past float32 (``auto`` NaN, the
+    stages a wrong average). ``D · max|q| · max|k| · |scale| · log2(e) <= 2^127``."""
+    bound = LIMIT / (D * LOG2E)  # q = k = 1
+    inside = _uniform_inputs(torch.float32, 1.0, 1.0)
+    out = _poisoned_run(inside, impl=impl, scale=sign * bound * 0.999)
+    ref = paged_decode_reference(*inside, scale=sign * bound * 0.999).out
+    assert rel_l2_error(out, ref) <= tolerance_for(torch.float32)
+    for scale in (sign * bound * 1.001, -1e37, 2e38):
+        with pytest.raises(ValueError, match="^scale:.*2\\^127"):
+            _poisoned_run(inside, impl=impl, scale=scale)
+
+
+@pytest.mark.parametrize("impl", ["fused_v1", "gqa_reuse_v3"])
+def test_prescaled_query_bound(impl):
+    """The stages multiply q by ``scale · log2(e)`` first: ``max|q| · |scale| · log2(e) <=
+    2^127`` even where the scores are small (tiny keys)."""
+    bound = LIMIT / LOG2E  # q = 1
+    inside = _uniform_inputs(torch.float32, 1.0, 2.0 ** -8)
+    out = _poisoned_run(inside, impl=impl, scale=bound * 0.999)
+    ref = paged_decode_reference(*inside, scale=bound * 0.999).out
+    assert rel_l2_error(out, ref) <= tolerance_for(torch.float32)
+    with pytest.raises(ValueError, match="^scale:.*2\\^127"):
+        _poisoned_run(inside, impl=impl, scale=bound * 1.001)
+
+
+@pytest.mark.parametrize("impl", ["auto", "gqa_reuse_v3", "split_kv_v4"])
+def test_value_sum_bound(impl):
+    """bf16 V near 1e38: the float32 sum of ``n`` probability-weighted values overflowed (inf
+    in the output). ``max context_lens · max|v| <= 2^127`` (``value_cache``)."""
+    lens = (4, 3)
+    inside = _uniform_inputs(torch.bfloat16, 0.0, 1.0, lens=lens)  # q = 0: uniform weights
+    v = inside.value_cache.float()
+    v = torch.where(torch.isfinite(v), torch.where(v < 0, -1.0, 1.0) * 2.0 ** 125, v)
+    inside = inside._replace(value_cache=v.to(torch.bfloat16))  # 4 · 2^125 = 2^127
+    outside = inside._replace(value_cache=(v * (1 + 2.0 ** -7)).to(torch.bfloat16))
+    _inside_and_outside(impl, inside, outside, "value_cache")
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qmax", [6e-35, 4e-35, 1e-38, 1e-40, 1e-45])
+def test_fp8_tiny_query_rows(q_dtype, qmax):
+    """An fp8 cache and a query row whose max |q| is below about 5e-35 (2^-114): the
+    power-of-two rescale into fp16's range made 2^e inf and the row NaN. The exponent is
+    clamped now; the scores are ~0 and the output the values' average, as in the oracle."""
+    if q_dtype == torch.bfloat16 and qmax < 1e-40:
+        pytest.skip("below bfloat16's subnormals")
+    inputs = make_paged_inputs([5, 9], num_q_heads=4, num_kv_heads=2, head_dim=D,
+                               page_size=4, dtype=q_dtype, cache_dtype=torch.float8_e4m3fn)
+    q = inputs.query.float()
+    q[0] = q[0] / q[0].abs().amax() * qmax  # one sequence's rows tiny
+    q = q.to(q_dtype)
+    assert q[0].abs().amax() > 0
+    out = _poisoned_run(inputs, q, k_scale=0.5, v_scale=2.0)
+    ref = paged_decode_reference(q, *inputs[1:], k_scale=0.5, v_scale=2.0).out
+    assert rel_l2_error(out, ref) <= tolerance_for(torch.float8_e4m3fn)

@@ -410,6 +410,99 @@ def check_scalar_values(named: tuple, *, sinks: torch.Tensor | None = None,
                   f"finite slopes {_WITHIN}")
 
 
+#: the largest magnitude any float32 intermediate of the kernels may reach on valid input:
+#: half of float32's range, so the rounding of a sum of up to 256 (or a context's) terms
+#: never pushes it to inf, and a difference of two scores (``s - m``) stays finite
+VALUE_LIMIT = 2.0 ** 127
+
+
+def _scale_per_head(s, num_kv_heads: int) -> torch.Tensor:
+    """An fp8 scale (None, a float, a 0-d or ``[num_kv_heads]`` tensor) as float64
+    ``[num_kv_heads]`` on the CPU."""
+    if s is None:
+        return torch.ones(num_kv_heads, dtype=torch.float64)
+    if isinstance(s, torch.Tensor):
+        return s.detach().double().cpu().expand(num_kv_heads) if s.dim() == 0 else \
+            s.detach().double().cpu()
+    return torch.full((num_kv_heads,), float(s), dtype=torch.float64)
+
+
+def _used_rows(cache: torch.Tensor, block_tables, lens, first, page_size) -> torch.Tensor:
+    """The rows ``[T, num_kv_heads, head_dim]`` (float64, CPU) of an NHD-shaped cache view
+    that the kernels read: tokens ``[first_b, lens_b)`` of each sequence."""
+    counts = (lens - first).clamp(min=0)
+    total = int(counts.sum())
+    if total == 0:
+        return torch.zeros(0, cache.shape[2], cache.shape[3], dtype=torch.float64)
+    dev = block_tables.device
+    b = torch.repeat_interleave(torch.arange(lens.shape[0], device=dev), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = (torch.arange(total, device=dev) - torch.repeat_interleave(starts, counts)
+           + torch.repeat_interleave(first, counts))
+    pages = block_tables.long()[b, pos // page_size]
+    return cache[pages, pos % page_size].double().cpu()
+
+
+def check_value_ranges(query, key_cache, value_cache, block_tables, context_lens, *,
+                       kv_layout: str = "NHD", scale=None, k_scale=None, v_scale=None,
+                       window_left: int = -1, q_len: int = 1) -> None:
+    """Value checks of the data the kernels' float32 arithmetic must hold (run where the
+    index checks run, after them: a host sync on CUDA, and one read of the keys and values
+    in use). Per kv head ``h``, with ``D = head_dim``, ``qmax`` the query group's largest
+    ``|q|``, ``kmax``/``vmax`` the largest ``|k|``/``|v|`` the sequences read (times the fp8
+    scales), ``kraw`` that of the stored keys, ``c = |scale| · log2(e)``, ``n`` the longest
+    length, every bound ``VALUE_LIMIT = 2^127``:
+
+    * ``D · qmax · kraw`` (``query``): the float32 dot of a 16-bit or fp32 query and key, before
+      any scale (bf16 q and k near 1e19 overflowed it; fp8 dots are bounded by their format);
+    * ``qmax · c · k_scale`` (``scale``): the stages' pre-scaled query, and ``auto``'s fp8
+      score factor;
+    * ``D · qmax · kmax · c`` (``scale``): every score (a scale of -1e37 or 2e38 made scores
+      inf: NaN in ``auto``, a wrong average in the stages);
+    * ``n · vmax`` (``value_cache``): the float32 sum of up to ``n`` values weighted by
+      probabilities <= 1 (bf16 V near 1e38 gave inf).
+
+    Raises ValueError naming the argument, the kv head and the bound."""
+    batch, max_pages = block_tables.shape
+    if batch == 0 or query.numel() == 0:
+        return
+    k_nhd, v_nhd = (key_cache, value_cache) if kv_layout == "NHD" else (
+        key_cache.transpose(1, 2), value_cache.transpose(1, 2))
+    page_size, num_kv_heads, head_dim = k_nhd.shape[1:]
+    capacity = kernel_max_pages(max_pages, page_size) * page_size
+    lens = context_lens.long().clamp(0, capacity)
+    first = torch.zeros_like(lens)
+    if window_left >= 0:
+        first = (lens - q_len - min(window_left, capacity)).clamp(min=0)
+    k = _used_rows(k_nhd, block_tables, lens, first, page_size).abs()
+    v = _used_rows(v_nhd, block_tables, lens, first, page_size).abs()
+    kraw = k.amax(dim=(0, 2)) if k.numel() else torch.zeros(num_kv_heads, dtype=torch.float64)
+    vraw = v.amax(dim=(0, 2)) if v.numel() else torch.zeros(num_kv_heads, dtype=torch.float64)
+    ks, vs = _scale_per_head(k_scale, num_kv_heads), _scale_per_head(v_scale, num_kv_heads)
+    q = query.detach().double().cpu().abs()
+    q = q.reshape(-1, num_kv_heads, q.shape[-2] // num_kv_heads, head_dim)
+    qmax = q.amax(dim=(0, 2, 3))  # [num_kv_heads]
+    c = abs(head_dim ** -0.5 if scale is None else float(scale)) * math.log2(math.e)
+    n = int(lens.max())
+    fp8 = key_cache.dtype in FP8_DTYPES
+    checks = (
+        ("query", None if fp8 else head_dim * qmax * kraw, "head_dim * max|q| * max|k|"),
+        ("scale", qmax * c * ks, "max|q| * |scale| * log2(e) * k_scale"),
+        ("scale", head_dim * qmax * kraw * ks * c,
+         "head_dim * max|q| * max|k| * k_scale * |scale| * log2(e)"),
+        ("value_cache", n * vraw * vs, "max context_lens * max|v| * v_scale"),
+    )
+    for name, value, words in checks:
+        if value is None:
+            continue
+        bad = ~(value <= VALUE_LIMIT)  # NaN too
+        if bool(bad.any()):
+            h = int(bad.nonzero()[0, 0])
+            _fail(ValueError, name, f"{words} <= 2^127 (float32's range, halved for "
+                  f"rounding: the kernels compute in float32) (kv head {h})",
+                  f"{float(value[h]):.4g}")
+
+
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     """An integer (Python's or numpy's) in ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
