@@ -297,3 +297,16 @@ def test_fp8_tiny_query_rows(q_dtype, qmax):
     out = _poisoned_run(inputs, q, k_scale=0.5, v_scale=2.0)
     ref = paged_decode_reference(q, *inputs[1:], k_scale=0.5, v_scale=2.0).out
     assert rel_l2_error(out, ref) <= tolerance_for(torch.float8_e4m3fn)
+
+
+def test_workspace_rows_past_int32_are_refused():
+    """Forced splits whose partial rows (``rows · q_len · num_q_heads``) pass 2^31 would wrap
+    the kernels' int32 row index: refused before any allocation or launch, naming
+    ``num_splits``."""
+    from pagedattn.launch.decode import AutoLauncher
+
+    kw = dict(max_pages=1 << 20, num_q_heads=64, num_kv_heads=8, head_dim=16, page_size=16,
+              q_dtype=torch.float16, kv_dtype=torch.float16, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="num_splits"):
+        AutoLauncher(batch=1 << 11, num_splits=1 << 14, **kw)
+    assert AutoLauncher(batch=1, num_splits=1 << 10, **kw).rows_max == 1 << 10

@@ -386,6 +386,11 @@ class AutoLauncher:
         # the workspace, one allocation owned by the launcher: per split row and query head
         # and query token (m, l) then acc (fp32), then the [batch, 2] int32 (start_b, n_b)
         part_rows = 0 if self.one_unit else self.rows_max * q_len * num_q_heads
+        if part_rows >= 1 << 31:  # the kernels index partial rows (and programs) in int32
+            most = (1 << 31) // (batch * q_len * num_q_heads)
+            raise ValueError(f"num_splits: expected at most {most} splits for this batch "
+                             f"(the kernels index the workspace's rows in int32), got "
+                             f"{num_splits}")
         n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
         n_acc = part_rows * bd
         work = torch.empty(n_ml + n_acc + 2 * batch, dtype=torch.float32, device=device)
