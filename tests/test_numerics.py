@@ -310,3 +310,17 @@ def test_workspace_rows_past_int32_are_refused():
     with pytest.raises(ValueError, match="num_splits"):
         AutoLauncher(batch=1 << 11, num_splits=1 << 14, **kw)
     assert AutoLauncher(batch=1, num_splits=1 << 10, **kw).rows_max == 1 << 10
+
+
+def test_value_bounds_ignore_unread_data():
+    """The bounds cover what the kernels read: the query of an empty sequence and cache rows
+    past a length (or in unused pages) may hold anything, even NaN or inf."""
+    inputs = make_paged_inputs([0, 5, 9], num_q_heads=2, num_kv_heads=1, head_dim=D,
+                               page_size=4, dtype=torch.bfloat16)  # poisoned past lengths
+    q = inputs.query.clone()
+    q[0] = float("inf")
+    out = _poisoned_run(inputs, q)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    ref = paged_decode_reference(q[1:], *inputs[1:3], inputs.block_tables[1:],
+                                 inputs.context_lens[1:]).out
+    assert rel_l2_error(out[1:], ref) <= tolerance_for(torch.bfloat16)

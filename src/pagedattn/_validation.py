@@ -479,8 +479,11 @@ def check_value_ranges(query, key_cache, value_cache, block_tables, context_lens
     kraw = k.amax(dim=(0, 2)) if k.numel() else torch.zeros(num_kv_heads, dtype=torch.float64)
     vraw = v.amax(dim=(0, 2)) if v.numel() else torch.zeros(num_kv_heads, dtype=torch.float64)
     ks, vs = _scale_per_head(k_scale, num_kv_heads), _scale_per_head(v_scale, num_kv_heads)
-    q = query.detach().double().cpu().abs()
+    # the queries of sequences that see a key (an empty one's query is never used)
+    q = query.detach()[(lens > first).to(query.device)].double().cpu().abs()
     q = q.reshape(-1, num_kv_heads, q.shape[-2] // num_kv_heads, head_dim)
+    if q.shape[0] == 0:
+        return
     qmax = q.amax(dim=(0, 2, 3))  # [num_kv_heads]
     c = abs(head_dim ** -0.5 if scale is None else float(scale)) * math.log2(math.e)
     n = int(lens.max())
