@@ -324,3 +324,31 @@ def test_value_bounds_ignore_unread_data():
     ref = paged_decode_reference(q[1:], *inputs[1:3], inputs.block_tables[1:],
                                  inputs.context_lens[1:]).out
     assert rel_l2_error(out[1:], ref) <= tolerance_for(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(num_splits=3), dict(window_left=5), dict(window_left=0, num_splits=2),
+    dict(batch_invariant=True), dict(logits_soft_cap=5.0, window_left=30),
+    dict(q_len=3, window_left=7), dict(q_len=2, batch_invariant=True, window_left=1 << 31),
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "plain")
+def test_no_int32_overflow_across_variants(kw):
+    """Every variant of ``auto`` with a GPU's int32 wrapping: no int32 operation of the
+    kernels overflows, and the result is the oracle's (the 2^31 table: see above)."""
+    from _int32 import gpu_int32
+
+    kw = dict(kw)
+    q_len = kw.pop("q_len", 1)
+    page_size, max_pages = 16, None
+    lens = [70, 0, 33]
+    inputs = make_paged_inputs(lens, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                               page_size=page_size, dtype=torch.float32, seed=3,
+                               max_pages=max_pages)
+    query = inputs.query
+    if q_len > 1:
+        query = torch.randn(len(lens), q_len, 4, 16, generator=torch.Generator().manual_seed(4))
+    with gpu_int32() as overflows:
+        out = _poisoned_run(inputs, query, **kw)
+    assert overflows == []
+    ref_kw = {k: v for k, v in kw.items() if k in ("window_left", "logits_soft_cap")}
+    ref = paged_decode_reference(query, *inputs[1:], **ref_kw).out
+    assert rel_l2_error(out, ref) <= tolerance_for(torch.float32)
