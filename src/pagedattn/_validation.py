@@ -39,6 +39,18 @@ KERNEL_SCALAR_MAX = FLOAT32_MAX / math.log2(math.e)
 #: the smallest soft-cap whose ln(2) / cap is finite in float32
 SOFTCAP_MIN = math.log(2) / FLOAT32_MAX
 _WITHIN = "within +-2.36e38 (float32's range / log2(e): the kernels work in base 2)"
+#: the longest context the kernels hold: they compute token positions, split bounds and
+#: window starts in int32, and the largest of those intermediates is about twice the
+#: capacity (a split's start plus its length), so the capacity they clamp lengths to is at
+#: most 2^30 tokens (a ``max_pages * page_size`` past it is cut to it, on the host)
+MAX_CONTEXT_LEN = 1 << 30
+
+
+def kernel_max_pages(max_pages: int, page_size: int) -> int:
+    """The table width the kernels are given: ``max_pages``, or fewer so that
+    ``max_pages * page_size <= MAX_CONTEXT_LEN`` (the entries past it could only serve
+    lengths past the kernels' int32 range, which the value checks refuse)."""
+    return min(max_pages, MAX_CONTEXT_LEN // page_size)
 
 
 def _fail(exc: type[Exception], name: str, expected: str, got: Any) -> None:
@@ -252,8 +264,9 @@ def check_metadata(
               cache_head_dim)
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         _fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
-    if page_size < 1:
-        _fail(ValueError, "page_size", "at least 1 (key_cache dim)", page_size)
+    if not 1 <= page_size <= MAX_CONTEXT_LEN:
+        _fail(ValueError, "page_size", f"in [1, {MAX_CONTEXT_LEN}] (key_cache dim; the "
+              "kernels hold token positions in int32)", page_size)
     if num_kv_heads < 1:
         _fail(ValueError, "key_cache", f"num_kv_heads >= 1 (dim {1 if kv_layout == 'HND' else 2} "
               f"in layout {kv_layout})", num_kv_heads)
@@ -337,21 +350,23 @@ def check_values(
     block_tables: torch.Tensor, context_lens: torch.Tensor, num_pages: int, page_size: int,
     window_left: int = -1, q_len: int = 1,
 ) -> None:
-    """Value checks: lengths in ``[0, max_pages * page_size]`` and used page ids in
-    ``[0, num_pages)``. Reads the data (a host sync on CUDA). Raises ValueError naming the
-    argument and the first offending batch row. With a sliding window the pages wholly
-    before the earliest query token's window are never read, so they may hold anything
-    (a server frees them: -1)."""
+    """Value checks: lengths in ``[0, max_pages * page_size]`` (and at most
+    ``MAX_CONTEXT_LEN``, the kernels' int32 bound) and used page ids in ``[0, num_pages)``.
+    Reads the data (a host sync on CUDA). Raises ValueError naming the argument and the first
+    offending batch row. With a sliding window the pages wholly before the earliest query
+    token's window are never read, so they may hold anything (a server frees them: -1)."""
     batch, max_pages = block_tables.shape
     if batch == 0:
         return
-    capacity = max_pages * page_size
+    capacity = kernel_max_pages(max_pages, page_size) * page_size
     lens = context_lens.long()
     bad = (lens < 0) | (lens > capacity)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        _fail(ValueError, "context_lens",
-              f"lengths in [0, max_pages * page_size = {capacity}] (row {row})", int(lens[row]))
+        bound = (f"max_pages * page_size = {capacity}" if capacity == max_pages * page_size
+                 else f"{capacity} (the kernels' int32 bound)")
+        _fail(ValueError, "context_lens", f"lengths in [0, {bound}] (row {row})",
+              int(lens[row]))
     used_pages = (lens.clamp(0, capacity) + page_size - 1) // page_size  # [batch]
     cols = torch.arange(max_pages, device=block_tables.device)
     used = cols[None, :] < used_pages[:, None]
@@ -395,6 +410,102 @@ def check_scalar_values(named: tuple, *, sinks: torch.Tensor | None = None,
                   f"finite slopes {_WITHIN}")
 
 
+#: the largest magnitude any float32 intermediate of the kernels may reach on valid input:
+#: half of float32's range, so the rounding of a sum of up to 256 (or a context's) terms
+#: never pushes it to inf, and a difference of two scores (``s - m``) stays finite
+VALUE_LIMIT = 2.0 ** 127
+
+
+def _scale_per_head(s, num_kv_heads: int) -> torch.Tensor:
+    """An fp8 scale (None, a float, a 0-d or ``[num_kv_heads]`` tensor) as float64
+    ``[num_kv_heads]`` on the CPU."""
+    if s is None:
+        return torch.ones(num_kv_heads, dtype=torch.float64)
+    if isinstance(s, torch.Tensor):
+        return s.detach().double().cpu().expand(num_kv_heads) if s.dim() == 0 else \
+            s.detach().double().cpu()
+    return torch.full((num_kv_heads,), float(s), dtype=torch.float64)
+
+
+def _used_rows(cache: torch.Tensor, block_tables, lens, first, page_size) -> torch.Tensor:
+    """The rows ``[T, num_kv_heads, head_dim]`` (float64, CPU) of an NHD-shaped cache view
+    that the kernels read: tokens ``[first_b, lens_b)`` of each sequence."""
+    counts = (lens - first).clamp(min=0)
+    total = int(counts.sum())
+    if total == 0:
+        return torch.zeros(0, cache.shape[2], cache.shape[3], dtype=torch.float64)
+    dev = block_tables.device
+    b = torch.repeat_interleave(torch.arange(lens.shape[0], device=dev), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = (torch.arange(total, device=dev) - torch.repeat_interleave(starts, counts)
+           + torch.repeat_interleave(first, counts))
+    pages = block_tables.long()[b, pos // page_size]
+    return cache[pages, pos % page_size].double().cpu()
+
+
+def check_value_ranges(query, key_cache, value_cache, block_tables, context_lens, *,
+                       kv_layout: str = "NHD", scale=None, k_scale=None, v_scale=None,
+                       window_left: int = -1, q_len: int = 1) -> None:
+    """Value checks of the data the kernels' float32 arithmetic must hold (run where the
+    index checks run, after them: a host sync on CUDA, and one read of the keys and values
+    in use). Per kv head ``h``, with ``D = head_dim``, ``qmax`` the query group's largest
+    ``|q|``, ``kmax``/``vmax`` the largest ``|k|``/``|v|`` the sequences read (times the fp8
+    scales), ``kraw`` that of the stored keys, ``c = |scale| · log2(e)``, ``n`` the longest
+    length, every bound ``VALUE_LIMIT = 2^127``:
+
+    * ``D · qmax · kraw`` (``query``): the float32 dot of a 16-bit or fp32 query and key, before
+      any scale (bf16 q and k near 1e19 overflowed it; fp8 dots are bounded by their format);
+    * ``qmax · c · k_scale`` (``scale``): the stages' pre-scaled query, and ``auto``'s fp8
+      score factor;
+    * ``D · qmax · kmax · c`` (``scale``): every score (a scale of -1e37 or 2e38 made scores
+      inf: NaN in ``auto``, a wrong average in the stages);
+    * ``n · vmax`` (``value_cache``): the float32 sum of up to ``n`` values weighted by
+      probabilities <= 1 (bf16 V near 1e38 gave inf).
+
+    Raises ValueError naming the argument, the kv head and the bound."""
+    batch, max_pages = block_tables.shape
+    if batch == 0 or query.numel() == 0:
+        return
+    k_nhd, v_nhd = (key_cache, value_cache) if kv_layout == "NHD" else (
+        key_cache.transpose(1, 2), value_cache.transpose(1, 2))
+    page_size, num_kv_heads, head_dim = k_nhd.shape[1:]
+    capacity = kernel_max_pages(max_pages, page_size) * page_size
+    lens = context_lens.long().clamp(0, capacity)
+    first = torch.zeros_like(lens)
+    if window_left >= 0:
+        first = (lens - q_len - min(window_left, capacity)).clamp(min=0)
+    k = _used_rows(k_nhd, block_tables, lens, first, page_size).abs()
+    v = _used_rows(v_nhd, block_tables, lens, first, page_size).abs()
+    kraw = k.amax(dim=(0, 2)) if k.numel() else torch.zeros(num_kv_heads, dtype=torch.float64)
+    vraw = v.amax(dim=(0, 2)) if v.numel() else torch.zeros(num_kv_heads, dtype=torch.float64)
+    ks, vs = _scale_per_head(k_scale, num_kv_heads), _scale_per_head(v_scale, num_kv_heads)
+    # the queries of sequences that see a key (an empty one's query is never used)
+    q = query.detach()[(lens > first).to(query.device)].double().cpu().abs()
+    q = q.reshape(-1, num_kv_heads, q.shape[-2] // num_kv_heads, head_dim)
+    if q.shape[0] == 0:
+        return
+    qmax = q.amax(dim=(0, 2, 3))  # [num_kv_heads]
+    c = abs(head_dim ** -0.5 if scale is None else float(scale)) * math.log2(math.e)
+    n = int(lens.max())
+    fp8 = key_cache.dtype in FP8_DTYPES
+    checks = (
+        ("query", None if fp8 else head_dim * qmax * kraw, "head_dim * max|q| * max|k|"),
+        ("scale", qmax * c * ks, "max|q| * |scale| * log2(e) * k_scale"),
+        ("scale", head_dim * qmax * kraw * ks * c,
+         "head_dim * max|q| * max|k| * k_scale * |scale| * log2(e)"),
+        ("value_cache", n * vraw * vs, "max context_lens * max|v| * v_scale"),
+    )
+    for name, value, words in checks:
+        if value is None:
+            continue
+        bad = ~(value <= VALUE_LIMIT)  # NaN too
+        if bool(bad.any()):
+            h = int(bad.nonzero()[0, 0])
+            _fail(ValueError, name, f"{words} <= 2^127 (float32's range, halved for "
+                  f"rounding: the kernels compute in float32) (kv head {h})",
+                  f"{float(value[h]):.4g}")
+
+
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     """An integer (Python's or numpy's) in ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -424,7 +535,7 @@ def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_di
     _check_int("head_dim", head_dim, 1)
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         _fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
-    _check_int("page_size", page_size, 1)
+    _check_int("page_size", page_size, 1, MAX_CONTEXT_LEN)
     if q_dtype not in FLOAT_DTYPES:
         _fail(TypeError, "q_dtype", "torch.float32, torch.float16 or torch.bfloat16", q_dtype)
     if kv_dtype is not None and kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:
@@ -462,9 +573,12 @@ def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, o
     if out is not None:
         if not isinstance(out, torch.Tensor):
             _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
-        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-            _fail(ValueError, "out", f"a {query.dtype} tensor of shape {tuple(query.shape)} on "
-                  f"{query.device}", f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        # the error types of check_metadata's: one type per mistake on both paths
+        if out.shape != query.shape:
+            _fail(ValueError, "out", f"shape {tuple(query.shape)}", tuple(out.shape))
+        if out.dtype != query.dtype:
+            _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
+        check_same_device("query", query.device, (("out", out),))
         check_out_aliasing(out, query, (("key_cache", key_cache), ("value_cache", value_cache)))
     _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
                        scale=scale)

@@ -128,7 +128,7 @@ def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
 
 def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
                       window_left=-1, q_len=1, k_scale=None, v_scale=None, sinks=None,
-                      alibi_slopes=None) -> None:
+                      alibi_slopes=None, caches=None, scale=None) -> None:
     on_cpu = query.device.type == "cpu"
     if validate is False or (validate is None and not on_cpu):
         return
@@ -139,6 +139,11 @@ def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, v
                    window_left=min(int(window_left), _INT32_MAX), q_len=q_len)
     V.check_scalar_values((("k_scale", k_scale), ("v_scale", v_scale)), sinks=sinks,
                           alibi_slopes=alibi_slopes)
+    if caches is not None:  # (key_cache, value_cache, kv_layout): the float32 value bounds
+        V.check_value_ranges(query, caches[0], caches[1], block_tables, context_lens,
+                             kv_layout=caches[2], scale=scale, k_scale=k_scale,
+                             v_scale=v_scale, window_left=min(int(window_left), _INT32_MAX),
+                             q_len=q_len)
 
 
 def _on_device(device: torch.device):
@@ -254,7 +259,8 @@ class DecodePlan:
             _run_value_checks(query, self.block_tables, self.context_lens,
                               key_cache.shape[0], self.page_size, validate,
                               window_left=self.window_left, q_len=self.q_len, k_scale=k_scale,
-                              v_scale=v_scale, sinks=sinks, alibi_slopes=alibi_slopes)
+                              v_scale=v_scale, sinks=sinks, alibi_slopes=alibi_slopes,
+                              caches=(key_cache, value_cache, self.kv_layout), scale=scale)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                             return_lse, sinks, alibi_slopes)
 
@@ -484,8 +490,11 @@ def paged_decode(
             ``[num_q_heads]`` float32 on the query's device (TypeError for a wrong dtype), an
             option the impl cannot honour (every variant and 4-D queries are ``impl="auto"``
             only), or (when value checks run) tensor fp8 scales, sinks or slopes out of those
-            ranges, a length outside ``[0, max_pages * page_size]`` or a used page id outside
-            ``[0, num_pages)``. The message names the argument.
+            ranges, a length outside ``[0, max_pages * page_size]`` (or past 2^30, the
+            kernels' int32 bound), a used page id outside ``[0, num_pages)``, or data past
+            the kernels' float32 range (``_validation.check_value_ranges``: ``head_dim ·
+            max|q| · max|k|``, ``max|q| · |scale| · log2(e)``, the scores and ``max
+            context_lens · max|v|`` within 2^127). The message names the argument.
 
     Sources: split-KV with a log-sum-exp merge as in Flash-Decoding (Dao et al., 2023); paging
     as in vLLM (Kwon et al., SOSP 2023); the plan/run split as in FlashInfer (Ye et al., 2025);
@@ -593,7 +602,8 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
                       window_left=window_left if IMPLS[impl].planned else -1,
                       q_len=query.shape[1] if query.dim() == 4 else 1, k_scale=k_scale,
                       v_scale=v_scale, sinks=variants.get("sinks"),
-                      alibi_slopes=variants.get("alibi_slopes"))
+                      alibi_slopes=variants.get("alibi_slopes"),
+                      caches=(key_cache, value_cache, kv_layout), scale=scale)
     batch, num_q_heads = query.shape[0], query.shape[-2]
     if spec.planned:
         q_len = query.shape[1] if query.dim() == 4 else 1

@@ -339,9 +339,12 @@ def _paged_decode_kernel(
     if Q_POW2_SCALE:
         # fp8 caches dot in fp16: a bf16/fp32 query may exceed fp16's range (65,504), so each
         # row is scaled by 2^e into [2^13, 2^14) first; a power of two is exact, and the
-        # scores divide it back out (no cast narrows the caller's range)
+        # scores divide it back out (no cast narrows the caller's range); the exponent is
+        # at most 126, so 2^e and 2^-e stay finite (a row with max |q| below 2^-114, about
+        # 5e-35, made 2^e inf and the row NaN): such a row's largest element lands below 2^12,
+        # still exact, and its scores are ~0 whatever fp16 rounds away
         amax = tl.max(tl.abs(q), axis=1)
-        e = tl.where(amax > 0, 14.0 - tl.ceil(tl.log2(amax)), 0.0)
+        e = tl.minimum(tl.where(amax > 0, 14.0 - tl.ceil(tl.log2(amax)), 0.0), 126.0)
         q = q * tl.exp2(e)[:, None]
         qk_scale = qk_scale * tl.exp2(-e)
     q_dot = q.to(DOT_DTYPE)  # unscaled: exact for fp16/bf16 queries

@@ -52,7 +52,7 @@ from triton import knobs
 from triton.runtime import driver
 
 from pagedattn._env import device_name_for, is_interpreter, num_sms
-from pagedattn._validation import FP8_DTYPES
+from pagedattn._validation import FP8_DTYPES, kernel_max_pages
 from pagedattn.kernels.decode import (
     _merge_per_group_kernel,
     _merge_per_head_kernel,
@@ -337,6 +337,14 @@ class AutoLauncher:
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         group = num_q_heads // num_kv_heads
+        # int32 safety: the kernels hold positions in 32 bits, so the table they see holds at
+        # most MAX_CONTEXT_LEN tokens (max_pages * page_size past 2^31 wrapped: zeros, or
+        # reads outside the cache), and a window at least that wide is no window (it sees
+        # every key; n - q_len - window_left wrapped in the planner); both on the host, so
+        # the kernels are unchanged
+        max_pages = kernel_max_pages(max_pages, page_size)
+        if window_left >= max_pages * page_size:
+            window_left = -1
         self.config = cfg = config or choose_config(
             head_dim, group, kv_dtype, page_size, interpret,
             device_name_for(device) if on_gpu else None, ragged and not batch_invariant)
@@ -430,6 +438,11 @@ class AutoLauncher:
         # the workspace: per split row and query head and query token (m, l) then acc
         # (fp32), then the [batch, 2] int32 (start_b, n_b)
         part_rows = 0 if self.one_unit else self.rows_max * q_len * num_q_heads
+        if part_rows >= 1 << 31:  # the kernels index partial rows (and programs) in int32
+            most = (1 << 31) // (batch * q_len * num_q_heads)
+            raise ValueError(f"num_splits: expected at most {most} splits for this batch "
+                             f"(the kernels index the workspace's rows in int32), got "
+                             f"{num_splits}")
         self._n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
         self._n_acc = part_rows * bd
         # a plan's launcher owns one (reused by each run); a shared one (one-shot calls)

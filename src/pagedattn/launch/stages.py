@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from pagedattn._env import sm_count_for
+from pagedattn._validation import kernel_max_pages
 from pagedattn.kernels.baseline import _baseline_kernel
 from pagedattn.kernels.fused_v1 import _single_head_kernel
 from pagedattn.kernels.gqa_reuse_v3 import _gqa_reuse_v3_kernel
@@ -67,7 +68,9 @@ def _inputs(query, key_cache, value_cache, block_tables, context_lens, scale) ->
     return dict(
         query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
         block_tables_ptr=block_tables, context_lens_ptr=context_lens,
-        scale_log2=scale * LOG2E, page_size=page_size, max_pages=block_tables.shape[1],
+        scale_log2=scale * LOG2E, page_size=page_size,
+        # at most MAX_CONTEXT_LEN tokens: max_pages * page_size is an int32 product there
+        max_pages=kernel_max_pages(block_tables.shape[1], page_size),
         group=num_q_heads // num_kv_heads,
         **named_strides("q", query, "b h d"),
         **named_strides("k", key_cache, "page tok head d"),

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedattn._validation import FP8_DTYPES, check_scale_arg
+from pagedattn._validation import FP8_DTYPES, check_scalar_values, check_scale_arg
 
 
 class CacheFullError(RuntimeError):
@@ -81,8 +81,12 @@ def _as_scale_tensor(name: str, s, num_kv_heads: int, device: torch.device):
     if s is None:
         return None
     if isinstance(s, torch.Tensor):
-        check_scale_arg(name, s.to(device), num_kv_heads, device)
-        return s.detach().to(device=device, dtype=torch.float32)
+        s = s.detach().to(device)
+        check_scale_arg(name, s, num_kv_heads, device)
+        # the values too (once, at construction): a stored 0, negative, NaN or inf scale
+        # would reach every decode step unchecked (the hot path reads no data)
+        check_scalar_values(((name, s),))
+        return s.to(dtype=torch.float32)
     check_scale_arg(name, s, num_kv_heads, device)
     return torch.tensor(float(s), dtype=torch.float32, device=device)
 
@@ -100,7 +104,9 @@ class PagedKVCache:
         device: where the pages live.
 
     Raises:
-        ValueError: non-positive sizes, scales with a non-fp8 dtype or of a bad shape.
+        ValueError: non-positive sizes, scales with a non-fp8 dtype or of a bad shape, or
+            scales (float or tensor entries) that are not finite and > 0 (within about
+            2.36e38).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_pages: int,
