@@ -222,7 +222,10 @@ def test_smollm2_greedy_tokens_match_sdpa_on_the_gpu(decode_calls):
     from pagedattn.serving.tokenizer import encode, load_tokenizer
 
     name = pa_hf.register()
-    path = find_gguf()
+    try:
+        path = find_gguf()
+    except FileNotFoundError as e:  # the file travels apart from the tree (PAGEDATTN_GGUF)
+        pytest.skip(str(e))
     model, how = load_hf_model(path, torch.bfloat16, "cuda")
     ids = torch.tensor([encode(load_tokenizer(path), "What is the capital of France?")],
                        device="cuda")

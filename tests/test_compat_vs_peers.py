@@ -105,7 +105,12 @@ def test_flash_attn_with_kvcache_matches_fa3(case):
         kw["cache_seqlens"] = (lens - 1).clamp(min=0).to(torch.int32)
     caches = [(inp.key_cache.clone(), inp.value_cache.clone()) for _ in range(2)]
     ours, our_lse = flash_attn_with_kvcache(q, *caches[0], k, v, **kw)
-    theirs, their_lse, *_ = fa3(q, *caches[1], k, v, **kw)
+    try:
+        theirs, their_lse, *_ = fa3(q, *caches[1], k, v, **kw)
+    except RuntimeError as e:  # a feature left out of this FA3 build (softcap in the carried one)
+        if "does not support" not in str(e):
+            raise
+        pytest.skip(f"fa3: {e}")
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
     tol = tolerance_for(torch.float8_e4m3fn if fp8 else dtype)
     assert rel_l2_error(ours, theirs) <= tol
