@@ -83,7 +83,7 @@ def check_table(readme: str, bench_md: str) -> tuple[list[str], int]:
 
 def _result_numbers(results_dir: Path) -> list[float]:
     numbers = []
-    for path in sorted(results_dir.rglob("*")):
+    for path in sorted(results_dir.glob("*")):  # the current files: not an A/B's subfolder
         if path.is_file() and path.suffix in RESULT_SUFFIXES and path.name not in HISTORY_FILES:
             text = path.read_text(encoding="utf-8", errors="replace")
             numbers.extend(float(_plain(n)) for n in re.findall(NUMBER, text))
