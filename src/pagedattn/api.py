@@ -582,7 +582,8 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
             if plan._on_cpu:  # validate is None here: the value checks run on the CPU
                 _run_value_checks(query, block_tables, context_lens, key_cache.shape[0],
                                   plan.page_size, validate, window_left=plan.window_left,
-                                  q_len=plan.q_len)
+                                  q_len=plan.q_len, k_scale=k_scale, v_scale=v_scale,
+                                  caches=(key_cache, value_cache, plan.kv_layout), scale=scale)
             return plan._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                                 return_lse, tables=(block_tables, context_lens))
     variants = dict(window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
