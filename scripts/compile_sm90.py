@@ -45,15 +45,17 @@ CASES = {
     "plain-fp32": ({}, (), torch.float32, None, 64, 8),
     "plain-fp8": ({}, (), torch.bfloat16, torch.float8_e4m3fn, 64, 8),
     "plain-per-head-merge": ({}, (), torch.bfloat16, None, 1, 2),
-    "window": (dict(window_left=2100), (), torch.bfloat16, None, 2, 8),  # split (> 2,048)
+    "window": (dict(window_left=2100, max_pages=256), (), torch.bfloat16, None, 2, 8),  # split
     # as plan.run serves it (no LSE), where a window's load mask once cost 160 registers
     # (three programs per SM instead of four: perf-notes step 23)
-    # (a window wider than launch.decode._WINDOW_UNIT_MAX_KEYS: the split plan)
-    "window-no-lse": (dict(window_left=4096, lse=False), (), torch.bfloat16, None, 64, 8),
+    # (a window wider than launch.decode._WINDOW_UNIT_MAX_KEYS: the split plan; every window
+    # case's table holds more tokens than its window, which is otherwise planned as no window)
+    "window-no-lse": (dict(window_left=4096, lse=False, max_pages=512), (), torch.bfloat16,
+                      None, 64, 8),
     # a 1,024-token window whose (sequence, kv head) pairs fill the GPU: one unit each
     # (window_one_unit), 32-token tiles 3 deep, no merge
-    "window-one-unit-no-lse": (dict(window_left=1024, lse=False), (), torch.bfloat16, None,
-                               64, 8),
+    "window-one-unit-no-lse": (dict(window_left=1024, lse=False, max_pages=128), (),
+                               torch.bfloat16, None, 64, 8),
     "softcap": (dict(softcap=30.0), (), torch.bfloat16, None, 2, 8),
     "sinks": ({}, ("sinks",), torch.bfloat16, None, 2, 8),
     "sinks-per-head-merge": ({}, ("sinks",), torch.bfloat16, None, 1, 2),
