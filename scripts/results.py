@@ -57,6 +57,8 @@ US_TARGETS = (("fp8-llama8b-b64-c8k", 290), ("fp8-llama8b-b1-c32k", 40),
               ("seed-fp32-b64-c2048", 300))
 #: the sections whose file measured an older commit than the bench run (file -> commit)
 OLDER = "measured-on.json"
+#: what changed in src/ since the bench run, quoted under the page's header (absent: nothing)
+SINCE = "src-since-run.md"
 SLACK = 1.02  # the contract's "at least as fast": <= 1.02 x the peer's median
 
 
@@ -350,6 +352,15 @@ def _older(results: Path) -> dict[str, str]:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
+def _since(results: Path) -> list[str]:
+    """The quoted lines of :data:`SINCE`, and a blank line, or nothing."""
+    path = results / SINCE
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").strip().splitlines()
+    return [f"> {line}".rstrip() for line in lines] + [""]
+
+
 def page(results: Path, gpu: str) -> str:
     """The current page of ``gpu`` from its results files in ``results``."""
     rows, meta = read_bench(results / f"bench-{gpu}.json")
@@ -364,6 +375,7 @@ def page(results: Path, gpu: str) -> str:
            + (" Sections made from older files say so: "
               + ", ".join(f"`{f}` ({c})" for f, c in _older(results).items()) + "."
               if _older(results) else ""), "",
+           *_since(results),
            f"One {meta.get('gpu', gpu)}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
            f"run of {meta.get('date')}. Read roofline measured in the same run by a "
            f"streaming-read kernel: {roof:,.0f} GB/s (the % columns use it)." if roof else "",
