@@ -17,7 +17,7 @@ import pytest
 import torch
 from _hardening import NO_VARIANT_IMPLS
 
-from pagedattn import merge_states, paged_decode, paged_decode_reference, plan_decode
+from pagedattn import merge_states, options, paged_decode, paged_decode_reference, plan_decode
 from pagedattn.serving import ops
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
@@ -41,6 +41,22 @@ def _heads(device, seed, low=-1.0, high=1.0):
     return (torch.rand(H, generator=g) * (high - low) + low).to(device)
 
 
+#: a value that switches each option of ``pagedattn.options`` on (a per-call one: a maker of
+#: its ``[num_q_heads]`` tensor, given the device): the parametrized tests below run each,
+#: and ``test_every_option_is_tested`` fails for a field without one
+EXAMPLES = {
+    "window_left": 7, "logits_soft_cap": 3.0, "batch_invariant": True,
+    "sinks": lambda device: _heads(device, 30, -2.0, 3.0),
+    "alibi_slopes": lambda device: _heads(device, 31, 0.0, 0.3),
+}
+PLAN_EXAMPLES = {n: v for n, v in EXAMPLES.items() if n in options.PLAN}
+
+
+def _example(name, device):
+    value = EXAMPLES[name]
+    return value(device) if callable(value) else value
+
+
 def _check(inputs, query=None, num_splits=None, **kw):
     """paged_decode (NaN-poisoned out) against the oracle: out within the dtype's tolerance,
     LSE within 1e-3 where finite and -inf exactly where the oracle's is."""
@@ -61,6 +77,36 @@ def _check(inputs, query=None, num_splits=None, **kw):
 
 
 SPLITS = [None, 3, 1]  # 1: one unit per sequence (no scans of the lengths, no merge)
+
+
+def test_every_option_is_tested():
+    """Each field of ``DecodeOptions`` has an example (the parametrized tests), a refused
+    bad value (``BAD``), and a keyword of the oracle; every option is off at its default."""
+    import inspect
+
+    assert set(EXAMPLES) == set(options.OPTIONS)
+    assert set(options.OPTIONS) <= {name for kw, _, _ in BAD for name in kw}
+    assert set(options.OPTIONS) <= set(inspect.signature(paged_decode_reference).parameters)
+    for name in options.OPTIONS:
+        assert options.is_default(name, options.DEFAULTS[name])
+        assert not options.is_default(name, _example(name, "cpu"))
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_each_option_against_the_oracle(device, name, num_splits):
+    """Each option on alone, one-shot (with an empty sequence and a multi-token query) and
+    through a plan (a plan-time option to ``plan_decode``, a per-call one to ``run``)."""
+    inp = _inputs([0, 9, 70], device, seed=18)
+    kw = {name: _example(name, device)}
+    _check(inp, num_splits=num_splits, **kw)
+    _check(inp, _multi_query(inp, 2, seed=18), num_splits=num_splits, **kw)
+    plan_kw = {k: v for k, v in kw.items() if k in options.PLAN}
+    plan = plan_decode(inp.block_tables, inp.context_lens, q_dtype=torch.float32,
+                       num_splits=num_splits, **plan_kw, **SHAPE)
+    out = plan.run(*inp[:3], **{k: v for k, v in kw.items() if k not in plan_kw})
+    ref = paged_decode_reference(*inp, **kw)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float32)
 
 
 @pytest.mark.parametrize("num_splits", SPLITS)
@@ -342,6 +388,9 @@ BAD = [
     (dict(alibi_slopes=torch.zeros(1, H)), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=torch.zeros(H, dtype=torch.float16)), TypeError, "alibi_slopes"),
     (dict(batch_invariant=1), TypeError, "batch_invariant"),
+    (dict(sinks=torch.tensor([0.0, math.nan, 0.0, 0.0])), ValueError, "sinks"),
+    (dict(alibi_slopes=torch.tensor([0.0, math.inf, 0.0, 0.0])), ValueError, "alibi_slopes"),
+    (dict(no_such_option=1), TypeError, "no_such_option"),
 ]
 
 
@@ -356,11 +405,9 @@ def test_bad_variant_arguments_are_named(kw, exc, name):
 def test_impls_without_variants_refuse_them_and_4d_queries(impl):
     """Every impl the table marks without ``variants`` (the study's stages, a new impl)."""
     inp = _inputs([3, 5], "cpu")
-    for kw in (dict(window_left=4), dict(logits_soft_cap=30.0), dict(sinks=torch.zeros(H)),
-               dict(alibi_slopes=torch.zeros(H)), dict(batch_invariant=True)):
-        name = next(iter(kw))
+    for name in EXAMPLES:
         with pytest.raises(ValueError, match=rf"{name}: impl='{impl}'"):
-            paged_decode(*inp, impl=impl, **kw)
+            paged_decode(*inp, impl=impl, **{name: _example(name, "cpu")})
     with pytest.raises(ValueError, match=rf"query: impl='{impl}'"):
         paged_decode(_multi_query(inp, 2), *inp[1:], impl=impl)
 
@@ -393,32 +440,28 @@ def test_plan_and_merge_errors():
 
 # --- torch custom op -----------------------------------------------------------------------
 
-VARIANT_KW = dict(window_left=6, logits_soft_cap=3.0)
-
-
 def _op_case(device):
+    """A multi-token call with every option on (``EXAMPLES``)."""
     inp = _inputs([5, 0, 13], device, poison=False)
-    return (_multi_query(inp, 2), *inp[1:]), dict(sinks=_heads(device, 16),
-                                                  alibi_slopes=_heads(device, 17, 0, 0.2))
+    return (_multi_query(inp, 2), *inp[1:]), {n: _example(n, device) for n in EXAMPLES}
 
 
 def test_opcheck_variants(device):
-    args, tensors = _op_case(device)
-    torch.library.opcheck(torch.ops.pagedattn.paged_decode_lse.default, args,
-                          {**VARIANT_KW, **tensors},
+    args, kw = _op_case(device)
+    torch.library.opcheck(torch.ops.pagedattn.paged_decode_lse.default, args, kw,
                           test_utils=("test_schema", "test_faketensor",
                                       "test_aot_dispatch_static"))
-    out, lse = ops.paged_decode(*args, return_lse=True, **VARIANT_KW, **tensors)
-    ref = paged_decode_reference(*args, **VARIANT_KW, **tensors)
+    out, lse = ops.paged_decode(*args, return_lse=True, **kw)
+    ref = paged_decode_reference(*args, **kw)
     assert lse.shape == (3, 2, H) and rel_l2_error(out, ref.out) <= 1e-4
 
 
 def test_torch_compile_fullgraph_variants(device):
     torch._dynamo.reset()
-    args, tensors = _op_case(device)
+    args, kw = _op_case(device)
 
     def step(query, *rest):
-        out, lse = ops.paged_decode(query, *rest, return_lse=True, **VARIANT_KW, **tensors)
+        out, lse = ops.paged_decode(query, *rest, return_lse=True, **kw)
         return out * 2, lse
 
     eager = step(*args)
