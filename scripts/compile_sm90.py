@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import pagedattn.launch.decode as L  # noqa: E402
-from pagedattn.options import plan_options  # noqa: E402
+from pagedattn.options import OPTIONS, plan_options  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
@@ -73,6 +73,17 @@ CASES = {
                             ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
     "one-unit-fp8": (dict(max_pages=8), (), torch.bfloat16, torch.float8_e4m3fn, 1, 8),
 }
+
+#: an option that no case above switches on gets a case of its own, ``option-<name>`` (its
+#: ``Option.example``), so a new variant compiles for sm_90 with no edit here; the word
+#: ``new-options`` in ``--cases`` stands for those cases (none while every option has one)
+_COVERED = {name for case in CASES.values() for name in (*case[0], *case[1])}
+NEW_OPTION_CASES = [f"option-{name}" for name in OPTIONS if name not in _COVERED]
+for _name in OPTIONS:
+    if _name not in _COVERED:
+        _on = ({_name: OPTIONS[_name].example}, ()) if OPTIONS[_name].when == "plan" else \
+            ({}, (_name,))
+        CASES[f"option-{_name}"] = (*_on, torch.bfloat16, None, 2, 8)
 
 
 class _Compile:
@@ -161,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
         setattr(L, name, _Compile(getattr(L, name)))
     L._direct_launch_supported = lambda: False
-    for case in args.cases.split(","):
+    cases = [c for word in args.cases.split(",")
+             for c in (NEW_OPTION_CASES if word == "new-options" else [word])]
+    for case in cases:
         compiled = compile_case(case)
         for kind, c in compiled.items():
             print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines",

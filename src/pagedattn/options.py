@@ -44,6 +44,9 @@ class Option(NamedTuple):
     exact: tuple  # the exact types a one-shot call's fast path accepts (plan-time)
     check: Callable[[str, Any], None]  # metadata check (a per-call one: of the tensor)
     doc: str  # its line(s) in paged_decode's Args
+    # a value that switches it on, for the tests and scripts/compile_sm90.py (a per-call
+    # one: the (low, high) range of its per-head values)
+    example: Any
     merge: bool = False  # the merge kernels take the arg and the flag too
     normalize: Callable[[Any], Any] = lambda v: v  # the value the launcher sees
     check_values: Callable[[str, torch.Tensor], None] | None = None  # reads the data
@@ -98,7 +101,7 @@ class DecodeOptions:
 
     window_left: int = _plan(
         -1, flag="HAS_WINDOW", arg="window_left", off=0, schema="int", exact=(int,),
-        check=_check_window, normalize=lambda v: min(int(v), INT32_MAX),
+        check=_check_window, normalize=lambda v: min(int(v), INT32_MAX), example=7,
         doc="sliding window (Mistral; Gemma 2/3's local layers): the query token at "
             "position ``i`` sees keys ``p`` with ``i - window_left <= p <= i``; ``-1`` "
             "(default) is no window (as is any window at least as wide as the context). "
@@ -106,25 +109,26 @@ class DecodeOptions:
             "visible tokens, so time scales with the window, not the context. An int >= -1.")
     logits_soft_cap: float | None = _plan(
         None, flag="HAS_SOFTCAP", arg="softcap", off=1.0, schema="float?",
-        exact=(float, type(None)), check=_check_soft_cap,
+        exact=(float, type(None)), check=_check_soft_cap, example=3.0,
         normalize=lambda v: None if v is None else float(v),
         doc="a finite float > 0 (Gemma 2: 50.0 for attention), within float32's range / "
             "log2(e): the logits ``s = scale·q·k`` become ``cap·tanh(s / cap)`` before any "
             "bias and the softmax.")
     sinks: torch.Tensor | None = _call(
         flag="HAS_SINKS", arg="sinks_ptr", merge=True, check_values=_sink_values,
+        example=(-2.0, 3.0),
         doc="``[num_q_heads]`` float32 on the query's device, one logit per head added to "
             "the softmax denominator only (gpt-oss's attention sinks): ``out = Σ "
             "exp(s_p)·v_p / (exp(sink) + Σ exp(s_p))``; the LSE is the log of that whole "
             "denominator (a row with no key: out 0, LSE = sink). ``-inf`` is no sink.")
     alibi_slopes: torch.Tensor | None = _call(
-        flag="HAS_ALIBI", arg="alibi_ptr", check_values=_finite_slopes,
+        flag="HAS_ALIBI", arg="alibi_ptr", check_values=_finite_slopes, example=(0.0, 0.3),
         doc="``[num_q_heads]`` float32 on the query's device, finite: ALiBi (Press et al., "
             "ICLR 2022; BLOOM, MPT, Falcon) adds ``slope_h · (p - i)`` to the logit of key "
             "``p`` for the query at ``i``, after the soft-cap.")
     batch_invariant: bool = _plan(
         False, flag="BATCH_INVARIANT", arg=None, off=None, schema="bool", exact=(bool,),
-        check=_check_bool,
+        check=_check_bool, example=True,
         doc="``True`` makes each sequence's output bitwise identical whatever else is in the "
             "batch and whatever the batch size (a fixed split size in tokens; the vLLM "
             "batch-invariant / SGLang deterministic modes). Costs some speed on batches "
