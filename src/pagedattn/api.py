@@ -235,9 +235,10 @@ class DecodePlan:
             key_cache, value_cache: the plan's layout and ``kv_dtype``, ``num_kv_heads``,
                 ``page_size`` and ``head_dim`` (see :func:`paged_decode`).
             scale, k_scale, v_scale, out, return_lse, validate: as in :func:`paged_decode`.
-            variants: the per-call options of :mod:`pagedattn.options` (``sinks``,
-                ``alibi_slopes``): per-layer ``[num_q_heads]`` float32 tensors on the plan's
-                device, or ``None``; as in :func:`paged_decode`.
+            variants: the per-call options of :mod:`pagedattn.options`, per-layer
+                ``[num_q_heads]`` float32 tensors on the plan's device, or ``None``; as in
+                :func:`paged_decode`:
+<variant options>
 
         Returns:
             ``out`` or ``DecodeOutput(out, lse)`` as :func:`paged_decode`.
@@ -348,11 +349,10 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
             ``context_lens`` on the device, so a later in-place update stays correct.
         q_len: query tokens per sequence (≥ 1); with ``q_len > 1`` :meth:`DecodePlan.run`
             takes ``[batch, q_len, num_q_heads, head_dim]`` queries (speculative decoding).
-        variants: the plan-time options of :mod:`pagedattn.options` (``window_left``,
-            ``logits_soft_cap``, ``batch_invariant``), as in :func:`paged_decode`; they are
-            compile-time specializations of the plan's kernel. (The per-call ones,
-            ``sinks`` and ``alibi_slopes``, are per layer: pass them to
-            :meth:`DecodePlan.run`.)
+        variants: the plan-time options of :mod:`pagedattn.options`, as in
+            :func:`paged_decode`: compile-time specializations of the plan's kernel (the
+            per-call ones are per layer: pass them to :meth:`DecodePlan.run`):
+<variant options>
 
     Returns:
         A :class:`DecodePlan`. Nothing is read from the device (no host sync).
@@ -657,24 +657,24 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                           validate=validate)
 
 
-def _with_variants(fn, names: tuple, doc: bool = False):
+def _with_variants(fn, names: tuple, indent: int = 0):
     """``fn`` takes the options ``names`` as ``**variants``: its ``__signature__`` lists them
-    (keyword-only, with their defaults and types, from :class:`DecodeOptions`), and with
-    ``doc`` its docstring's ``<variant options>`` line becomes their Args entries."""
+    (keyword-only, with their defaults and types, from :class:`DecodeOptions`), and with an
+    ``indent`` its docstring's ``<variant options>`` line becomes their Args entries."""
     import inspect
 
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     fn.__signature__ = sig.replace(parameters=params + O.signature_params(names))
-    if doc:
-        fn.__doc__ = fn.__doc__.replace("<variant options>", O.docs(12, names))
+    if indent:
+        fn.__doc__ = fn.__doc__.replace("<variant options>", O.docs(indent, names))
     return fn
 
 
-_with_variants(paged_decode, tuple(O.OPTIONS), doc=True)
+_with_variants(paged_decode, tuple(O.OPTIONS), indent=12)
 _with_variants(compiled_kernels, tuple(O.OPTIONS))
-_with_variants(plan_decode, O.PLAN)
-_with_variants(DecodePlan.run, O.CALL)
+_with_variants(plan_decode, O.PLAN, indent=12)
+_with_variants(DecodePlan.run, O.CALL, indent=16)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:

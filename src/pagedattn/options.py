@@ -48,6 +48,9 @@ class Option(NamedTuple):
     # one: the (low, high) range of its per-head values)
     example: Any
     merge: bool = False  # the merge kernels take the arg and the flag too
+    # the constexpr holds the value itself (``arg`` None): no runtime argument, so the
+    # kernel's parameters are unchanged, and each value compiles its own kernel
+    flag_value: bool = False
     normalize: Callable[[Any], Any] = lambda v: v  # the value the launcher sees
     check_values: Callable[[str, torch.Tensor], None] | None = None  # reads the data
 
@@ -153,9 +156,10 @@ class DecodeOptions:
         return tuple(getattr(self, n) for n in PLAN)
 
     def constexprs(self, merge: bool = False) -> dict[str, bool]:
-        """The plan-time flags of the main kernel (``merge``: of the merge kernels)."""
-        return {o.flag: getattr(self, n) != DEFAULTS[n] for n, o in OPTIONS.items()
-                if o.when == "plan" and (o.merge or not merge)}
+        """The plan-time flags of the main kernel (``merge``: of the merge kernels): on when
+        the value is not the default (an option with ``flag_value``: the value)."""
+        return {o.flag: getattr(self, n) if o.flag_value else getattr(self, n) != DEFAULTS[n]
+                for n, o in OPTIONS.items() if o.when == "plan" and (o.merge or not merge)}
 
     def kernel_args(self, merge: bool = False) -> dict[str, Any]:
         """The plan-time runtime arguments of the main kernel (``merge``: of the merges):
@@ -271,8 +275,8 @@ def docs(indent: int = 8, names: tuple = tuple(OPTIONS)) -> str:
 
     lines = []
     for n in names:
-        lines += textwrap.wrap(f"{n}: {OPTIONS[n].doc}", width=95 - indent,
-                               initial_indent=" " * indent,
+        lines += textwrap.wrap(f"{n}: {OPTIONS[n].doc}", width=95, break_on_hyphens=False,
+                               break_long_words=False, initial_indent=" " * indent,
                                subsequent_indent=" " * (indent + 4))
     return "\n".join(lines)
 
