@@ -569,3 +569,20 @@ def test_every_true_word_of_triton_runs_cpu_tensors(value, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", value)
     ref = pagedattn.paged_decode_reference(*args).out
     assert torch.allclose(pagedattn.paged_decode(*args).double(), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["paged_decode", "plan.run"])
+def test_a_sparse_out_is_a_type_error_naming_it(path):
+    """A sparse ``out`` got the overlap error (its strides read as 0): refused for its layout,
+    as a sparse query is."""
+    inp = make_paged_inputs([5, 33], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            dtype=torch.float32)
+    out = torch.zeros(2, 4, 32).to_sparse()
+    with pytest.raises(TypeError, match="^out: expected a dense"):
+        if path == "paged_decode":
+            pagedattn.paged_decode(*inp, out=out)
+        else:
+            plan = pagedattn.plan_decode(inp.block_tables, inp.context_lens, num_q_heads=4,
+                                         num_kv_heads=2, head_dim=32, page_size=16,
+                                         q_dtype=torch.float32)
+            plan.run(inp.query, inp.key_cache, inp.value_cache, out=out)

@@ -324,7 +324,10 @@ def check_out_aliasing(out: torch.Tensor, query: torch.Tensor, caches: tuple = (
     (a broadcast view with stride 0, or overlapping strides), and it may share none with the
     query unless it is the query itself (each program reads its query rows before writing
     the same rows), nor with the caches in ``caches`` (``(name, tensor)`` pairs: read while
-    ``out`` is written). Metadata only. Raises ValueError naming ``out``."""
+    ``out`` is written). Metadata only. Raises ValueError naming ``out`` (TypeError for a
+    sparse or nested ``out``: its strides, read here, would say nothing of its memory)."""
+    if out.layout != torch.strided:
+        _fail(TypeError, "out", "a dense (strided) tensor", out.layout)
     dims = sorted((stride, size) for size, stride in zip(out.shape, out.stride(), strict=True)
                   if size > 1)
     reach = 1
