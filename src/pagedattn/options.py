@@ -100,7 +100,8 @@ def _call(**meta):
 @dataclass(frozen=True)
 class DecodeOptions:
     """The attention variants of one decode, each off at its default (see the module
-    docstring). A plan holds one with its per-call fields at ``None`` (:meth:`static`)."""
+    docstring). A plan and a launcher hold one with its per-call fields at ``None``
+    (:func:`plan_options`); the per-call tensors travel beside it (:func:`call_options`)."""
 
     window_left: int = _plan(
         -1, flag="HAS_WINDOW", arg="window_left", off=0, schema="int", exact=(int,),
@@ -145,11 +146,6 @@ class DecodeOptions:
             normal = OPTIONS[name].normalize(value)
             if normal is not value:
                 object.__setattr__(self, name, normal)
-
-    def static(self) -> DecodeOptions:
-        """These options with every per-call field off (what a plan and a launcher hold)."""
-        return self if not any(getattr(self, n) is not None for n in CALL) else \
-            DecodeOptions(**{n: getattr(self, n) for n in PLAN})
 
     def key(self) -> tuple:
         """The plan-time values, in field order (a part of the launchers' static key)."""
