@@ -118,8 +118,7 @@ def ours(shape, b: BenchBatch, query, plan_kw: dict, layer: dict, config: str = 
             num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, page_size=shape.page_size,
             q_dtype=shape.dtype, kv_dtype=shape.cache_dtype, device=query.device,
             num_splits=plan_kw.get("num_splits"), config=replace(base, **over),
-            softcap=plan_kw.get("logits_soft_cap"),
-            **{k: v for k, v in plan_kw.items() if k not in ("logits_soft_cap", "num_splits")})
+            q_len=plan.q_len, options=plan.options)
     out = torch.empty_like(query)
     return lambda: plan.run(query, b.key_cache, b.value_cache, out=out, **layer)
 

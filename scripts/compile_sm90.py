@@ -33,13 +33,15 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import pagedattn.launch.decode as L  # noqa: E402
+from pagedattn.options import OPTIONS, plan_options  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
           torch.float8_e5m2: "fp8e5"}
 TARGET = GPUTarget("cuda", 90, 32)
 
-#: name -> (AutoLauncher options, per-call tensors, dtype, cache dtype, batch, kv heads)
+#: name -> (AutoLauncher table width, q_len, LSE and plan-time options (pagedattn.options),
+#: per-call options, dtype, cache dtype, batch, kv heads)
 CASES = {
     "plain-bf16": ({}, (), torch.bfloat16, None, 64, 8),
     "plain-fp32": ({}, (), torch.float32, None, 64, 8),
@@ -56,21 +58,32 @@ CASES = {
     # (window_one_unit), 32-token tiles 3 deep, no merge
     "window-one-unit-no-lse": (dict(window_left=1024, lse=False, max_pages=128), (),
                                torch.bfloat16, None, 64, 8),
-    "softcap": (dict(softcap=30.0), (), torch.bfloat16, None, 2, 8),
+    "softcap": (dict(logits_soft_cap=30.0), (), torch.bfloat16, None, 2, 8),
     "sinks": ({}, ("sinks",), torch.bfloat16, None, 2, 8),
     "sinks-per-head-merge": ({}, ("sinks",), torch.bfloat16, None, 1, 2),
     "alibi": ({}, ("alibi_slopes",), torch.bfloat16, None, 2, 8),
     "invariant": (dict(batch_invariant=True), (), torch.bfloat16, None, 2, 8),
     "q_len4": (dict(q_len=4), (), torch.bfloat16, None, 2, 8),
-    "everything": (dict(q_len=3, window_left=50, softcap=5.0, batch_invariant=True),
+    "everything": (dict(q_len=3, window_left=50, logits_soft_cap=5.0, batch_invariant=True),
                    ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
     "q_len2-fp8-sinks": (dict(q_len=2), ("sinks",), torch.bfloat16, torch.float8_e4m3fn, 2, 8),
     "fp32-window-sinks": (dict(window_left=7), ("sinks",), torch.float32, None, 2, 8),
     # a 128-token table: one unit per sequence (ONE_UNIT), the main kernel only, no merge
-    "one-unit-everything": (dict(max_pages=8, q_len=3, window_left=50, softcap=5.0),
+    "one-unit-everything": (dict(max_pages=8, q_len=3, window_left=50, logits_soft_cap=5.0),
                             ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
     "one-unit-fp8": (dict(max_pages=8), (), torch.bfloat16, torch.float8_e4m3fn, 1, 8),
 }
+
+#: an option that no case above switches on gets a case of its own, ``option-<name>`` (its
+#: ``Option.example``), so a new variant compiles for sm_90 with no edit here; the word
+#: ``new-options`` in ``--cases`` stands for those cases (none while every option has one)
+_COVERED = {name for case in CASES.values() for name in (*case[0], *case[1])}
+NEW_OPTION_CASES = [f"option-{name}" for name in OPTIONS if name not in _COVERED]
+for _name in OPTIONS:
+    if _name not in _COVERED:
+        _on = ({_name: OPTIONS[_name].example}, ()) if OPTIONS[_name].when == "plan" else \
+            ({}, (_name,))
+        CASES[f"option-{_name}"] = (*_on, torch.bfloat16, None, 2, 8)
 
 
 class _Compile:
@@ -114,11 +127,12 @@ def compile_case(name: str) -> dict:
     max_pages = options.pop("max_pages", 64)  # 1,024 tokens: splits and a merge
     with_lse = options.pop("lse", True)
     kv_dtype = kv_dtype or dtype
-    q_len = options.get("q_len", 1)
+    q_len = options.pop("q_len", 1)
     launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=32,
                               num_kv_heads=kv_heads,
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
-                              device=torch.device("cpu"), num_splits=None, **options)
+                              device=torch.device("cpu"), num_splits=None, q_len=q_len,
+                              options=plan_options(options))
     query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
@@ -127,7 +141,7 @@ def compile_case(name: str) -> dict:
     tensors = {k: torch.zeros(32) for k in per_call}
     return launcher.launch(query, cache, cache, tables, lens, torch.empty_like(query),
                            torch.empty(query.shape[:-1]) if with_lse else None, scale=0.1,
-                           **tensors)
+                           calls=tensors)
 
 
 def ptx_code(ptx: str) -> list[str]:
@@ -158,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
         setattr(L, name, _Compile(getattr(L, name)))
     L._direct_launch_supported = lambda: False
-    for case in args.cases.split(","):
+    cases = [c for word in args.cases.split(",")
+             for c in (NEW_OPTION_CASES if word == "new-options" else [word])]
+    for case in cases:
         compiled = compile_case(case)
         for kind, c in compiled.items():
             print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines",

@@ -33,8 +33,9 @@ per static key (a bounded LRU cache of launch configurations and their records),
 fresh workspace per call, so its repeats take the recorded path too. On any
 other Triton version or under the interpreter every launch goes through ``kernel[grid]``;
 launch hooks (profilers) are honoured on both paths. Calls with tensor scales always launch
-through ``kernel[grid]``; ``sinks`` and ``alibi_slopes`` (per-layer tensors, validated as
-``[num_q_heads]`` float32) are per-call slots of the record.
+through ``kernel[grid]``; the per-call variants of :mod:`pagedattn.options` (``sinks``,
+``alibi_slopes``: per-layer tensors, validated as ``[num_q_heads]`` float32) are per-call
+slots of the record.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from pagedattn.kernels.decode import (
     _paged_decode_kernel,
 )
 from pagedattn.launch._common import LOG2E, block_d, cdiv, next_power_of_2
+from pagedattn.options import CALL_ARGS, DEFAULT, DecodeOptions
 
 # split rows merged per vector step by the per-head merge, at most: the most rows a sequence
 # can have (from shapes), so the usual split counts take one round (batch 1 at 32 k tokens:
@@ -190,13 +192,17 @@ def _direct_launch_supported() -> bool:
 
 
 #: the per-call arguments of each kernel, in the order :meth:`AutoLauncher.launch` fills them
-#: into a recorded launch (everything else is fixed by the binding and the launcher)
+#: into a recorded launch (everything else is fixed by the binding and the launcher), then
+#: those of the per-call variants (``pagedattn.options.CALL_ARGS``: one pointer each)
 _MAIN_SLOTS = ("query_ptr", "key_cache_ptr", "value_cache_ptr", "block_tables_ptr",
-               "context_lens_ptr", "out_ptr", "lse_ptr", "sinks_ptr", "alibi_ptr",
+               "context_lens_ptr", "out_ptr", "lse_ptr",
                "scale_log2", "k_scale_val", "v_scale_val", "part_ml_ptr", "part_acc_ptr",
                "seq_rows_ptr", "k_scale_ptr", "v_scale_ptr")
-_MERGE_SLOTS = ("context_lens_ptr", "out_ptr", "lse_ptr", "sinks_ptr", "part_ml_ptr",
+_MERGE_SLOTS = ("context_lens_ptr", "out_ptr", "lse_ptr", "part_ml_ptr",
                 "part_acc_ptr", "seq_rows_ptr")
+#: (option name, kernel argument) of the per-call variants each kernel takes
+_MAIN_CALLS = tuple((name, arg, flag) for name, arg, flag, _ in CALL_ARGS)
+_MERGE_CALLS = tuple((name, arg, flag) for name, arg, flag, merge in CALL_ARGS if merge)
 #: bindings kept per launcher (a plan sees one or two in practice: with and without LSE)
 _MAX_BINDINGS = 16
 
@@ -224,15 +230,19 @@ def _launch_compiled(compiled, grid: tuple[int, int, int], stream: int, args: li
                  leave, *args)
 
 
-def _recorded(kernel, args: dict, slots: tuple[str, ...]) -> tuple[list, tuple[int, ...]]:
-    """``kernel``'s arguments in parameter order with ``None`` in the per-call ``slots``, and
-    the positions of those slots. Every tensor argument is a slot (the caller's tensors and
-    the workspace), so a record holds no tensor and no address: it is a function of the
-    launcher's shapes and the binding alone."""
+def _recorded(kernel, args: dict, slots: tuple[str, ...], calls: tuple) -> tuple[list, tuple]:
+    """``kernel``'s arguments in parameter order with ``None`` in the per-call ``slots`` and
+    the per-call variants' arguments (``calls``: ``(name, arg, flag)``), and the positions
+    of the slots followed by one tuple of ``(position, option name)`` for the variants.
+    Every tensor argument is a slot (the caller's tensors and the workspace), so a record
+    holds no tensor and no address: it is a function of the launcher's shapes and the
+    binding alone."""
     names = kernel.arg_names
-    rec = [None if n in slots else args[n] for n in names]
+    variant_args = {arg for _, arg, _ in calls}
+    rec = [None if n in slots or n in variant_args else args[n] for n in names]
     assert not any(isinstance(a, torch.Tensor) for a in rec), "a tensor argument is no slot"
-    return rec, tuple(names.index(n) for n in slots)
+    return rec, (*(names.index(n) for n in slots),
+                 tuple((names.index(arg), name) for name, arg, _ in calls))
 
 
 # the widest sliding window (keys seen by the query) planned one unit per sequence: measured
@@ -318,8 +328,9 @@ class AutoLauncher:
         num_splits: forced splits per sequence, or ``None`` (token-balanced on the device).
         config: a :class:`DecodeConfig` to use instead of :func:`choose_config` (tuning).
         ragged: the caller knows the batch is ragged (from a host copy of the lengths).
-        q_len, window_left, softcap, batch_invariant: the plan-time variants (see
-            :func:`pagedattn.plan_decode`); each is a constexpr of the kernels, off by default.
+        q_len: query tokens per sequence (a constexpr of the kernels).
+        options: the plan-time variants (:class:`pagedattn.options.DecodeOptions`, per-call
+            fields off); each is a constexpr of the kernels, off by default.
         record: record each binding's launch for the direct path of later launches (see the
             module docstring); ``False`` for a launcher that launches once, which saves the
             record's host time.
@@ -332,8 +343,8 @@ class AutoLauncher:
                  head_dim: int, page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                  device: torch.device, num_splits: int | None,
                  config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
-                 window_left: int = -1, softcap: float | None = None,
-                 batch_invariant: bool = False, record: bool = True, workspace: bool = True):
+                 options: DecodeOptions = DEFAULT, record: bool = True,
+                 workspace: bool = True):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         group = num_q_heads // num_kv_heads
@@ -343,8 +354,9 @@ class AutoLauncher:
         # every key; n - q_len - window_left wrapped in the planner); both on the host, so
         # the kernels are unchanged
         max_pages = kernel_max_pages(max_pages, page_size)
-        if window_left >= max_pages * page_size:
-            window_left = -1
+        if options.window_left >= max_pages * page_size:
+            options = replace(options, window_left=-1)
+        window_left, batch_invariant = options.window_left, options.batch_invariant
         self.config = cfg = config or choose_config(
             head_dim, group, kv_dtype, page_size, interpret,
             device_name_for(device) if on_gpu else None, ragged and not batch_invariant)
@@ -353,7 +365,7 @@ class AutoLauncher:
             self.config = cfg = multi_token_config(
                 cfg, head_dim=head_dim, kv_dtype=kv_dtype,
                 choose_tiles=config is None and not interpret)
-        self.q_len, self.window_left, self.softcap = q_len, window_left, softcap
+        self.q_len, self.options, self.window_left = q_len, options, window_left
         self.batch_invariant = batch_invariant
         self.batch, self.num_q_heads, self.num_kv_heads = batch, num_q_heads, num_kv_heads
         self.group, self.page_size, self.max_pages = group, page_size, max_pages
@@ -416,9 +428,11 @@ class AutoLauncher:
             PAGE_SIZE=page_size, DOT_DTYPE=_dot_dtype(kv_dtype, interpret),
             DOT_PRECISION=_dot_precision(kv_dtype),
             Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
-            Q_LEN=q_len, HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap is not None,
-            BATCH_INVARIANT=batch_invariant, ONE_UNIT=self.one_unit,
+            Q_LEN=q_len, ONE_UNIT=self.one_unit, **options.constexprs(),
         )
+        # the plan-time variants' runtime values (fixed for the launcher)
+        self.main_variant_args = options.kernel_args()
+        self.merge_variant_args = options.kernel_args(merge=True)
         # merge: one program per (sequence, kv head) when those fill the SMs (H200, batch 64:
         # faster than 2,048 mostly idle per-head programs), else one per (sequence, query
         # head) with split rows vectorized (batch 1: faster than the per-group row loop)
@@ -427,7 +441,8 @@ class AutoLauncher:
         per_group = merge_per_group(batch, num_kv_heads, sms) or q_len > 1 or batch_invariant
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
-        self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd)
+        self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
+                                     **options.constexprs(merge=True))
         if per_group:
             self.merge_constexprs["BLOCK_H"] = max(2, next_power_of_2(q_len * group))
             self.merge_constexprs["Q_LEN"] = q_len
@@ -475,13 +490,14 @@ class AutoLauncher:
         return work[:n_ml], work[n_ml:n_ml + n_acc], seq_rows
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
-               scale: float, k_scale=None, v_scale=None, sinks=None, alibi_slopes=None,
+               scale: float, k_scale=None, v_scale=None, calls=None,
                workspace=None) -> dict[str, object]:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
         ``query``/``out`` are ``[batch, q_len, num_q_heads, head_dim]`` when ``q_len > 1``.
-        ``sinks`` and ``alibi_slopes`` are contiguous ``[num_q_heads]`` float32 (the API makes
-        them so). ``workspace``: a :meth:`new_workspace` for this launch, or ``None`` for the
+        ``calls``: the per-call variants that are on (``pagedattn.options``: name ->
+        contiguous ``[num_q_heads]`` float32, as the API makes them), or ``None``.
+        ``workspace``: a :meth:`new_workspace` for this launch, or ``None`` for the
         launcher's own. Returns the compiled kernels launched, by name (compile metadata for
         the tools)."""
         part_ml, part_acc, seq_rows = workspace or self.workspace
@@ -501,28 +517,27 @@ class AutoLauncher:
                    context_lens.dtype, context_lens.stride(), q_ptr % 16 == 0,
                    k_ptr % 16 == 0, v_ptr % 16 == 0, bt_ptr % 16 == 0, cl_ptr % 16 == 0,
                    out_ptr % 16 == 0, ml_ptr % 16 == 0,
-                   None if sinks is None else (sinks.dtype, sinks.data_ptr() % 16 == 0),
-                   None if alibi_slopes is None else (alibi_slopes.dtype,
-                                                      alibi_slopes.data_ptr() % 16 == 0))
+                   tuple((n, t.dtype, t.data_ptr() % 16 == 0) for n, t in calls.items())
+                   if calls else None)
             entry = self._bindings.get(key)
             if entry is not None:
                 main, merge, main_args, merge_args, main_slots, merge_slots, compiled = entry
                 # unused pointers (flags off) point at the workspace, never read
                 lse_ptr = lse.data_ptr() if lse is not None else ml_ptr
-                sinks_ptr = sinks.data_ptr() if sinks is not None else ml_ptr
                 acc_ptr, rows_ptr = part_acc.data_ptr(), seq_rows.data_ptr()
                 args = main_args.copy()
                 (args[main_slots[0]], args[main_slots[1]], args[main_slots[2]],
                  args[main_slots[3]], args[main_slots[4]], args[main_slots[5]],
                  args[main_slots[6]], args[main_slots[7]], args[main_slots[8]],
                  args[main_slots[9]], args[main_slots[10]], args[main_slots[11]],
-                 args[main_slots[12]], args[main_slots[13]], args[main_slots[14]],
-                 args[main_slots[15]], args[main_slots[16]]) = (
-                    q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, lse_ptr, sinks_ptr,
-                    alibi_slopes.data_ptr() if alibi_slopes is not None else ml_ptr,
+                 args[main_slots[12]], args[main_slots[13]], args[main_slots[14]]) = (
+                    q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, lse_ptr,
                     scale * LOG2E, 1.0 if k_scale is None else float(k_scale),
                     1.0 if v_scale is None else float(v_scale), ml_ptr, acc_ptr, rows_ptr,
                     ml_ptr, ml_ptr)
+                # the per-call variants' slots (after the fixed ones): on, or the workspace
+                for pos, name in main_slots[15]:
+                    args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
                 stream = self._get_stream(self.device.index)
                 enter, leave = _hooks()
                 _launch_compiled(main, self.grid, stream, args, enter, leave)
@@ -530,9 +545,10 @@ class AutoLauncher:
                     return compiled
                 args = merge_args.copy()
                 (args[merge_slots[0]], args[merge_slots[1]], args[merge_slots[2]],
-                 args[merge_slots[3]], args[merge_slots[4]], args[merge_slots[5]],
-                 args[merge_slots[6]]) = (cl_ptr, out_ptr, lse_ptr, sinks_ptr, ml_ptr, acc_ptr,
-                                          rows_ptr)
+                 args[merge_slots[3]], args[merge_slots[4]], args[merge_slots[5]]) = (
+                    cl_ptr, out_ptr, lse_ptr, ml_ptr, acc_ptr, rows_ptr)
+                for pos, name in merge_slots[6]:
+                    args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
                 _launch_compiled(merge, self.merge_grid, stream, args, enter, leave)
                 return compiled
         multi = self.q_len > 1  # a 4-D query and out
@@ -553,10 +569,10 @@ class AutoLauncher:
             k_scale_val=1.0 if tensor_scales or k_scale is None else float(k_scale),
             v_scale_val=1.0 if tensor_scales or v_scale is None else float(v_scale),
             scale_log2=scale * LOG2E,
-            sinks_ptr=part_ml if sinks is None else sinks,
-            alibi_ptr=part_ml if alibi_slopes is None else alibi_slopes,
-            window_left=max(self.window_left, 0),
-            softcap=1.0 if self.softcap is None else float(self.softcap),
+            # the variants: per-call tensors (the workspace when off), plan-time values
+            **{arg: calls.get(name, part_ml) if calls else part_ml
+               for name, arg, _ in _MAIN_CALLS},
+            **self.main_variant_args,
             stride_q_t=query.stride(1) if multi else 0,
             stride_o_t=out.stride(1) if multi else 0,
             batch=self.batch, num_kv_heads=self.num_kv_heads, group=self.group,
@@ -574,19 +590,21 @@ class AutoLauncher:
             stride_o_b=out.stride(0), stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
             SCALE_FROM_PTR=tensor_scales, HAS_LSE=lse is not None,
             FP8_V_PAIRS=fp8_v_pairs(value_cache, self.head_dim), FP8_ASM=not is_interpreter(),
-            HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None,
+            **{flag: bool(calls) and name in calls for name, _, flag in _MAIN_CALLS},
             **self.main_constexprs,
         )
         merge_args = dict(
             context_lens_ptr=context_lens, part_ml_ptr=part_ml,
             part_acc_ptr=part_acc, seq_rows_ptr=seq_rows, out_ptr=out,
-            lse_ptr=main_args["lse_ptr"], sinks_ptr=main_args["sinks_ptr"],
+            lse_ptr=main_args["lse_ptr"],
+            **{arg: main_args[arg] for _, arg, _ in _MERGE_CALLS}, **self.merge_variant_args,
             num_q_heads=self.num_q_heads, group=self.group,
             page_size=self.page_size, max_pages=self.max_pages,
             stride_ctx=context_lens.stride(0), stride_o_b=out.stride(0),
             stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
             stride_o_t=main_args["stride_o_t"],
-            HAS_LSE=lse is not None, HAS_SINKS=sinks is not None, **self.merge_constexprs,
+            HAS_LSE=lse is not None, **{flag: main_args[flag] for _, _, flag in _MERGE_CALLS},
+            **self.merge_constexprs,
         )
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
@@ -599,8 +617,10 @@ class AutoLauncher:
         if key is not None:
             if len(self._bindings) >= _MAX_BINDINGS:
                 self._bindings.clear()
-            main_rec, main_slots = _recorded(_paged_decode_kernel, main_args, _MAIN_SLOTS)
-            merge_rec, merge_slots = (_recorded(self.merge_kernel, merge_args, _MERGE_SLOTS)
+            main_rec, main_slots = _recorded(_paged_decode_kernel, main_args, _MAIN_SLOTS,
+                                             _MAIN_CALLS)
+            merge_rec, merge_slots = (_recorded(self.merge_kernel, merge_args, _MERGE_SLOTS,
+                                                _MERGE_CALLS)
                                       if merge is not None else (None, None))
             self._bindings[key] = (main, merge, main_rec, merge_rec, main_slots, merge_slots,
                                    compiled)
@@ -616,11 +636,10 @@ ONE_SHOT_CACHE_SIZE = 64
 def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
                       head_dim: int, page_size: int, q_dtype: torch.dtype,
                       kv_dtype: torch.dtype, device: torch.device, num_splits: int | None,
-                      q_len: int, window_left: int, softcap: float | None,
-                      batch_invariant: bool) -> AutoLauncher:
+                      q_len: int, options: DecodeOptions = DEFAULT) -> AutoLauncher:
     """The launcher that every one-shot ``paged_decode`` of these shapes, dtypes, device and
-    variants shares (its arguments are the key; ``ragged`` is off, as a one-shot call has no
-    host copy of the lengths).
+    plan-time variants (``options``, per-call fields off) shares (its arguments are the key;
+    ``ragged`` is off, as a one-shot call has no host copy of the lengths).
 
     What it caches is a pure function of the key: the launch configuration (tiles, grid,
     merge, constexprs) and, per binding, the recorded launch (the compiled kernels and their
@@ -632,5 +651,4 @@ def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads
     return AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                         q_dtype=q_dtype, kv_dtype=kv_dtype, device=device,
-                        num_splits=num_splits, q_len=q_len, window_left=window_left,
-                        softcap=softcap, batch_invariant=batch_invariant, workspace=False)
+                        num_splits=num_splits, q_len=q_len, options=options, workspace=False)
