@@ -85,6 +85,7 @@ _INT32_MAX = (1 << 31) - 1
 #: the largest scale the kernels take (they multiply it by log2(e) in float32)
 _SMAX = V.KERNEL_SCALAR_MAX
 _STRIDED = torch.strided  # the dense layout, tested by identity on the fast path
+_NO_GUARD = contextlib.nullcontext()  # stateless: one for every launch without a device guard
 #: the variant arguments at their "off" values
 _VARIANT_DEFAULTS = {"window_left": -1, "logits_soft_cap": None, "sinks": None,
                      "alibi_slopes": None, "batch_invariant": False}
@@ -345,7 +346,7 @@ class DecodePlan:
             sm_scale = self._default_scale if scale is None else float(scale)
             engine = self._launcher or self._engine()
             block_tables, context_lens = tables or (self.block_tables, self.context_lens)
-            with _on_device(self.device) if self._guarded else contextlib.nullcontext():
+            with _on_device(self.device) if self._guarded else _NO_GUARD:
                 compiled = engine.launch(
                     query, key_cache, value_cache, block_tables, context_lens, out,
                     lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
