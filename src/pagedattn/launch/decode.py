@@ -240,6 +240,13 @@ def _c_launch(compiled) -> tuple | None:
             compiled.packed_metadata)
 
 
+def _launch_c(c: tuple, grid: tuple[int, int, int], stream: int, args: list) -> None:
+    """Launch through ``c`` (:func:`_c_launch`) with no hook: the call
+    ``CudaLauncher.__call__`` makes (no scratch, no launch metadata)."""
+    c[0](grid[0], grid[1], grid[2], stream, c[1], c[2], c[3], None, None, c[4], None, None, None,
+         *args)
+
+
 def _recorded(kernel, args: dict, slots: tuple[str, ...]) -> tuple[list, tuple[int, ...]]:
     """``kernel``'s arguments in parameter order with ``None`` in the per-call ``slots``, and
     the positions of those slots. Every tensor argument is a slot (the caller's tensors and
@@ -546,8 +553,7 @@ class AutoLauncher:
                 if main_c is None or hooked:
                     _launch_compiled(main, self.grid, stream, args, enter, leave)
                 else:  # Triton's C launch itself (_c_launch): no scratch, no hook
-                    main_c[0](*self.grid, stream, main_c[1], main_c[2], main_c[3], None, None,
-                              main_c[4], None, None, None, *args)
+                    _launch_c(main_c, self.grid, stream, args)
                 if merge is None:
                     return compiled
                 args = merge_args.copy()
@@ -558,8 +564,7 @@ class AutoLauncher:
                 if merge_c is None or hooked:
                     _launch_compiled(merge, self.merge_grid, stream, args, enter, leave)
                 else:
-                    merge_c[0](*self.merge_grid, stream, merge_c[1], merge_c[2], merge_c[3],
-                               None, None, merge_c[4], None, None, None, *args)
+                    _launch_c(merge_c, self.merge_grid, stream, args)
                 return compiled
         multi = self.q_len > 1  # a 4-D query and out
         k_t = v_t = None
