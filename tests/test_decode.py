@@ -154,6 +154,33 @@ def test_repeat_runs_launch_the_bound_kernels(monkeypatch):
     del first
 
 
+def test_c_launch_passes_what_triton_passes():
+    """The direct C launch of a recorded launch (``_c_launch``/``_launch_c``) hands Triton
+    3.6's C launch exactly the arguments ``CudaLauncher.__call__`` hands it; a kernel that
+    needs scratch memory keeps Triton's own call (``None``)."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    from pagedattn.launch import decode as launch_decode
+
+    seen = []
+    run = object.__new__(CudaLauncher)  # Triton's Python launcher; its C launch records
+    run.launch = lambda *args: seen.append(args)
+    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, True
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    compiled = SimpleNamespace(run=run, function=1234, packed_metadata=(4, 1, 0))
+    args = [11, 2.5, None, 7]
+    launch_decode._launch_compiled(compiled, (5, 2, 1), 99, args, None, None)
+    launch_decode._launch_c(launch_decode._c_launch(compiled), (5, 2, 1), 99, args)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    run.global_scratch_size = 64
+    assert launch_decode._c_launch(compiled) is None
+    run.global_scratch_size, run.profile_scratch_size = 0, 8
+    assert launch_decode._c_launch(compiled) is None
+
+
 @pytest.mark.parametrize("per_group", [True, False])
 def test_both_merge_grids(per_group, device, monkeypatch):
     """Either merge grid (per kv head, per query head; chosen by batch x kv heads against the

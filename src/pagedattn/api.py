@@ -85,6 +85,7 @@ STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
 #: the largest scale the kernels take (they multiply it by log2(e) in float32)
 _SMAX = V.KERNEL_SCALAR_MAX
 _STRIDED = torch.strided  # the dense layout, tested by identity on the fast path
+_NO_GUARD = contextlib.nullcontext()  # stateless: one for every launch without a device guard
 
 
 class DecodeOutput(NamedTuple):
@@ -198,6 +199,10 @@ class DecodePlan:
         # a multi-token plan takes 4-D queries [batch, q_len, num_q_heads, head_dim]
         self._q_shape = torch.Size((self.batch, num_q_heads, head_dim) if q_len == 1
                                    else (self.batch, q_len, num_q_heads, head_dim))
+        self._lse_shape = tuple(self._q_shape[:-1])  # a tuple parses faster than a Size
+        # FlashAttention's one-token query [batch, 1, num_q_heads, head_dim] (_run_4d)
+        self._q_shape_4d = (torch.Size((self.batch, 1, num_q_heads, head_dim)) if q_len == 1
+                            else None)
         self._cache_tail = torch.Size((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
                                       else (num_kv_heads, page_size, head_dim))
         self._launcher = None  # built on first use: importing Triton waits for a real launch
@@ -261,13 +266,33 @@ class DecodePlan:
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                             return_lse, variants)
 
+    def _run_4d(self, query, key_cache, value_cache, scale, return_lse):
+        """FlashAttention's repeated decode call (``compat.flash_attn``'s fast path): a
+        ``[batch, 1, num_q_heads, head_dim]`` query on a one-token plan, the same memory as the
+        3-D one, launched as it is (no view either way); the output is ``[batch, 1,
+        num_q_heads, head_dim]``, the LSE ``[batch, num_q_heads]``. ``None`` for any call that
+        is not the plain one: the caller then goes through :meth:`run`, whose checks name the
+        argument."""
+        q_shape = self._q_shape_4d
+        if q_shape is None or not self._common_call(query, key_cache, value_cache, scale, None,
+                                                    None, None, return_lse, None, q_shape):
+            return None
+        if self._on_cpu:  # as run: the value checks (on a 3-D view; the CPU only)
+            _run_value_checks(query[:, 0], self.block_tables, self.context_lens,
+                              key_cache.shape[0], self.page_size, None,
+                              window_left=self.window_left, q_len=1,
+                              caches=(key_cache, value_cache, self.kv_layout), scale=scale)
+        return self._launch(query, key_cache, value_cache, scale, None, None, None, return_lse)
+
     def _common_call(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                     return_lse, validate) -> bool:
+                     return_lse, validate, q_shape=None) -> bool:
         """The serving call, checked in one expression (the host path is the eager time of a
         small batch): plain tensors of the plan's shapes, dtypes and device, float or absent
         scales, ``validate=None``. Anything else goes through the full check, which raises
-        the error naming the argument."""
-        device, q_shape, strided = self.device, self._q_shape, _STRIDED
+        the error naming the argument. ``q_shape``: the query's shape when not the plan's
+        (:meth:`_run_4d`)."""
+        device, strided = self.device, _STRIDED
+        q_shape = self._q_shape if q_shape is None else q_shape
         # a sparse tensor is a torch.Tensor too: the layout test keeps it off the fast path
         return (type(query) is torch.Tensor and query.shape == q_shape
                 and query.dtype == self.q_dtype and query.device == device
@@ -303,9 +328,11 @@ class DecodePlan:
         ``tables``: a one-shot call's ``(block_tables, context_lens)`` for a template plan;
         the call then returns ``(result, compiled)`` (a shared template keeps no
         ``last_compiled``)."""
-        if out is None:
-            out = torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device)
-        lse = (torch.empty(self._q_shape[:-1], dtype=torch.float32, device=query.device)
+        if out is None:  # the query's shape, dtype and device (checked): no size to parse
+            out = (torch.empty_like(query, memory_format=torch.contiguous_format)
+                   if type(query) is torch.Tensor
+                   else torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device))
+        lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=self.device)
                if return_lse else None)
         if self.batch > 0 and self.num_q_heads > 0:
             if self.kv_layout != "NHD":
@@ -313,7 +340,7 @@ class DecodePlan:
             sm_scale = self._default_scale if scale is None else float(scale)
             engine = self._launcher or self._engine()
             block_tables, context_lens = tables or (self.block_tables, self.context_lens)
-            with _on_device(self.device) if self._guarded else contextlib.nullcontext():
+            with _on_device(self.device) if self._guarded else _NO_GUARD:
                 compiled = engine.launch(
                     query, key_cache, value_cache, block_tables, context_lens, out,
                     lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, calls=calls,

@@ -24,7 +24,9 @@ LSE on or off) goes through Triton's own ``kernel[grid](...)``, which compiles o
 binary. On Triton 3.6, where the call signature of a compiled kernel's ``run`` is known, the
 launcher records that launch's argument list, and later launches of the binding fill in the
 per-call pointers and scales and call ``CompiledKernel.run`` directly (the host path of
-``kernel[grid]`` re-derives the specialization from every argument each call). Everything
+``kernel[grid]`` re-derives the specialization from every argument each call), or, for a
+kernel without scratch memory and no launch hook set, the C launch behind it (``_c_launch``:
+what ``CudaLauncher.__call__`` would pass it). Everything
 else Triton specializes on (constexprs, integers, launch options) is fixed by the launcher,
 so the records live in the launcher object (one per plan). Every tensor argument, the
 workspace's included, is a per-call slot, so a record holds no tensor and no address. A
@@ -228,6 +230,27 @@ def _launch_compiled(compiled, grid: tuple[int, int, int], stream: int, args: li
                 if enter is not None or leave is not None else None)
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata, enter,
                  leave, *args)
+
+
+def _c_launch(compiled) -> tuple | None:
+    """``(launch, function, cooperative, pdl, packed_metadata)``: Triton 3.6's C launch of
+    ``compiled`` and what ``CudaLauncher.__call__`` passes it besides the grid, the stream,
+    the hooks and the arguments, for a kernel that needs no scratch memory (then that call
+    only repacks the arguments twice and builds a closure); ``None`` otherwise, and the
+    launch goes through ``compiled.run`` (:func:`_launch_compiled`)."""
+    run = compiled.run
+    if type(run).__name__ != "CudaLauncher" or getattr(run, "global_scratch_size", 1) \
+            or getattr(run, "profile_scratch_size", 1):
+        return None
+    return (run.launch, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+            compiled.packed_metadata)
+
+
+def _launch_c(c: tuple, grid: tuple[int, int, int], stream: int, args: list) -> None:
+    """Launch through ``c`` (:func:`_c_launch`) with no hook: the call
+    ``CudaLauncher.__call__`` makes (no scratch, no launch metadata)."""
+    c[0](grid[0], grid[1], grid[2], stream, c[1], c[2], c[3], None, None, c[4], None, None, None,
+         *args)
 
 
 def _recorded(kernel, args: dict, slots: tuple[str, ...], calls: tuple) -> tuple[list, tuple]:
@@ -521,7 +544,8 @@ class AutoLauncher:
                    if calls else None)
             entry = self._bindings.get(key)
             if entry is not None:
-                main, merge, main_args, merge_args, main_slots, merge_slots, compiled = entry
+                (main, merge, main_args, merge_args, main_slots, merge_slots, compiled, main_c,
+                 merge_c) = entry
                 # unused pointers (flags off) point at the workspace, never read
                 lse_ptr = lse.data_ptr() if lse is not None else ml_ptr
                 acc_ptr, rows_ptr = part_acc.data_ptr(), seq_rows.data_ptr()
@@ -540,7 +564,11 @@ class AutoLauncher:
                     args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
                 stream = self._get_stream(self.device.index)
                 enter, leave = _hooks()
-                _launch_compiled(main, self.grid, stream, args, enter, leave)
+                hooked = enter is not None or leave is not None
+                if main_c is None or hooked:
+                    _launch_compiled(main, self.grid, stream, args, enter, leave)
+                else:  # Triton's C launch itself (_c_launch): no scratch, no hook
+                    _launch_c(main_c, self.grid, stream, args)
                 if merge is None:
                     return compiled
                 args = merge_args.copy()
@@ -549,7 +577,10 @@ class AutoLauncher:
                     cl_ptr, out_ptr, lse_ptr, ml_ptr, acc_ptr, rows_ptr)
                 for pos, name in merge_slots[6]:
                     args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
-                _launch_compiled(merge, self.merge_grid, stream, args, enter, leave)
+                if merge_c is None or hooked:
+                    _launch_compiled(merge, self.merge_grid, stream, args, enter, leave)
+                else:
+                    _launch_c(merge_c, self.merge_grid, stream, args)
                 return compiled
         multi = self.q_len > 1  # a 4-D query and out
         k_t = v_t = None
@@ -623,7 +654,8 @@ class AutoLauncher:
                                                 _MERGE_CALLS)
                                       if merge is not None else (None, None))
             self._bindings[key] = (main, merge, main_rec, merge_rec, main_slots, merge_slots,
-                                   compiled)
+                                   compiled, _c_launch(main),
+                                   _c_launch(merge) if merge is not None else None)
         return compiled
 
 
