@@ -280,7 +280,7 @@ class DecodePlan:
         if self._on_cpu:  # as run: the value checks (on a 3-D view; the CPU only)
             _run_value_checks(query[:, 0], self.block_tables, self.context_lens,
                               key_cache.shape[0], self.page_size, None,
-                              window_left=self.window_left, q_len=1,
+                              window_left=self.options.window_left, q_len=1,
                               caches=(key_cache, value_cache, self.kv_layout), scale=scale)
         return self._launch(query, key_cache, value_cache, scale, None, None, None, return_lse)
 
