@@ -57,7 +57,7 @@ CASES = {
     "window": (dict(window_left=2100, max_pages=256), (), torch.bfloat16, None, 2, 8),  # split
     # as plan.run serves it (no LSE), where a window's load mask once cost 160 registers
     # (three programs per SM instead of four: perf-notes step 23)
-    # (a window wider than launch.decode._WINDOW_UNIT_MAX_KEYS: the split plan; every window
+    # (a window wider than launch.policy._WINDOW_UNIT_MAX_KEYS: the split plan; every window
     # case's table holds more tokens than its window, which is otherwise planned as no window)
     "window-no-lse": (dict(window_left=4096, lse=False, max_pages=512), (), torch.bfloat16,
                       None, 64, 8),

@@ -50,6 +50,16 @@ def _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity):
 
 
 @triton.jit
+def _program_sequence(context_lens_ptr, stride_ctx, max_pages, page_size):
+    """Grid ``(batch, heads, ...)``: this program's sequence ``b``, its head (the grid's second
+    axis: a query or a kv head, as the kernel's grid has it) and the sequence's length clamped
+    to the table's ``max_pages * page_size`` tokens (:func:`_clamped_context_len`)."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    return b, head, _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
+
+
+@triton.jit
 def _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, page_idx, mask):
     """Physical page ids of logical pages ``page_idx`` (int64; masked entries read as 0)."""
     row = block_tables_ptr + b.to(tl.int64) * stride_bt_b
@@ -607,12 +617,10 @@ def _merge_row(m, l, acc, m_r, l_r, acc_r, MAY_BE_EMPTY: tl.constexpr):
 
 
 @triton.jit
-def _seq_rows(context_lens_ptr, seq_rows_ptr, b, stride_ctx, capacity):
-    """A merge's view of sequence ``b``: ``(ctx, start, n_rows)``, its clamped length and its
-    split rows (``seq_rows``, which the main kernel fills for every non-empty sequence; an
-    empty sequence's entry is stale, or the launcher's zeros, and must not be used), loaded
-    together (one round of loads before the rows)."""
-    ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
+def _seq_rows(seq_rows_ptr, b):
+    """A merge's split rows of sequence ``b``: ``(start, n_rows)``, which the main kernel
+    writes for every non-empty sequence (an empty sequence's entry is stale, or the
+    launcher's zeros, and must not be used)."""
     start = tl.load(seq_rows_ptr + b * 2)
     n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
-    return ctx, start, n_rows
+    return start, n_rows

@@ -114,6 +114,7 @@ from pagedattn.kernels.common import (
     _online_softmax_step_pairs,
     _page_ids,
     _plan_unit,
+    _program_sequence,
     _rescale,
     _score_and_mask,
     _seq_rows,
@@ -302,10 +303,8 @@ def _merge_per_group_kernel(
     with 32 query heads launched 2,048 programs that mostly exit at once, a launch cost that
     ncu showed on llama8b-b64-c2k (``docs/perf-notes.md``, step 7). Used when ``batch ·
     num_kv_heads`` fills the SMs; else :func:`_merge_per_head_kernel`."""
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    ctx, start, n_rows = _seq_rows(context_lens_ptr, seq_rows_ptr, b, stride_ctx,
-                                   max_pages * page_size)
+    b, kv_head, ctx = _program_sequence(context_lens_ptr, stride_ctx, max_pages, page_size)
+    start, n_rows = _seq_rows(seq_rows_ptr, b)  # loaded beside the length (one round)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     q_tok, heads, mask_h, _ = _tile_rows(offs_h, kv_head, group, ctx, Q_LEN)  # as the units'
@@ -366,12 +365,10 @@ def _merge_per_head_kernel(
     ``BLOCK_R`` rows per step as one vector load (no serial chain of dependent loads). The row
     range comes from ``seq_rows``, which the main kernel fills for every non-empty sequence;
     every row in it held tokens, so every ``m_r`` is finite."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    b, h, ctx = _program_sequence(context_lens_ptr, stride_ctx, max_pages, page_size)
     # the rows loaded beside the length, not after it (one round of loads fewer before the
     # rows: the per-head merge runs at low occupancy, where each round is latency)
-    ctx, start, n_rows = _seq_rows(context_lens_ptr, seq_rows_ptr, b, stride_ctx,
-                                   max_pages * page_size)
+    start, n_rows = _seq_rows(seq_rows_ptr, b)
     offs_d = tl.arange(0, BLOCK_D)
     offs_r = tl.arange(0, BLOCK_R)
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
