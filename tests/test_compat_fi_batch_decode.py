@@ -183,6 +183,7 @@ def run_batch_decode_case(device, batch_size, kv_len, page_size, num_kv_heads, n
     torch.testing.assert_close(o, o_buffer, rtol=1e-3, atol=1e-3)
 
 
+# repeats run_batch_decode_case's setup as upstream's two test bodies do, to stay diffable
 def run_tuple_case(device, batch_size, kv_len, page_size, num_kv_heads, num_qo_heads,
                    head_dim, kv_layout, pos_encoding_mode, logits_soft_cap, return_lse,
                    q_dtype, kv_dtype, contiguous_kv):

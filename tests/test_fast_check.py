@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import pagedattn
 from pagedattn import _validation as V
 from pagedattn import api
+from pagedattn._env import is_interpreter
 from pagedattn.testing import make_paged_inputs
 
 FP8 = torch.float8_e4m3fn
@@ -159,7 +160,7 @@ def run_args(draw):
     return plan, args
 
 
-if not V._interpreter_on():  # CPU tensors run through Triton's interpreter only (a GPU machine)
+if not is_interpreter():  # CPU tensors run through Triton's interpreter only (a GPU machine)
     pytest.skip("the fast checks are drawn on CPU tensors: TRITON_INTERPRET=1 is not set",
                 allow_module_level=True)
 PLAN_OBJECTS = [_plan(*p) for p in PLANS]

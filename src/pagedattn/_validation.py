@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import sys
 from typing import Any
 
 import torch
+
+from pagedattn._env import is_interpreter
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DTYPES = tuple(
@@ -87,10 +88,6 @@ def _check_tensor(name: str, t: Any, rank: int, dtypes: tuple, dtype_words: str)
         _fail(TypeError, name, dtype_words, t.dtype)
 
 
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _kernels_built_for_gpu() -> bool:
     """True when a ``pagedattn.kernels`` module was imported without the interpreter (its
     ``@triton.jit`` functions are GPU ``JITFunction`` objects, not ``InterpretedFunction``)."""
@@ -114,7 +111,7 @@ def check_device_runnable(name: str, t: torch.Tensor) -> None:
     if t.device.type != "cpu":
         _fail(ValueError, name, "a CUDA tensor (or a CPU one under TRITON_INTERPRET=1)",
               f"a tensor on {t.device}")
-    if not _interpreter_on():
+    if not is_interpreter():  # read as Triton reads it: TRITON_INTERPRET=false is off
         _fail(ValueError, name,
               "a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set in the environment "
               "before triton is imported (Triton runs CPU tensors through its interpreter "
@@ -327,7 +324,10 @@ def check_out_aliasing(out: torch.Tensor, query: torch.Tensor, caches: tuple = (
     (a broadcast view with stride 0, or overlapping strides), and it may share none with the
     query unless it is the query itself (each program reads its query rows before writing
     the same rows), nor with the caches in ``caches`` (``(name, tensor)`` pairs: read while
-    ``out`` is written). Metadata only. Raises ValueError naming ``out``."""
+    ``out`` is written). Metadata only. Raises ValueError naming ``out`` (TypeError for a
+    sparse or nested ``out``: its strides, read here, would say nothing of its memory)."""
+    if out.layout != torch.strided:
+        _fail(TypeError, "out", "a dense (strided) tensor", out.layout)
     dims = sorted((stride, size) for size, stride in zip(out.shape, out.stride(), strict=True)
                   if size > 1)
     reach = 1
