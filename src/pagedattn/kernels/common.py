@@ -12,6 +12,7 @@ Addressing (in the style of attention-gym's pointer helpers):
   the block table, in 64-bit (``page_id * stride_page`` passes 2^31 on large caches).
 * ``_dim_mask``: the mask of the real head dims, a constant splat when ``head_dim`` is a power
   of two.
+* ``_program_sequence``: a ``(batch, heads)`` grid program's sequence, head and clamped length.
 
 Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN-safe:
 
@@ -30,6 +31,17 @@ Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN
   denominator, none of the numerator.
 * ``_merge_partials``: fold one partial state ``(m_s, l_s, acc_s)`` (a split of the context)
   into a running one; the log-sum-exp merge of Flash-Decoding (Dao et al., 2023).
+
+The production kernel's steps (``kernels/decode.py``) close the module, in the order a unit
+runs them: the device-side split planner (``_plan_unit``: ``_batch_chunk``, ``_locate_row``;
+``_unit_tokens``), the tile's rows and pointers (``_tile_rows``, ``_tile_ptrs``,
+``_lse_ptrs``), the query and scales (``_kv_scales``, ``_load_query``, ``_v_tile_view``), the
+token loop's ``_score_and_mask`` and ``_online_softmax_step(_pairs)``, the epilogues
+(``_store_result``, ``_store_partial``) and the merges' ``_seq_rows``, ``_merge_row`` and
+``_add_sink``. Each keeps the kernel's flags as constexpr arguments, so a flag that is off
+leaves no code, and Triton inlines each: the kernels compile to the instructions and registers
+they had as one body (``docs/perf-notes.md``, step 31, which also says why the K/V loads stay
+in the kernel's loop).
 """
 
 import triton
