@@ -96,7 +96,7 @@ def _inputs(shape, b: BenchBatch, plan_kw: dict, per_layer: tuple[str, ...], see
 
 def ours(shape, b: BenchBatch, query, plan_kw: dict, layer: dict, config: str = "default"):
     """``plan.run`` of the row; ``config``: ``"default"`` or overrides of the default
-    :class:`~pagedattn.launch.decode.DecodeConfig` such as ``"maxnreg=128,num_stages=3"``
+    :class:`~pagedattn.launch.policy.DecodeConfig` such as ``"maxnreg=128,num_stages=3"``
     (a tuning aid: the plan's launcher is rebuilt with that config)."""
     m = shape.model
     # planned with the host copy of the lengths, as `pagedattn bench` plans `auto` and as

@@ -8,8 +8,14 @@ stand-in that compiles ``kernel[grid](**kwargs)`` with ``triton.compile`` for ``
 variant combination below. ``--ptx-dir`` writes each binary's PTX (to compare the plain
 kernel's code before and after a change); ``--compare DIR`` checks each PTX against DIR's
 file of the same name, instructions only (the ``.loc``/``.file`` lines and the DWARF sections
-that follow the code hold source line numbers, which any edit above a kernel shifts), and exits
-1 if any differs. Run without ``TRITON_INTERPRET``; to compare with an older commit's ``src/``::
+that follow the code hold source line numbers, which any edit above a kernel shifts, and the
+``$L__tmpN:`` labels mark where an inlined ``@triton.jit`` helper's code starts and ends for
+those sections: no branch targets them), and exits 1 if any differs. Where Triton bundles
+``ptxas``, each kernel's registers and spilled bytes are printed (``ptxas -v`` with Triton's
+own flags) and ``--compare`` requires them equal too: a label splits ptxas's basic blocks, so a
+helper's scope inside the token loop once changed the registers of identical instructions
+(``docs/perf-notes.md``, step 31). Run without ``TRITON_INTERPRET``; to compare with an older
+commit's ``src/``::
 
     PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx-dir DIR] [--compare OLD_DIR]
     git archive OLD src | tar x -C /tmp/old
@@ -21,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -50,7 +59,7 @@ CASES = {
     "window": (dict(window_left=2100, max_pages=256), (), torch.bfloat16, None, 2, 8),  # split
     # as plan.run serves it (no LSE), where a window's load mask once cost 160 registers
     # (three programs per SM instead of four: perf-notes step 23)
-    # (a window wider than launch.decode._WINDOW_UNIT_MAX_KEYS: the split plan; every window
+    # (a window wider than launch.policy._WINDOW_UNIT_MAX_KEYS: the split plan; every window
     # case's table holds more tokens than its window, which is otherwise planned as no window)
     "window-no-lse": (dict(window_left=4096, lse=False, max_pages=512), (), torch.bfloat16,
                       None, 64, 8),
@@ -144,20 +153,46 @@ def compile_case(name: str) -> dict:
                            calls=tensors)
 
 
+_SCOPE_LABEL = re.compile(r"\$L__tmp\d+:")
+
+
 def ptx_code(ptx: str) -> list[str]:
     """A PTX file's instructions and declarations: without the ``.loc``/``.file`` directives,
-    comments and the DWARF ``.section .debug_*`` blocks (line numbers, not code)."""
+    the ``$L__tmpN:`` labels of the debug scopes, comments and the DWARF ``.section
+    .debug_*`` blocks (line numbers and source scopes, not code)."""
     lines = []
     for line in ptx.splitlines():
         stripped = line.strip()
         if stripped.startswith(".section") and ".debug" in stripped:
             break
-        if stripped.startswith((".loc", ".file")):
+        if stripped.startswith((".loc", ".file")) or _SCOPE_LABEL.fullmatch(stripped):
             continue
         code = line.split("//", 1)[0].rstrip()
         if code:
             lines.append(code)
     return lines
+
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def resources(ptx: str) -> tuple[int, int, int] | None:
+    """``(registers, spill store bytes, spill load bytes)`` of a PTX file, as Triton's own
+    ``ptxas -lineinfo -v`` reports them for sm_90a; ``None`` where no ``ptxas`` is bundled."""
+    if not PTXAS.is_file():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "k.ptx")
+        src.write_text(ptx)
+        log = subprocess.run([str(PTXAS), "-lineinfo", "-v", "--gpu-name=sm_90a", str(src),
+                              "-o", str(Path(tmp, "k.cubin"))], capture_output=True, text=True,
+                             check=True).stderr
+    return tuple(int(re.search(pattern, log).group(1)) for pattern in (
+        r"Used (\d+) registers", r"(\d+) bytes spill stores", r"(\d+) bytes spill loads"))
+
+
+def _resources_text(res: tuple[int, int, int] | None) -> str:
+    return "" if res is None else f", {res[0]} registers, {res[1]}/{res[2]} bytes spilled"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         compiled = compile_case(case)
         for kind, c in compiled.items():
-            print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines",
-                  flush=True)
+            res = resources(c.asm["ptx"])
+            print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines"
+                  f"{_resources_text(res)}", flush=True)
             if args.ptx_dir:
                 Path(args.ptx_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.ptx_dir, f"{case}.{kind}.ptx").write_text(c.asm["ptx"])
@@ -186,11 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                 old = Path(args.compare, f"{case}.{kind}.ptx")
                 if not old.is_file():
                     verdict = f"no {old} to compare"
-                elif ptx_code(old.read_text()) == ptx_code(c.asm["ptx"]):
-                    verdict = "same instructions as"
-                else:
+                elif ptx_code(old.read_text()) != ptx_code(c.asm["ptx"]):
                     verdict = "DIFFERENT instructions from"
-                differ += not verdict.startswith("same")
+                elif (old_res := resources(old.read_text())) != res:
+                    verdict = (f"same instructions, DIFFERENT registers/spills "
+                               f"({_resources_text(old_res)[2:]} before) from")
+                else:
+                    verdict = "same instructions as"
+                differ += verdict != "same instructions as"
                 print(f"  {verdict} {old}" if old.is_file() else f"  {verdict}", flush=True)
     if args.compare:
         print(f"compare: {differ} kernel(s) differ from {args.compare}")

@@ -103,10 +103,10 @@ def test_auto_small_tiles_many_splits(dtype, device, monkeypatch):
     sequence, every merge path) matches the oracle."""
     from dataclasses import replace
 
-    from pagedattn.launch import decode as launch_decode
+    from pagedattn.launch import policy
 
-    base = launch_decode.choose_config
-    monkeypatch.setattr(launch_decode, "choose_config", lambda *a, **k: replace(
+    base = policy.choose_config
+    monkeypatch.setattr(policy, "choose_config", lambda *a, **k: replace(
         base(*a, **k), block_n=16, min_chunk=16))
     inputs = make_paged_inputs([0, 3, 70, 129, 17], num_q_heads=6, num_kv_heads=2, head_dim=64,
                                page_size=16, dtype=dtype, seed=5, device=device)
@@ -185,9 +185,9 @@ def test_c_launch_passes_what_triton_passes():
 def test_both_merge_grids(per_group, device, monkeypatch):
     """Either merge grid (per kv head, per query head; chosen by batch x kv heads against the
     SM count) merges forced splits, empty rows and the LSE exactly like the oracle."""
-    from pagedattn.launch import decode as launch_decode
+    from pagedattn.launch import policy
 
-    monkeypatch.setattr(launch_decode, "merge_per_group", lambda *a: per_group)
+    monkeypatch.setattr(policy, "merge_per_group", lambda *a: per_group)
     inputs = make_paged_inputs([0, 45, 3, 130], num_q_heads=6, num_kv_heads=2, head_dim=64,
                                page_size=16, dtype=torch.float16, seed=11, device=device)
     out = torch.full_like(inputs.query, float("nan"))
@@ -274,7 +274,7 @@ def test_fp8_split_target_by_pairs(batch, kv_heads, dtype, few):
     """fp8 plans of one token whose (sequence, kv head) pairs are fewer than the SMs split for
     four units per SM, others keep the fp8 default of three (perf-notes step 28: b1-c32k
     38.6 µs at four against 41.6; b64-c8k 308.4 at three against 312.8)."""
-    import pagedattn.launch.decode as launch
+    import pagedattn.launch.policy as launch
 
     assert launch.fp8_few_pairs(batch=batch, num_kv_heads=kv_heads, sms=132, kv_dtype=dtype,
                                 head_dim=128) is few

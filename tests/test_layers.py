@@ -119,3 +119,13 @@ def test_cli_dispatch_uses_import_statements():
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
              and n.attr == "import_module"]
     assert not calls
+
+
+def test_the_launch_policy_is_pure():
+    """``launch/policy.py`` decides from shapes, dtypes and device facts: it imports no Triton
+    and no kernel (the launcher, ``launch/decode.py``, builds the launches)."""
+    tree = ast.parse((SRC / "pagedattn" / "launch" / "policy.py").read_text(encoding="utf-8"))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m.split(".")[0] == "triton"}, imported
+    assert not {m for m in GRAPH["pagedattn.launch.policy"] if _layer(m) == "kernels"}
