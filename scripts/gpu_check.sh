@@ -13,7 +13,7 @@
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck over scripts/sanitize_driver.py,
 #             and memcheck over its CUDA-graph replays -> $OUT/sanitize-*.log, sanitizer-summary.md
 #             (docs/results/sanitize-h200.log holds the logs one after the other)
-#   profile   ncu, auto beside the floor on $NCU_SHAPES (scripts/ncu_side_by_side.py)
+#   profile   ncu, auto beside the floor and FA3 on $NCU_SHAPES (scripts/ncu_side_by_side.py)
 #   ab        old against new src/: $AB_OLD/src (an untracked copy of the old tree) and ./src,
 #             alternated $AB_ROUNDS times on $AB_SHAPES beside the floor, in one call
 # Environment:
@@ -161,12 +161,15 @@ phase_sanitize() {
 
 phase_profile() {
   env_info
-  local shape
+  local shape peers=(--peer-file "$PEERS/plain_floor.py:floor_runner")
+  [ -f "$PEERS/fa3_peer.py" ] && [ -f "$PEERS/fa3.tar" ] \
+    && peers+=(--peer-file "fa3=$PEERS/fa3_peer.py")  # FA3's kernels: CUTLASS device_kernel
   for shape in ${NCU_SHAPES:-llama8b-b64-c2k llama8b-b1-c32k azure-conv-b64-llama8b}; do
-    stamp "ncu: $shape, auto beside the floor"
-    timeout 120 ncu --clock-control none --section SpeedOfLight --section LaunchStats \
-      --section Occupancy -k regex:'_paged_decode|_merge|_floor_' --csv --page details \
-      python3 scripts/ncu_side_by_side.py --shape "$shape" --peer-file "$PEERS/plain_floor.py" \
+    stamp "ncu: $shape, auto beside the floor (and FA3)"
+    timeout "${NCU_S:-120}" ncu --clock-control none --section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section WarpStateStats \
+      -k regex:'_paged_decode|_merge|_floor_|device_kernel|prepare_varlen' --csv \
+      --page details python3 scripts/ncu_side_by_side.py --shape "$shape" "${peers[@]}" \
       > "$OUT/ncu-$shape.csv" 2> "$OUT/ncu-$shape.err"
     python3 -c "import sys; from pagedattn.bench.ncu import read_ncu_csv
 for k in read_ncu_csv(sys.argv[1]): print(k.name[:40], k.grid, k.values)" "$OUT/ncu-$shape.csv"

@@ -3,14 +3,16 @@
 Meant to run under ``ncu`` with a kernel-name filter, so the profile holds our kernels and the
 peer's on the same batch, side by side. Two forms:
 
-* ``--shape NAME --peer-file PATH``: a benchmark shape, ``auto`` beside a measuring peer file
-  that exposes ``floor_runner(query, key_cache, value_cache, block_tables, context_lens,
-  scale, **config)`` (run with its default config)::
+* ``--shape NAME --peer-file [NAME=]PATH[:FUNC] ...``: a benchmark shape, ``auto`` beside one
+  or more measuring peer files in ``pagedattn bench --peer-file``'s form (the plain floor's
+  ``floor_runner`` with its default config, FA3's ``make_runner``), in the order given::
 
     ncu --clock-control none --section SpeedOfLight --section LaunchStats \\
-        --section Occupancy -k regex:'_paged_decode_kernel|_floor_split_kernel' --csv \\
+        --section Occupancy -k regex:'paged_decode|merge|_floor_|device_kernel' --csv \\
         --page details python3 scripts/ncu_side_by_side.py --shape llama8b-b64-c2k \\
-        --peer-file .peers/plain_floor.py
+        --peer-file .peers/plain_floor.py:floor_runner --peer-file fa3=.peers/fa3_peer.py
+
+  (FA3's kernels are CUTLASS ``device_kernel`` instances.)
 
 * ``--row NAME``: a row of ``scripts/bench_variants.py`` (a variant such as a sliding window),
   ``auto`` beside FlashInfer's same variant (when ``import flashinfer`` works)::
@@ -22,7 +24,6 @@ peer's on the same batch, side by side. Two forms:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -35,20 +36,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_variants as bv  # noqa: E402  (a sibling script: its rows and runners)
 
 
-def _shape_runs(shape_name: str, peer_file: str) -> list:
-    """``plan.run`` of ``auto`` and the peer file's runner on a benchmark shape."""
-    spec = importlib.util.spec_from_file_location(Path(peer_file).stem, peer_file)
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
+def _shape_runs(shape_name: str, peer_files: list[str]) -> list:
+    """``plan.run`` of ``auto`` and each peer file's runner on a benchmark shape."""
+    from pagedattn.bench.peers import load_peer_file
+
     shape = get_shape(shape_name)
     m = shape.model
     b = build_batch(shape, "cuda")
     plan = pagedattn.plan_decode(b.block_tables, b.context_lens, num_q_heads=m.num_q_heads,
                                  num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                  page_size=shape.page_size, q_dtype=shape.dtype,
-                                 kv_dtype=shape.cache_dtype)
-    return [lambda: plan.run(*b.tensors[:3], **b.scales),
-            peer.floor_runner(*b.tensors, m.head_dim ** -0.5)]
+                                 kv_dtype=shape.cache_dtype,
+                                 host_context_lens=list(shape.context_lens))
+    # planned with the host copy of the lengths, as `pagedattn bench` plans `auto`
+    return [lambda: plan.run(*b.tensors[:3], **b.scales)] + [
+        load_peer_file(p).factory(shape, b) for p in peer_files]
 
 
 def _row_runs(row: str) -> list:
@@ -66,12 +68,13 @@ def _row_runs(row: str) -> list:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", help="a benchmark shape (with --peer-file)")
-    ap.add_argument("--peer-file", help="a measuring peer's file (with --shape)")
+    ap.add_argument("--peer-file", action="append", default=[],
+                    help="[NAME=]PATH[:FUNC] of a measuring peer (with --shape; repeatable)")
     ap.add_argument("--row", choices=sorted(bv.ALL_ROWS),
                     help="a variant row, beside FlashInfer")
     args = ap.parse_args()
     if (args.row is None) == (args.shape is None) or (args.shape is None) != (
-            args.peer_file is None):
+            not args.peer_file):
         ap.error("give either --shape and --peer-file, or --row")
     runs = _row_runs(args.row) if args.row else _shape_runs(args.shape, args.peer_file)
     for run in runs:

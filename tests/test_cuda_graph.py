@@ -4,8 +4,10 @@ for new lengths and block tables, because nothing on the host depends on their v
 import pytest
 import torch
 
+import pagedattn
 from pagedattn import paged_decode
 from pagedattn.bench.timing import capture_graph
+from pagedattn.kernels.decode import _merge_per_group_kernel
 from pagedattn.reference import paged_decode_reference
 from pagedattn.serving import ops
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
@@ -53,6 +55,37 @@ def test_paged_decode_graph_replays_new_lengths(dtype, cache_dtype):
     ref = paged_decode_reference(*big, k_scale=k_scale, v_scale=v_scale).out
     assert rel_l2_error(out, ref) <= tolerance_for(cache_dtype or dtype)
     assert max_pages == 512
+
+
+def test_plan_graph_replays_per_group_merge_launched_as_dependent():
+    """A plan whose (sequence, kv head) pairs fill the SMs merges per group, and on sm_90+ the
+    merge is a programmatic dependent launch of the main kernel (it waits for the main grid
+    in griddepcontrol.wait). Captured at 16 tokens a row, replayed with a ragged batch (one
+    long sequence of many split rows, an empty one): the replay matches eager and the
+    oracle, with the output poisoned before the replay."""
+    lens = [16384, 0, 37] + [100 + 97 * i for i in range(21)]
+    big = make_paged_inputs(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                            dtype=torch.bfloat16, device="cuda")
+    context_lens = big.context_lens.clamp(max=16)
+    plan = pagedattn.plan_decode(big.block_tables, context_lens, num_q_heads=32,
+                                 num_kv_heads=8, head_dim=128, page_size=16,
+                                 q_dtype=torch.bfloat16)
+    engine = plan._engine()
+    assert engine.merge_kernel is _merge_per_group_kernel
+    assert engine.pdl == (torch.cuda.get_device_capability()[0] >= 9)
+    query = big.query.clone()
+
+    def step():
+        return plan.run(query, big.key_cache, big.value_cache)
+
+    graph, out = capture_graph(step, warmup=1)
+    context_lens.copy_(big.context_lens)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_l2_error(out, step()) <= 1e-6
+    ref = paged_decode_reference(*big).out
+    assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
 
 
 def test_model_decode_step_graph_replays_a_growing_ragged_batch():

@@ -200,6 +200,25 @@ def test_both_merge_grids(per_group, device, monkeypatch):
                                rtol=1e-3, atol=1e-3)
 
 
+def test_pdl_only_for_the_per_group_merge(device):
+    """The merge is a programmatic dependent launch only for a per-group merge on a GPU of
+    sm_90+ (never under the interpreter, never for the per-head merge or a one-unit plan,
+    whose kernels then compile exactly as without the flag)."""
+    from pagedattn.launch.decode import AutoLauncher
+
+    kw = dict(max_pages=64, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+              q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=torch.device(device),
+              num_splits=None)
+    gpu = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    for batch, per_group in ((128, True), (1, False)):  # 256 or 2 pairs (H200: 132 SMs)
+        launcher = AutoLauncher(batch=batch, **kw)
+        assert (launcher.merge_grid[1] == 2) is per_group
+        assert launcher.pdl is (gpu and per_group)
+        assert launcher.main_constexprs["PDL"] is launcher.pdl
+        assert launcher.merge_constexprs.get("PDL", False) is launcher.pdl
+    assert AutoLauncher(batch=128, **dict(kw, max_pages=8)).pdl is False  # one unit: no merge
+
+
 @pytest.mark.gpu
 def test_recorded_launches_key_on_every_dtype():
     """Recorded launches are keyed on each tensor's dtype too: the same shapes and strides

@@ -636,3 +636,27 @@ def _seq_rows(seq_rows_ptr, b):
     start = tl.load(seq_rows_ptr + b * 2)
     n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
     return start, n_rows
+
+
+# --- programmatic dependent launch (PDL; perf-notes step 32) ---------------------------------
+# A per-group merge is launched with ``launch_pdl=True``: its programs may start while the main
+# kernel's last programs still run (once every main program has signalled), load their length,
+# and wait on ``griddepcontrol.wait`` (the main grid complete, its writes visible) before their
+# first read of the workspace. Both helpers compile to nothing when ``PDL`` is off (the
+# interpreter, pre-Hopper GPUs, one-unit plans, the per-head merge), so the kernels' code is
+# unchanged there.
+
+
+@triton.jit
+def _pdl_launch_dependents(PDL: tl.constexpr):
+    """The main kernel: let the next kernel of the stream (its merge) launch early."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """The merge kernel: wait until the main kernel has finished and its partials are visible
+    (a no-op when the kernel was launched without PDL)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()

@@ -45,11 +45,14 @@ A sequence with one row writes its normalized output (and LSE) directly; otherwi
 writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and a merge kernel
 combines the rows with log-sum-exp rescaling: ``_merge_per_group_kernel`` (one program per
 sequence and kv head) when those programs fill the SMs, else ``_merge_per_head_kernel`` (one
-per sequence and query head, split rows vectorized; the launcher decides from shapes). A
-merge fused into the main kernel's last unit (an arrival counter per sequence and kv head)
-was tried and measured slower (``docs/perf-notes.md``, step 5). Rows are exactly
-the non-empty splits, so no empty split is ever formed or read. Lengths are clamped to the
-table's capacity; block-table entries past ``ceil(len / page_size)`` are never read.
+per sequence and query head, split rows vectorized; the launcher decides from shapes); on
+sm_90+ the per-group merge is a programmatic dependent launch (``PDL``:
+``_pdl_launch_dependents`` at the main kernel's start, ``_pdl_wait`` before the merge's first
+read of the workspace). A merge fused into the main kernel's last unit (an arrival counter
+per sequence and kv head) was tried and measured slower (``docs/perf-notes.md``, step 5); a
+per-group merge of several split rows per load round did not pay either (step 32). Rows are
+exactly the non-empty splits, so no empty split is ever formed or read. Lengths are clamped
+to the table's capacity; block-table entries past ``ceil(len / page_size)`` are never read.
 
 **Variants** are ``constexpr`` flags of this one kernel; with every flag off the compiled code
 is the plain kernel's, instruction for instruction (the new runtime arguments are read under
@@ -113,6 +116,8 @@ from pagedattn.kernels.common import (
     _online_softmax_step,
     _online_softmax_step_pairs,
     _page_ids,
+    _pdl_launch_dependents,
+    _pdl_wait,
     _plan_unit,
     _program_sequence,
     _rescale,
@@ -170,9 +175,11 @@ def _paged_decode_kernel(
     ONE_UNIT: tl.constexpr = False,  # one unit per sequence (row r = sequence b): no merge
     FP8_V_PAIRS: tl.constexpr = 0,  # fp8 V read as 16-bit dim pairs: 1 e4m3, 2 e5m2 (0: off)
     FP8_ASM: tl.constexpr = False,  # FP8_V_PAIRS: the packed cvt in inline PTX (GPU only)
+    PDL: tl.constexpr = False,  # the merge is launched as a programmatic dependent (sm_90+)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
+    _pdl_launch_dependents(PDL)  # the merge's programs may launch once all of ours run
     u = tl.program_id(0)  # one split unit per program: (row r, kv head)
     r = u // num_kv_heads
     kv_head = u % num_kv_heads
@@ -289,6 +296,7 @@ def _merge_per_group_kernel(
     HAS_LSE: tl.constexpr,
     Q_LEN: tl.constexpr = 1,  # rows are Q_LEN x group, as in the main kernel
     HAS_SINKS: tl.constexpr = False,  # the sink is folded in here once, after the rows
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of the main kernel
 ):
     """Grid ``(batch, num_kv_heads)``: merge the split rows of one sequence for the query
     heads of one kv head (the group, ``BLOCK_H`` rows as in the main kernel).
@@ -304,6 +312,7 @@ def _merge_per_group_kernel(
     ncu showed on llama8b-b64-c2k (``docs/perf-notes.md``, step 7). Used when ``batch ·
     num_kv_heads`` fills the SMs; else :func:`_merge_per_head_kernel`."""
     b, kv_head, ctx = _program_sequence(context_lens_ptr, stride_ctx, max_pages, page_size)
+    _pdl_wait(PDL)  # seq_rows and the partials are the main kernel's
     start, n_rows = _seq_rows(seq_rows_ptr, b)  # loaded beside the length (one round)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)

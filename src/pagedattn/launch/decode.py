@@ -177,6 +177,12 @@ def _recorded(kernel, args: dict, slots: tuple[str, ...], calls: tuple) -> tuple
                  tuple((names.index(arg), name) for name, arg, _ in calls))
 
 
+@functools.cache
+def pdl_supported(device_index: int) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``): compute capability 9.0 and up."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 class AutoLauncher:
     """Everything one decode step launches, decided from shapes: see the module docstring.
 
@@ -247,12 +253,20 @@ class AutoLauncher:
         self.main_variant_args = options.kernel_args()
         self.merge_variant_args = options.kernel_args(merge=True)
         per_group = plan.per_group_merge
+        # the per-group merge as a programmatic dependent launch: its programs start during
+        # the main kernel's tail and wait in griddepcontrol.wait; the per-head merge (b1, b8)
+        # lost in graph replays with it, so it launches as before (perf-notes step 32). Off
+        # without a merge, under the interpreter and before sm_90: the code is unchanged
+        self.pdl = bool(cfg.pdl) and per_group and on_gpu and not interpret and (
+            not self.one_unit) and pdl_supported(device.index if device.index is not None
+                                                 else torch.cuda.current_device())
+        self.main_constexprs["PDL"] = self.pdl
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
                                      **options.constexprs(merge=True))
         if per_group:
-            self.merge_constexprs.update(BLOCK_H=plan.merge_block, Q_LEN=q_len)
+            self.merge_constexprs.update(BLOCK_H=plan.merge_block, Q_LEN=q_len, PDL=self.pdl)
         else:
             self.merge_constexprs["BLOCK_R"] = plan.merge_block
         # the workspace: per split row and query head and query token (m, l) then acc
@@ -420,7 +434,8 @@ class AutoLauncher:
         compiled = {"paged_decode": main}
         merge = None
         if not self.one_unit:
-            merge = self.merge_kernel[self.merge_grid](**merge_args, num_warps=4)
+            merge = self.merge_kernel[self.merge_grid](
+                **merge_args, num_warps=4, **({"launch_pdl": True} if self.pdl else {}))
             compiled["paged_decode_merge"] = merge
         if key is not None:
             if len(self._bindings) >= _MAX_BINDINGS:

@@ -45,6 +45,9 @@ class DecodeConfig:
     invariant_chunk: int = 512
     # register cap of the main kernel (Triton's ``maxnreg``), or None for ptxas's choice
     maxnreg: int | None = None
+    # launch a per-group merge as a programmatic dependent of the main kernel where the GPU
+    # has it (sm_90+): its launch overlaps the main kernel's tail (perf-notes step 32)
+    pdl: bool = True
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -73,7 +76,8 @@ def tuned_table(device_name: str) -> dict[str, dict]:
 def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> DecodeConfig:
     """The rule for GPUs (or keys) without a tuned entry, read off the H200 sweeps recorded in
     ``docs/perf-notes.md`` (step 8): 16-bit caches take 64-token tiles 2 stages deep at
-    head_dim 128 (3 stages at head_dim ≤ 64, 32-token tiles at 256); fp8 caches 64-token
+    head_dim 128 (128-token tiles 2 deep at head_dim ≤ 64: step 32; 32-token tiles 3 deep at
+    256); fp8 caches 64-token
     tiles 3 deep (step 28: 116 registers with V read as dim pairs); fp32 caches 32-token tiles
     3 deep (twice the bytes). Splits target about one wave of four resident programs per SM
     (three for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight for
@@ -87,7 +91,9 @@ def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> Dec
         # target of three per SM leaves b64-c8k's 512 sequence-heads unsplit (perf-notes step 28)
         block_n, stages, ctas = (64, 3, 3) if bd <= 128 else (64, 3, 2)
     elif bd <= 64:
-        block_n, stages, ctas = 64, 3, 2
+        # 128-token tiles 2 deep: faster than 64 x 3 on hd64-b64-c2k in three explorations
+        # (perf-notes steps 25 and 32: 0.7-1.0 µs eager)
+        block_n, stages, ctas = 128, 2, 2
     elif bd <= 128:
         block_n, stages, ctas = 64, 2, 4
     else:
@@ -104,9 +110,10 @@ def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size
     (split sizing is a runtime argument of the kernel). ``ragged``: the caller's host copy of
     the lengths says the batch is ragged (mean under half the longest); 16-bit caches then
     pipeline one stage deeper (the H200 sweep of perf-notes step 8: faster on the three ragged
-    rows, slower on the uniform ones)."""
+    rows, slower on the uniform ones; 64-token tiles only)."""
     cfg = heuristic_config(head_dim, group, cache_dtype)
-    if ragged and cache_dtype in (torch.float16, torch.bfloat16) and cfg.num_stages == 2:
+    if (ragged and cache_dtype in (torch.float16, torch.bfloat16) and cfg.num_stages == 2
+            and cfg.block_n == 64):  # the head_dim-128 tiles of the sweep, not hd64's 128 x 2
         cfg = replace(cfg, num_stages=3, ctas_per_sm=cfg.ragged_ctas_per_sm)
     if interpret:  # the interpreter runs programs one by one: fewer, smaller is faster
         return replace(cfg, ctas_per_sm=1, ragged_ctas_per_sm=2, num_stages=1,
