@@ -85,6 +85,7 @@ STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
 #: the largest scale the kernels take (they multiply it by log2(e) in float32)
 _SMAX = V.KERNEL_SCALAR_MAX
 _STRIDED = torch.strided  # the dense layout, tested by identity on the fast path
+_CALL_NAMES = frozenset(O.CALL)  # the per-call options' keywords of DecodePlan.run
 _NO_GUARD = contextlib.nullcontext()  # stateless: one for every launch without a device guard
 
 
@@ -252,6 +253,9 @@ class DecodePlan:
             TypeError, ValueError: an input that does not match the plan (the message names
                 the argument), or what :func:`paged_decode` refuses.
         """
+        if variants and all(v is None for v in variants.values()) \
+                and variants.keys() <= _CALL_NAMES:  # every per-call option spelled off
+            variants = {}
         if variants or not self._common_call(query, key_cache, value_cache, scale, k_scale,
                                              v_scale, out, return_lse, validate):
             V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
