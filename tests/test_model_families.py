@@ -115,6 +115,10 @@ def test_family_generates_as_transformers(family, tmp_path, planned):
         _, logits = engine_greedy(Transformer(dataclasses.replace(cfg, **change), weights),
                                   prompt)
         assert (logits - want_logits).abs().max() > 1e-2, change
+    if off:  # a backend that applies no variants is refused for such a model
+        from pagedattn.serving.baselines import DenseAttention
+        with pytest.raises(ValueError, match="applies no attention variants"):
+            model.with_attention(DenseAttention())
 
 
 def test_hf_config_variants_per_layer():

@@ -437,7 +437,17 @@ class Transformer(nn.Module):
         return cls(cfg, weights, dtype=dtype, device=device, impl=impl)
 
     def with_attention(self, attention: AttentionBackend) -> Transformer:
-        """A twin sharing every weight tensor (no copy) over another attention backend."""
+        """A twin sharing every weight tensor (no copy) over another attention backend.
+
+        Raises ValueError for a model with attention variants (window, soft-cap, a softmax
+        scale of its own) and a backend other than :class:`PagedAttention`: backends get no
+        variants (:class:`pagedattn.serving.baselines.DenseAttention` applies none)."""
+        c = self.cfg
+        if not isinstance(attention, PagedAttention) and (
+                c.window_left or c.logits_soft_cap or c.attn_scale is not None):
+            raise ValueError(f"attention: {type(attention).__name__} applies no attention "
+                             "variants; this model has some (window_left, logits_soft_cap "
+                             "or attn_scale): use PagedAttention")
         twin = Transformer.__new__(Transformer)
         nn.Module.__init__(twin)
         twin.cfg, twin.impl, twin.attention = self.cfg, self.impl, attention
