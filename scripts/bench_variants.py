@@ -96,7 +96,7 @@ def _inputs(shape, b: BenchBatch, plan_kw: dict, per_layer: tuple[str, ...], see
 
 def ours(shape, b: BenchBatch, query, plan_kw: dict, layer: dict, config: str = "default"):
     """``plan.run`` of the row; ``config``: ``"default"`` or overrides of the default
-    :class:`~pagedattn.launch.decode.DecodeConfig` such as ``"maxnreg=128,num_stages=3"``
+    :class:`~pagedattn.launch.policy.DecodeConfig` such as ``"maxnreg=128,num_stages=3"``
     (a tuning aid: the plan's launcher is rebuilt with that config)."""
     m = shape.model
     # planned with the host copy of the lengths, as `pagedattn bench` plans `auto` and as
@@ -118,8 +118,7 @@ def ours(shape, b: BenchBatch, query, plan_kw: dict, layer: dict, config: str = 
             num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, page_size=shape.page_size,
             q_dtype=shape.dtype, kv_dtype=shape.cache_dtype, device=query.device,
             num_splits=plan_kw.get("num_splits"), config=replace(base, **over),
-            softcap=plan_kw.get("logits_soft_cap"),
-            **{k: v for k, v in plan_kw.items() if k not in ("logits_soft_cap", "num_splits")})
+            q_len=plan.q_len, options=plan.options)
     out = torch.empty_like(query)
     return lambda: plan.run(query, b.key_cache, b.value_cache, out=out, **layer)
 

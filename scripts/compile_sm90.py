@@ -8,8 +8,14 @@ stand-in that compiles ``kernel[grid](**kwargs)`` with ``triton.compile`` for ``
 variant combination below. ``--ptx-dir`` writes each binary's PTX (to compare the plain
 kernel's code before and after a change); ``--compare DIR`` checks each PTX against DIR's
 file of the same name, instructions only (the ``.loc``/``.file`` lines and the DWARF sections
-that follow the code hold source line numbers, which any edit above a kernel shifts), and exits
-1 if any differs. Run without ``TRITON_INTERPRET``; to compare with an older commit's ``src/``::
+that follow the code hold source line numbers, which any edit above a kernel shifts, and the
+``$L__tmpN:`` labels mark where an inlined ``@triton.jit`` helper's code starts and ends for
+those sections: no branch targets them), and exits 1 if any differs. Where Triton bundles
+``ptxas``, each kernel's registers and spilled bytes are printed (``ptxas -v`` with Triton's
+own flags) and ``--compare`` requires them equal too: a label splits ptxas's basic blocks, so a
+helper's scope inside the token loop once changed the registers of identical instructions
+(``docs/perf-notes.md``, step 31). Run without ``TRITON_INTERPRET``; to compare with an older
+commit's ``src/``::
 
     PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx-dir DIR] [--compare OLD_DIR]
     git archive OLD src | tar x -C /tmp/old
@@ -21,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -33,13 +42,15 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import pagedattn.launch.decode as L  # noqa: E402
+from pagedattn.options import OPTIONS, plan_options  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
           torch.float8_e5m2: "fp8e5"}
 TARGET = GPUTarget("cuda", 90, 32)
 
-#: name -> (AutoLauncher options, per-call tensors, dtype, cache dtype, batch, kv heads)
+#: name -> (AutoLauncher table width, q_len, LSE and plan-time options (pagedattn.options),
+#: per-call options, dtype, cache dtype, batch, kv heads)
 CASES = {
     "plain-bf16": ({}, (), torch.bfloat16, None, 64, 8),
     "plain-fp32": ({}, (), torch.float32, None, 64, 8),
@@ -48,7 +59,7 @@ CASES = {
     "window": (dict(window_left=2100, max_pages=256), (), torch.bfloat16, None, 2, 8),  # split
     # as plan.run serves it (no LSE), where a window's load mask once cost 160 registers
     # (three programs per SM instead of four: perf-notes step 23)
-    # (a window wider than launch.decode._WINDOW_UNIT_MAX_KEYS: the split plan; every window
+    # (a window wider than launch.policy._WINDOW_UNIT_MAX_KEYS: the split plan; every window
     # case's table holds more tokens than its window, which is otherwise planned as no window)
     "window-no-lse": (dict(window_left=4096, lse=False, max_pages=512), (), torch.bfloat16,
                       None, 64, 8),
@@ -56,21 +67,32 @@ CASES = {
     # (window_one_unit), 32-token tiles 3 deep, no merge
     "window-one-unit-no-lse": (dict(window_left=1024, lse=False, max_pages=128), (),
                                torch.bfloat16, None, 64, 8),
-    "softcap": (dict(softcap=30.0), (), torch.bfloat16, None, 2, 8),
+    "softcap": (dict(logits_soft_cap=30.0), (), torch.bfloat16, None, 2, 8),
     "sinks": ({}, ("sinks",), torch.bfloat16, None, 2, 8),
     "sinks-per-head-merge": ({}, ("sinks",), torch.bfloat16, None, 1, 2),
     "alibi": ({}, ("alibi_slopes",), torch.bfloat16, None, 2, 8),
     "invariant": (dict(batch_invariant=True), (), torch.bfloat16, None, 2, 8),
     "q_len4": (dict(q_len=4), (), torch.bfloat16, None, 2, 8),
-    "everything": (dict(q_len=3, window_left=50, softcap=5.0, batch_invariant=True),
+    "everything": (dict(q_len=3, window_left=50, logits_soft_cap=5.0, batch_invariant=True),
                    ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
     "q_len2-fp8-sinks": (dict(q_len=2), ("sinks",), torch.bfloat16, torch.float8_e4m3fn, 2, 8),
     "fp32-window-sinks": (dict(window_left=7), ("sinks",), torch.float32, None, 2, 8),
     # a 128-token table: one unit per sequence (ONE_UNIT), the main kernel only, no merge
-    "one-unit-everything": (dict(max_pages=8, q_len=3, window_left=50, softcap=5.0),
+    "one-unit-everything": (dict(max_pages=8, q_len=3, window_left=50, logits_soft_cap=5.0),
                             ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
     "one-unit-fp8": (dict(max_pages=8), (), torch.bfloat16, torch.float8_e4m3fn, 1, 8),
 }
+
+#: an option that no case above switches on gets a case of its own, ``option-<name>`` (its
+#: ``Option.example``), so a new variant compiles for sm_90 with no edit here; the word
+#: ``new-options`` in ``--cases`` stands for those cases (none while every option has one)
+_COVERED = {name for case in CASES.values() for name in (*case[0], *case[1])}
+NEW_OPTION_CASES = [f"option-{name}" for name in OPTIONS if name not in _COVERED]
+for _name in OPTIONS:
+    if _name not in _COVERED:
+        _on = ({_name: OPTIONS[_name].example}, ()) if OPTIONS[_name].when == "plan" else \
+            ({}, (_name,))
+        CASES[f"option-{_name}"] = (*_on, torch.bfloat16, None, 2, 8)
 
 
 class _Compile:
@@ -114,11 +136,12 @@ def compile_case(name: str) -> dict:
     max_pages = options.pop("max_pages", 64)  # 1,024 tokens: splits and a merge
     with_lse = options.pop("lse", True)
     kv_dtype = kv_dtype or dtype
-    q_len = options.get("q_len", 1)
+    q_len = options.pop("q_len", 1)
     launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=32,
                               num_kv_heads=kv_heads,
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
-                              device=torch.device("cpu"), num_splits=None, **options)
+                              device=torch.device("cpu"), num_splits=None, q_len=q_len,
+                              options=plan_options(options))
     query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
@@ -127,23 +150,49 @@ def compile_case(name: str) -> dict:
     tensors = {k: torch.zeros(32) for k in per_call}
     return launcher.launch(query, cache, cache, tables, lens, torch.empty_like(query),
                            torch.empty(query.shape[:-1]) if with_lse else None, scale=0.1,
-                           **tensors)
+                           calls=tensors)
+
+
+_SCOPE_LABEL = re.compile(r"\$L__tmp\d+:")
 
 
 def ptx_code(ptx: str) -> list[str]:
     """A PTX file's instructions and declarations: without the ``.loc``/``.file`` directives,
-    comments and the DWARF ``.section .debug_*`` blocks (line numbers, not code)."""
+    the ``$L__tmpN:`` labels of the debug scopes, comments and the DWARF ``.section
+    .debug_*`` blocks (line numbers and source scopes, not code)."""
     lines = []
     for line in ptx.splitlines():
         stripped = line.strip()
         if stripped.startswith(".section") and ".debug" in stripped:
             break
-        if stripped.startswith((".loc", ".file")):
+        if stripped.startswith((".loc", ".file")) or _SCOPE_LABEL.fullmatch(stripped):
             continue
         code = line.split("//", 1)[0].rstrip()
         if code:
             lines.append(code)
     return lines
+
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def resources(ptx: str) -> tuple[int, int, int] | None:
+    """``(registers, spill store bytes, spill load bytes)`` of a PTX file, as Triton's own
+    ``ptxas -lineinfo -v`` reports them for sm_90a; ``None`` where no ``ptxas`` is bundled."""
+    if not PTXAS.is_file():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "k.ptx")
+        src.write_text(ptx)
+        log = subprocess.run([str(PTXAS), "-lineinfo", "-v", "--gpu-name=sm_90a", str(src),
+                              "-o", str(Path(tmp, "k.cubin"))], capture_output=True, text=True,
+                             check=True).stderr
+    return tuple(int(re.search(pattern, log).group(1)) for pattern in (
+        r"Used (\d+) registers", r"(\d+) bytes spill stores", r"(\d+) bytes spill loads"))
+
+
+def _resources_text(res: tuple[int, int, int] | None) -> str:
+    return "" if res is None else f", {res[0]} registers, {res[1]}/{res[2]} bytes spilled"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,11 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
         setattr(L, name, _Compile(getattr(L, name)))
     L._direct_launch_supported = lambda: False
-    for case in args.cases.split(","):
+    cases = [c for word in args.cases.split(",")
+             for c in (NEW_OPTION_CASES if word == "new-options" else [word])]
+    for case in cases:
         compiled = compile_case(case)
         for kind, c in compiled.items():
-            print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines",
-                  flush=True)
+            res = resources(c.asm["ptx"])
+            print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines"
+                  f"{_resources_text(res)}", flush=True)
             if args.ptx_dir:
                 Path(args.ptx_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.ptx_dir, f"{case}.{kind}.ptx").write_text(c.asm["ptx"])
@@ -170,11 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                 old = Path(args.compare, f"{case}.{kind}.ptx")
                 if not old.is_file():
                     verdict = f"no {old} to compare"
-                elif ptx_code(old.read_text()) == ptx_code(c.asm["ptx"]):
-                    verdict = "same instructions as"
-                else:
+                elif ptx_code(old.read_text()) != ptx_code(c.asm["ptx"]):
                     verdict = "DIFFERENT instructions from"
-                differ += not verdict.startswith("same")
+                elif (old_res := resources(old.read_text())) != res:
+                    verdict = (f"same instructions, DIFFERENT registers/spills "
+                               f"({_resources_text(old_res)[2:]} before) from")
+                else:
+                    verdict = "same instructions as"
+                differ += verdict != "same instructions as"
                 print(f"  {verdict} {old}" if old.is_file() else f"  {verdict}", flush=True)
     if args.compare:
         print(f"compare: {differ} kernel(s) differ from {args.compare}")

@@ -3,7 +3,8 @@
 #   usage: bash scripts/gpu_check.sh PHASE          (repo root; no install needed)
 # Phases:
 #   tests     every gpu/gpu2-marked test (xdist when present), then tests/test_engine.py on the
-#             GPU -> $OUT/pytest-gpu.log, pytest-engine.log (copy to docs/results/gpu-tests-*)
+#             GPU -> $OUT/pytest-gpu.log, pytest-engine.log (docs/results/gpu-tests-h200.log
+#             holds them one after the other)
 #   bench     `pagedattn bench` of auto beside every peer found (the floor and FA3 peer files,
 #             FlashInfer 0.7.4 TC and XQA), eager and graph, roofline in the run; host time and
 #             the variant rows; appends the run to bench-runs.csv and regenerates the GPU's page
@@ -11,6 +12,7 @@
 #   serving   `pagedattn bench-model` on a GGUF -> $OUT/results/serving-$GPU.{md,json}
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck over scripts/sanitize_driver.py,
 #             and memcheck over its CUDA-graph replays -> $OUT/sanitize-*.log, sanitizer-summary.md
+#             (docs/results/sanitize-h200.log holds the logs one after the other)
 #   profile   ncu, auto beside the floor on $NCU_SHAPES (scripts/ncu_side_by_side.py)
 #   ab        old against new src/: $AB_OLD/src (an untracked copy of the old tree) and ./src,
 #             alternated $AB_ROUNDS times on $AB_SHAPES beside the floor, in one call

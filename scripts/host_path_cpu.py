@@ -1,9 +1,10 @@
 """CPU exploration (not a GPU figure): the Python host path of ``paged_decode`` and
-``plan.run`` with every kernel launch replaced by a no-op, on CPU tensors, without the
-interpreter, as a GPU with Triton 3.6 would take it (recorded launches on, value checks off as
-under ``validate=None`` on CUDA). Triton's own ``kernel[grid]`` binding is stubbed too, so a
-path that goes through it costs more on a GPU than shown here. Prints the minimum of
-``REPEATS`` (default 5) timings of 500 calls, µs per call. Usage (repo root, no GPU needed)::
+``plan.run`` with every kernel launch replaced by a no-op (Triton's C launch: its Python
+launcher runs), on CPU tensors, without the interpreter, as a GPU with Triton 3.6 would take
+it (recorded launches on, value checks off as under ``validate=None`` on CUDA). Triton's own
+``kernel[grid]`` binding is stubbed too, so a path that goes through it costs more on a GPU
+than shown here. Prints the minimum of ``REPEATS`` (default 5) timings of 500 calls, µs per
+call. Usage (repo root, no GPU needed)::
 
     PYTHONPATH=src python scripts/host_path_cpu.py [REPEATS] [--profile]
 """
@@ -23,16 +24,29 @@ from pagedattn.launch import decode as L
 from pagedattn.testing import make_paged_inputs
 
 
+def _launcher():
+    """Triton 3.6's Python launcher (``CudaLauncher``, its ``__call__`` as on a GPU) around a
+    C launch that does nothing."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    run = object.__new__(CudaLauncher)
+    run.launch = lambda *args: None
+    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, False
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    return run
+
+
 class FakeCompiled:
     """A compiled kernel whose launch does nothing."""
 
     function = packed_metadata = None
 
+    def __init__(self):
+        self.run = _launcher()
+
     def launch_metadata(self, *args):
         return None
-
-    def run(self, *args):
-        pass
 
 
 class FakeKernel:

@@ -5,10 +5,12 @@ wall time per call is the host path: validation, allocation and the launches. Me
 ``plan.run`` (the plan built once; without and with ``out``), ``paged_decode`` (one-shot) and,
 where ``import flashinfer`` works, FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper.run()``
 (planned once, as the bench peer ``flashinfer-tc``) on the three batches of the peers'
-host-time table, all in the same process. The host's CPU clock drifts from run to
+host-time table, all in the same process, and (``empty_out``) the allocation of an output
+alone, what ``plan.run`` adds without ``out``. The host's CPU clock drifts from run to
 run (on the H200 machine the same tree measured 116 and 224 µs per one-shot call a few seconds
 apart), so each figure is the median of ``--repeats`` timings of ``--calls`` calls, with their
-minimum beside it (``*_min``). Usage (repo root, GPU machine)::
+minimum beside it (``*_min``), the rows of a batch timed round-robin. Usage (repo root, GPU
+machine)::
 
     PYTHONPATH=src python3 scripts/host_time.py [--calls 2000] [--repeats 5] [--json out.json]
 """
@@ -67,7 +69,10 @@ def main() -> int:
         run = functools.partial(plan.run, *x[:3])
         run_out = functools.partial(plan.run, *x[:3], out=out)
         one_shot = functools.partial(pagedattn.paged_decode, *x)
-        timed = [("plan_run", run), ("plan_run_out", run_out), ("paged_decode", one_shot)]
+        # what plan.run adds without ``out``: the output's allocation and free, alone
+        alloc = functools.partial(torch.empty_like, x.query)
+        timed = [("plan_run", run), ("plan_run_out", run_out), ("paged_decode", one_shot),
+                 ("empty_out", alloc)]
         shape = BenchShape(name, ModelShape(name, hq, hkv, hd, dtype), tuple(lens), dtype, dtype)
         try:
             timed.append(("flashinfer_run", peers.flashinfer_tc(
@@ -75,10 +80,13 @@ def main() -> int:
         except peers.PeerUnsupported as e:
             print(f"batch={name} flashinfer_run: {e}", flush=True)
         r = dict(batch=name)
-        for label, fn in timed:
-            times = [per_call_us(fn, args.calls) for _ in range(args.repeats)]
-            r[f"{label}_us"] = statistics.median(times)
-            r[f"{label}_us_min"] = min(times)
+        times = {label: [] for label, _ in timed}
+        for _ in range(args.repeats):  # round-robin: a drifting clock spreads over every row
+            for label, fn in timed:
+                times[label].append(per_call_us(fn, args.calls))
+        for label, t in times.items():
+            r[f"{label}_us"] = statistics.median(t)
+            r[f"{label}_us_min"] = min(t)
         results.append(r)
         if args.profile and name == BATCHES[0][0]:
             import cProfile

@@ -7,7 +7,7 @@ same run with the read roofline. Writes ``sweep.csv`` and prints, per shape, the
 and where the default stands. A tuning aid: the harness (``pagedattn bench``) makes the
 published numbers. ``--write-table`` also writes this GPU's tuned table (see
 :func:`table_from_rows`); it belongs at ``src/pagedattn/launch/tuned/<GPU name>.json``
-(:func:`pagedattn.launch.decode.tuned_table_path`), where ``choose_config`` reads it for that
+(:func:`pagedattn.launch.policy.tuned_table_path`), where ``choose_config`` reads it for that
 GPU model only. Usage (repo root, GPU machine)::
 
     PYTHONPATH=src python3 scripts/sweep_decode.py --shapes peers --out $OUT \\
@@ -32,13 +32,8 @@ import torch
 import pagedattn
 from pagedattn.bench.shapes import build_batch, select_shapes
 from pagedattn.bench.timing import gb_per_s, measure_read_bandwidth, time_cold, time_graph
-from pagedattn.launch.decode import (
-    AutoLauncher,
-    DecodeConfig,
-    choose_config,
-    config_key,
-    tuned_table_path,
-)
+from pagedattn.launch.decode import AutoLauncher
+from pagedattn.launch.policy import DecodeConfig, choose_config, config_key, tuned_table_path
 from pagedattn.reference import paged_decode_reference
 from pagedattn.testing import rel_l2_error
 

@@ -118,7 +118,7 @@ def tile_sizes(impl: str, *, head_dim: int, group: int, dtype: torch.dtype,
     """Token-tile sizes an impl walks in (besides the page), as its launcher picks them here
     (the interpreter's tiles are smaller): masking must hold at each."""
     if impl == "auto":
-        from pagedattn.launch.decode import choose_config
+        from pagedattn.launch.policy import choose_config
         cfg = choose_config(head_dim, group, dtype, page_size, is_interpreter())
         return [cfg.block_n, cfg.min_chunk]  # MIN_CHUNK: the automatic split granularity
     if impl == "gqa_reuse_v3":

@@ -14,7 +14,38 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def _peer_sample(config, items) -> None:
+    """``PAGEDATTN_PEER_SUITES=sample``: of each test marked ``peer_grid(*lengths)`` (an
+    upstream grid), each combination of its other parameters at two of its length
+    combinations; the combination's ordinal ``c`` picks the ``c % n``-th and the ``(c + n //
+    2) % n``-th of its ``n`` runnable ones (the marker's ``runs`` predicate of the
+    parameters), so every length comes about equally often. The rest is deselected."""
+    groups: dict = {}
+    dropped = []
+    for item in items:
+        mark = item.get_closest_marker("peer_grid")
+        if mark is None:
+            continue
+        params = item.callspec.params
+        if not mark.kwargs.get("runs", lambda p: True)(params):
+            dropped.append(item)
+            continue
+        rest = tuple((k, repr(v)) for k, v in params.items() if k not in mark.args)
+        groups.setdefault(item.originalname, {}).setdefault(rest, []).append(item)
+    for combos in groups.values():
+        for c, group in enumerate(combos.values()):
+            n = len(group)
+            keep = {c % n, (c + n // 2) % n}
+            dropped += [item for i, item in enumerate(group) if i not in keep]
+    if dropped:
+        gone = set(map(id, dropped))
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if id(item) not in gone]
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PAGEDATTN_PEER_SUITES") == "sample":
+        _peer_sample(config, items)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_gpu2 = pytest.mark.skip(reason="needs two CUDA GPUs")

@@ -290,6 +290,20 @@ def test_compile_metadata():
     assert dict_md["num_warps"] == 8 and dict_md["n_regs"] is None
 
 
+def test_a_pipe_in_an_error_stays_in_its_markdown_cell(tmp_path):
+    """A peer's error (or peer info) holding ``|`` split the markdown row into extra cells:
+    each ``|`` in a cell is ``\\|`` now. The terminal table and the CSV keep the text as is."""
+    rows = [{"shape": "s", "impl": "peer", "status": "error", "error": "shape a | b",
+             "peer_info": "fa3|v2"},
+            {"shape": "s", "impl": "auto", "status": "ok", "median_us": 1.0}]
+    md = report.write_markdown(rows, {"gpu": "g"}, None, tmp_path / "b.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    cells = [len(re.split(r"(?<!\\)\|", line)) for line in table]
+    assert len(table) == 4 and len(set(cells)) == 1, table
+    assert "error: shape a \\| b" in md and "fa3\\|v2" in md
+    assert "error: shape a | b" in report.terminal_table(rows)
+
+
 def test_compiled_kernels_attributes_one_call(device):
     """The one reader of the launch layer's compile record: only this call's kernels."""
     from pagedattn.bench.profile import compiled_kernels

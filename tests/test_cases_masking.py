@@ -92,7 +92,7 @@ def _auto_groups(lens, inputs_kw, device):
     split boundaries sit at multiples of MIN_CHUNK where ``boundary_lengths`` put them. The
     split target is SMs x ctas_per_sm units (``sm_count_for``: 4 on the CPU)."""
     from pagedattn._env import is_interpreter, sm_count_for
-    from pagedattn.launch.decode import choose_config
+    from pagedattn.launch.policy import choose_config
 
     cfg = choose_config(inputs_kw["head_dim"], inputs_kw["num_q_heads"] // inputs_kw[
         "num_kv_heads"], inputs_kw["dtype"], inputs_kw["page_size"], is_interpreter())

@@ -93,6 +93,45 @@ def test_type_functions():
         parse("a,d")
 
 
+#: (subcommand, its option, the module whose table maps the parsed name to a torch dtype,
+#: that table's name, extra argv the subcommand needs)
+DTYPE_OPTIONS = [("run", "--dtype", "pagedattn.bench.harness", "DTYPES", []),
+                 ("generate", "--dtype", "pagedattn.serving.generate", "DTYPES", ["hi"]),
+                 ("generate", "--cache-dtype", "pagedattn.serving.generate", "CACHE_DTYPES",
+                  ["hi"]),
+                 ("bench-model", "--dtype", "pagedattn.serving.generate", "DTYPES", []),
+                 ("bench-model", "--cache-dtype", "pagedattn.serving.generate", "CACHE_DTYPES",
+                  [])]
+
+
+@pytest.mark.parametrize("command, option, module, table, extra", DTYPE_OPTIONS,
+                         ids=[f"{c} {o}" for c, o, *_ in DTYPE_OPTIONS])
+def test_every_dtype_option_takes_both_spellings(command, option, module, table, extra):
+    """``run --dtype`` took fp32/fp16/bf16, ``generate``/``bench-model`` float32/float16/bfloat16:
+    each takes both now (one argparse type, ``_cli_types.dtype_name``), any case."""
+    import importlib
+
+    parser = T.OneLineParser(prog=f"pagedattn {command}")
+    cli._command(command).add_arguments(parser)
+    dtypes = getattr(importlib.import_module(module), table)
+    for words, want in ((("fp32", "float32", "FP32"), torch.float32),
+                        (("fp16", "float16", "Float16"), torch.float16),
+                        (("bf16", "bfloat16", "BFloat16"), torch.bfloat16)):
+        for word in words:
+            assert dtypes[getattr(parser.parse_args([*extra, option, word]),
+                                  option[2:].replace("-", "_"))] is want, word
+
+
+@pytest.mark.parametrize("argv", [["run", "--dtype", "fp64"], ["generate", "x", "--dtype", "f8"],
+                                  ["bench-model", "--cache-dtype", "int8"]])
+def test_an_unknown_dtype_lists_both_spellings(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert f"unknown dtype {argv[-1]!r}" in err and "float16 (fp16)" in err, err
+
+
 @cpu_only
 @pytest.mark.parametrize("command", ["profile", "ladder", "bench"])
 def test_without_a_gpu_profile_ladder_and_bench_exit_2_and_say_so(command, tmp_path, capsys):

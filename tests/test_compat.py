@@ -96,9 +96,13 @@ def test_fa_append_then_attend_and_the_plan_is_reused(device):
     assert rel_l2_error(out2[:, 0], ref2.out) <= tolerance_for(torch.float16)
 
 
-def test_fa_repeated_decode_call_takes_the_short_path(device):
-    """The per-layer call: the second call finds its plan by the tensors' identity, reads
-    the lengths updated in place, and a call with another dtype plans anew."""
+def test_fa_repeated_decode_call_takes_the_short_path(device, monkeypatch):
+    """The per-layer call: the second call finds its plan by the tensors' identity and runs
+    FA's 4-D query as it is (the plan's ``_run_4d``), reads the lengths updated in place, and
+    a call with another dtype plans anew; calls alternating between the two plans of one
+    table (the short entry holds the last) stay right."""
+    from pagedattn.api import DecodePlan
+
     fa_module._plans.clear()
     fa_module._fast.clear()
     inp = _inputs(device, lens=[4, 9, 30])
@@ -107,18 +111,29 @@ def test_fa_repeated_decode_call_takes_the_short_path(device):
                 return_softmax_lse=True)
     q = inp.query.unsqueeze(1)
     flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call)
-    assert len(fa_module._fast) == 1
+    assert len({id(entry) for entry in fa_module._fast.values()}) == 1
+    runs = []
+    real = DecodePlan._run_4d
+    monkeypatch.setattr(DecodePlan, "_run_4d",
+                        lambda self, *a: runs.append(real(self, *a)) or runs[-1])
     lens -= 3  # the engine's next step, in place
     out, lse = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call)
+    assert len(runs) == 1 and runs[0].out is out and out.shape == q.shape
     ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
                                  lens)
     assert rel_l2_error(out[:, 0], ref.out) <= tolerance_for(torch.float16)
+    assert lse.shape == (3, 6, 1)
     _close_lse(lse[..., 0], ref.lse)
     q32, k32, v32 = (t.float() for t in (q, inp.key_cache, inp.value_cache))
-    out32 = flash_attn_with_kvcache(q32, k32, v32, cache_seqlens=lens,
-                                    page_table=inp.block_tables, causal=True)
-    assert len(fa_module._plans) == 2 and out32.dtype == torch.float32
-    assert rel_l2_error(out32[:, 0], ref.out) <= tolerance_for(torch.float32)
+    ref32 = paged_decode_reference(q32[:, 0], k32, v32, inp.block_tables, lens).out
+    for _ in range(2):  # the short entry names the last plan: the other takes the full key
+        out32 = flash_attn_with_kvcache(q32, k32, v32, cache_seqlens=lens,
+                                        page_table=inp.block_tables, causal=True)
+        assert len(fa_module._plans) == 2 and out32.dtype == torch.float32
+        assert rel_l2_error(out32[:, 0], ref32) <= tolerance_for(torch.float32)
+        out16 = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call).out
+        assert rel_l2_error(out16[:, 0], ref.out) <= tolerance_for(torch.float16)
+    assert runs[-1] is None  # the fp16 query missed the fp32 plan of the short entry
 
 
 def test_fa_causal_multi_token_lse_layout(device):

@@ -183,6 +183,7 @@ def run_batch_decode_case(device, batch_size, kv_len, page_size, num_kv_heads, n
     torch.testing.assert_close(o, o_buffer, rtol=1e-3, atol=1e-3)
 
 
+# repeats run_batch_decode_case's setup as upstream's two test bodies do, to stay diffable
 def run_tuple_case(device, batch_size, kv_len, page_size, num_kv_heads, num_qo_heads,
                    head_dim, kv_layout, pos_encoding_mode, logits_soft_cap, return_lse,
                    q_dtype, kv_dtype, contiguous_kv):
@@ -240,15 +241,19 @@ _FULL = [
     pytest.mark.parametrize("contiguous_kv", [True]),
 ]
 #: the whole upstream grids run only when asked for (thousands of cases: more than the
-#: GPU-test phase's budget); the ``*_gpu_subset`` tests run by default at full size
-FULL_GRID = pytest.mark.skipif(os.environ.get("PAGEDATTN_PEER_SUITES") != "full",
-                               reason="the full upstream grid: set PAGEDATTN_PEER_SUITES=full")
+#: GPU-test phase's budget); the ``*_gpu_subset`` tests run by default at full size.
+#: PAGEDATTN_PEER_SUITES=sample runs each combination of the other parameters at two of its
+#: (batch_size, kv_len) pairs (conftest's _peer_sample): 240 of the 1,656 cases
+FULL_GRID = pytest.mark.skipif(
+    os.environ.get("PAGEDATTN_PEER_SUITES") not in ("full", "sample"),
+    reason="the full upstream grid: set PAGEDATTN_PEER_SUITES=full (or sample)")
+PEER_GRID = pytest.mark.peer_grid("batch_size", "kv_len")
 
 
 def _full(fn):
     for mark in reversed(_FULL):
         fn = mark(fn)
-    return pytest.mark.gpu(FULL_GRID(fn))
+    return pytest.mark.gpu(FULL_GRID(PEER_GRID(fn)))
 
 
 #: the default GPU subset at upstream's sizes, in the parameters' order
@@ -329,6 +334,7 @@ def _warm_and_capture(warm, capture):
 
 @pytest.mark.gpu
 @FULL_GRID
+@PEER_GRID
 @pytest.mark.parametrize("batch_size", [12, 17, 128])
 @pytest.mark.parametrize("kv_len", [54, 2048, 16384])
 @pytest.mark.parametrize("page_size", [1, 8, 16])

@@ -71,19 +71,34 @@ def _flashinfer():
     return flashinfer
 
 
-def _batch(dtype, cache_dtype=None, lens=(1, 17, 900, 1000, 4096, 33), hq=32, hk=8, d=128):
-    return make_paged_inputs(list(lens), num_q_heads=hq, num_kv_heads=hk, head_dim=d,
-                             page_size=16, dtype=dtype, cache_dtype=cache_dtype,
-                             poison=False, device="cuda", extra_pages=64)
+def _batch(case, dtype, kv_layout="NHD", extra_pages=64):
+    """The batch both peers see: six sequences (1 to 4,096 tokens), 32 query and 8 kv heads,
+    head_dim 128, pages of 16; an fp8 cache for ``case == "fp8"``."""
+    return make_paged_inputs([1, 17, 900, 1000, 4096, 33], num_q_heads=32, num_kv_heads=8,
+                             head_dim=128, page_size=16, dtype=dtype,
+                             cache_dtype=torch.float8_e4m3fn if case == "fp8" else None,
+                             kv_layout=kv_layout, poison=False, device="cuda",
+                             extra_pages=extra_pages)
+
+
+def _dtype(case, default):
+    """The case's query dtype: fp16 or bf16 when named, else ``default``."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(case, default)
+
+
+def _assert_matches_peer(case, dtype, ours, our_lse, theirs, their_lse):
+    """Outputs within the contract's bound for the dtype, LSEs to 1e-2 (both in the peer's base)."""
+    assert rel_l2_error(ours, theirs) <= tolerance_for(
+        torch.float8_e4m3fn if case == "fp8" else dtype)
+    torch.testing.assert_close(our_lse, their_lse, atol=1e-2, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["bf16", "fp16", "window", "softcap", "q_len4", "append",
                                   "fp8"])
 def test_flash_attn_with_kvcache_matches_fa3(case):
     fa3 = _fa3()
-    dtype = torch.float16 if case == "fp16" else torch.bfloat16
-    fp8 = case == "fp8"
-    inp = _batch(dtype, torch.float8_e4m3fn if fp8 else None)
+    dtype, fp8 = _dtype(case, torch.bfloat16), case == "fp8"
+    inp = _batch(case, dtype)
     sq = 4 if case == "q_len4" else 1
     q = torch.randn(inp.query.shape[0], sq, 32, 128, device="cuda", dtype=dtype)
     if fp8:
@@ -112,9 +127,7 @@ def test_flash_attn_with_kvcache_matches_fa3(case):
             raise
         pytest.skip(f"fa3: {e}")
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
-    tol = tolerance_for(torch.float8_e4m3fn if fp8 else dtype)
-    assert rel_l2_error(ours, theirs) <= tol
-    torch.testing.assert_close(our_lse, their_lse, atol=1e-2, rtol=0)
+    _assert_matches_peer(case, dtype, ours, our_lse, theirs, their_lse)
     if case == "append":
         assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
@@ -132,13 +145,9 @@ def _csr(inp, page_size=16):
                                   "combined_hnd"])
 def test_batch_decode_wrapper_matches_flashinfer(case):
     flashinfer = _flashinfer()
-    dtype = torch.bfloat16 if case == "bf16" else torch.float16
-    fp8 = case == "fp8"
+    dtype, fp8 = _dtype(case, torch.float16), case == "fp8"
     layout = "HND" if case == "combined_hnd" else "NHD"
-    inp = make_paged_inputs([1, 17, 900, 1000, 4096, 33], num_q_heads=32, num_kv_heads=8,
-                            head_dim=128, page_size=16, dtype=dtype,
-                            cache_dtype=torch.float8_e4m3fn if fp8 else None, poison=False,
-                            kv_layout=layout, device="cuda")
+    inp = _batch(case, dtype, kv_layout=layout, extra_pages=2)  # the inputs of before
     kw = dict(q_data_type=dtype, kv_data_type=inp.key_cache.dtype)
     if case == "window":
         kw["window_left"] = 255
@@ -158,6 +167,4 @@ def test_batch_decode_wrapper_matches_flashinfer(case):
         w.plan(*_csr(inp), 32, 8, 128, 16, **kw)
         results.append(w.run(inp.query, cache, return_lse=True, **run_kw))
     (ours, our_lse), (theirs, their_lse) = results
-    tol = tolerance_for(torch.float8_e4m3fn if fp8 else dtype)
-    assert rel_l2_error(ours, theirs) <= tol
-    torch.testing.assert_close(our_lse, their_lse, atol=1e-2, rtol=0)  # both base 2
+    _assert_matches_peer(case, dtype, ours, our_lse, theirs, their_lse)  # LSEs both base 2

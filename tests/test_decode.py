@@ -103,10 +103,10 @@ def test_auto_small_tiles_many_splits(dtype, device, monkeypatch):
     sequence, every merge path) matches the oracle."""
     from dataclasses import replace
 
-    from pagedattn.launch import decode as launch_decode
+    from pagedattn.launch import policy
 
-    base = launch_decode.choose_config
-    monkeypatch.setattr(launch_decode, "choose_config", lambda *a, **k: replace(
+    base = policy.choose_config
+    monkeypatch.setattr(policy, "choose_config", lambda *a, **k: replace(
         base(*a, **k), block_n=16, min_chunk=16))
     inputs = make_paged_inputs([0, 3, 70, 129, 17], num_q_heads=6, num_kv_heads=2, head_dim=64,
                                page_size=16, dtype=dtype, seed=5, device=device)
@@ -154,13 +154,40 @@ def test_repeat_runs_launch_the_bound_kernels(monkeypatch):
     del first
 
 
+def test_c_launch_passes_what_triton_passes():
+    """The direct C launch of a recorded launch (``_c_launch``/``_launch_c``) hands Triton
+    3.6's C launch exactly the arguments ``CudaLauncher.__call__`` hands it; a kernel that
+    needs scratch memory keeps Triton's own call (``None``)."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    from pagedattn.launch import decode as launch_decode
+
+    seen = []
+    run = object.__new__(CudaLauncher)  # Triton's Python launcher; its C launch records
+    run.launch = lambda *args: seen.append(args)
+    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, True
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    compiled = SimpleNamespace(run=run, function=1234, packed_metadata=(4, 1, 0))
+    args = [11, 2.5, None, 7]
+    launch_decode._launch_compiled(compiled, (5, 2, 1), 99, args, None, None)
+    launch_decode._launch_c(launch_decode._c_launch(compiled), (5, 2, 1), 99, args)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    run.global_scratch_size = 64
+    assert launch_decode._c_launch(compiled) is None
+    run.global_scratch_size, run.profile_scratch_size = 0, 8
+    assert launch_decode._c_launch(compiled) is None
+
+
 @pytest.mark.parametrize("per_group", [True, False])
 def test_both_merge_grids(per_group, device, monkeypatch):
     """Either merge grid (per kv head, per query head; chosen by batch x kv heads against the
     SM count) merges forced splits, empty rows and the LSE exactly like the oracle."""
-    from pagedattn.launch import decode as launch_decode
+    from pagedattn.launch import policy
 
-    monkeypatch.setattr(launch_decode, "merge_per_group", lambda *a: per_group)
+    monkeypatch.setattr(policy, "merge_per_group", lambda *a: per_group)
     inputs = make_paged_inputs([0, 45, 3, 130], num_q_heads=6, num_kv_heads=2, head_dim=64,
                                page_size=16, dtype=torch.float16, seed=11, device=device)
     out = torch.full_like(inputs.query, float("nan"))
@@ -247,7 +274,7 @@ def test_fp8_split_target_by_pairs(batch, kv_heads, dtype, few):
     """fp8 plans of one token whose (sequence, kv head) pairs are fewer than the SMs split for
     four units per SM, others keep the fp8 default of three (perf-notes step 28: b1-c32k
     38.6 µs at four against 41.6; b64-c8k 308.4 at three against 312.8)."""
-    import pagedattn.launch.decode as launch
+    import pagedattn.launch.policy as launch
 
     assert launch.fp8_few_pairs(batch=batch, num_kv_heads=kv_heads, sms=132, kv_dtype=dtype,
                                 head_dim=128) is few

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import pagedattn
 from pagedattn import _validation as V
-from pagedattn import api
+from pagedattn import api, options
+from pagedattn._env import is_interpreter
 from pagedattn.testing import make_paged_inputs
 
 FP8 = torch.float8_e4m3fn
@@ -159,7 +160,7 @@ def run_args(draw):
     return plan, args
 
 
-if not V._interpreter_on():  # CPU tensors run through Triton's interpreter only (a GPU machine)
+if not is_interpreter():  # CPU tensors run through Triton's interpreter only (a GPU machine)
     pytest.skip("the fast checks are drawn on CPU tensors: TRITON_INTERPRET=1 is not set",
                 allow_module_level=True)
 PLAN_OBJECTS = [_plan(*p) for p in PLANS]
@@ -241,16 +242,16 @@ def one_shot_args(draw):
 
 
 def _precise_one_shot(a):
-    """``check_metadata``'s verdict (then the impl's capabilities), or None."""
+    """``check_metadata``'s verdict with the variants' (``api.check_decode``), then the
+    impl's capabilities, or None."""
     names = ("query", "key_cache", "value_cache", "block_tables", "context_lens")
+    variants = {k: v for k, v in a.items() if k in options.OPTIONS}
     try:
-        V.check_metadata(*(a[n] for n in names), impls=tuple(pagedattn.IMPLS),
-                         **{k: v for k, v in a.items() if k not in names})
+        api.check_decode(*(a[n] for n in names), variants=variants,
+                         **{k: v for k, v in a.items() if k not in names and k not in variants})
         spec = pagedattn.IMPLS[a["impl"]]
         api._check_capabilities(spec, a["key_cache"], a["kv_layout"], a["k_scale"],
-                                a["v_scale"], a["return_lse"], a["query"],
-                                {k: a[k] for k in ("window_left", "logits_soft_cap",
-                                                   "batch_invariant")})
+                                a["v_scale"], a["return_lse"], a["query"], variants)
     except (TypeError, ValueError) as e:
         return e
     return None

@@ -13,8 +13,9 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: modules that import no pagedattn module but these (torch only, or one leaf)
-LEAVES = {"pagedattn._env": set(), "pagedattn._validation": set(), "pagedattn._cli_types": set(),
-          "pagedattn.traces": set(), "pagedattn.reference": set(),
+LEAVES = {"pagedattn._env": set(), "pagedattn._validation": {"pagedattn._env"},
+          "pagedattn._cli_types": set(), "pagedattn.traces": set(), "pagedattn.reference": set(),
+          "pagedattn.options": {"pagedattn._validation"},
           "pagedattn.testing": {"pagedattn.reference"}}
 #: the one kernel outside the attention path: the roofline probe that bench/timing launches
 MEASUREMENT_KERNELS = {"pagedattn.kernels.readbw"}
@@ -118,3 +119,13 @@ def test_cli_dispatch_uses_import_statements():
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
              and n.attr == "import_module"]
     assert not calls
+
+
+def test_the_launch_policy_is_pure():
+    """``launch/policy.py`` decides from shapes, dtypes and device facts: it imports no Triton
+    and no kernel (the launcher, ``launch/decode.py``, builds the launches)."""
+    tree = ast.parse((SRC / "pagedattn" / "launch" / "policy.py").read_text(encoding="utf-8"))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m.split(".")[0] == "triton"}, imported
+    assert not {m for m in GRAPH["pagedattn.launch.policy"] if _layer(m) == "kernels"}

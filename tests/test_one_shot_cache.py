@@ -9,10 +9,12 @@ the float64 oracle (outputs NaN-poisoned).
 
 import pytest
 import torch
+from test_variants import PLAN_EXAMPLES
 
 import pagedattn
 from pagedattn import api
 from pagedattn.launch import decode as launch_decode
+from pagedattn.options import DEFAULT, DecodeOptions
 from pagedattn.reference import paged_decode_reference
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
@@ -75,15 +77,14 @@ def test_repeats_skip_the_full_check(device, monkeypatch):
     dict(batch=4), dict(max_pages=5), dict(num_q_heads=8), dict(num_kv_heads=4),
     dict(head_dim=32), dict(page_size=16), dict(q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
     dict(kv_dtype=torch.float8_e4m3fn), dict(num_splits=3), dict(q_len=2),
-    dict(window_left=7), dict(softcap=30.0), dict(batch_invariant=True),
+    *(dict(options=DecodeOptions(**{name: example})) for name, example in PLAN_EXAMPLES.items()),
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_each_part_of_the_key_gets_its_own_launcher(change):
     """Two keys that differ in one shape, dtype or variant never share a launcher, and each
     launcher's configuration is the one a fresh launcher of its own key decides."""
     base = dict(batch=3, max_pages=4, num_q_heads=4, num_kv_heads=2, head_dim=16,
                 page_size=8, q_dtype=torch.float16, kv_dtype=torch.float16,
-                device=torch.device("cpu"), num_splits=None, q_len=1, window_left=-1,
-                softcap=None, batch_invariant=False)
+                device=torch.device("cpu"), num_splits=None, q_len=1, options=DEFAULT)
     other = {**base, **change}
     a = launch_decode.one_shot_launcher(**base)
     b = launch_decode.one_shot_launcher(**other)
@@ -102,8 +103,7 @@ def test_the_cache_is_bounded():
 
     def launcher(batch):
         return launch_decode.one_shot_launcher(
-            batch, 4, 4, 2, 16, 8, torch.float16, torch.float16, torch.device("cpu"), None, 1,
-            -1, None, False)
+            batch, 4, 4, 2, 16, 8, torch.float16, torch.float16, torch.device("cpu"), None, 1)
 
     first = launcher(1)
     for batch in range(2, size + 10):
@@ -154,8 +154,7 @@ def test_repeated_one_shots_take_the_recorded_launch():
         calls.append((x, ref))
     assert launch_decode.one_shot_launcher.cache_info().currsize == 1
     engine = launch_decode.one_shot_launcher(4, 5, 8, 2, 128, 16, torch.bfloat16,
-                                             torch.bfloat16, calls[0][0].query.device, 3, 1,
-                                             -1, None, False)
+                                             torch.bfloat16, calls[0][0].query.device, 3, 1)
     assert launch_decode.one_shot_launcher.cache_info().currsize == 1  # the calls' own
     assert engine._direct and len(engine._bindings) == 1
     for entry in engine._bindings.values():

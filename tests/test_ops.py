@@ -29,6 +29,24 @@ def test_ops_are_registered():
     assert "!) key," not in schema and "!) slot_mapping" not in schema
 
 
+def test_op_schemas_come_from_the_options():
+    """The decode ops' schemas end with every field of ``pagedattn.options.DecodeOptions``,
+    in field order, with its default and a type matching it (a new option needs no edit of
+    ``serving/ops.py``)."""
+    from pagedattn import options
+
+    for op in (torch.ops.pagedattn.paged_decode, torch.ops.pagedattn.paged_decode_lse):
+        args = op.default._schema.arguments
+        tail = args[len(args) - len(options.OPTIONS):]
+        assert [a.name for a in tail] == list(options.OPTIONS)
+        for a in tail:
+            assert a.default_value == options.DEFAULTS[a.name]
+            assert str(a.type).replace("Optional[", "").rstrip("]").lower() in \
+                options.OPTIONS[a.name].schema.lower()
+        assert [a.name for a in args[:5]] == ["query", "key_cache", "value_cache",
+                                              "block_tables", "context_lens"]
+
+
 def test_opcheck_paged_decode(device):
     inp = tiny_inputs(device, poison=False)  # opcheck compares runs; NaN-free inputs
     torch.library.opcheck(torch.ops.pagedattn.paged_decode.default, tuple(inp),

@@ -1,11 +1,19 @@
 """The profiling lab on the CPU: ncu CSV parsing, the table/report/charts, and the fallback.
 
-The parser runs on every ``tests/data/ncu_h200_*.csv`` (real exports captured on the H200 by
-``pagedattn profile``; ``tests/data/README.md``) and on the synthetic fixtures
-``tests/data/ncu_synthetic_*.csv``, which are made up in ncu's documented formats (values
-from the study) and are no measurement.
-The fallback runs the real impls under the Triton interpreter on tiny shapes; nothing is timed.
-"""
+Test data (``tests/data/``):
+
+* ``ncu_h200_raw.csv`` (``--page raw --csv --print-units base``: a header of metric names, a
+  units row, one row per launch) and ``ncu_h200_details.csv`` (``--page details --csv``: one row
+  per launch/section/metric): real exports captured on the H200 by ``pagedattn profile``
+  (session 1: ``git show 4a206de:scripts/gpu_check.sh``), one report per impl (baseline,
+  gqa_reuse_v3, split_kv_v4, auto) with the rows of the four put under one header and the
+  launch IDs renumbered 0-5, as one report of six launches prints them (the four files of each
+  page are in ``git show 4a206de:tests/data/``).
+* ``ncu_synthetic_details.csv``, ``ncu_synthetic_raw.csv``: **synthetic**, no measurement: ncu's
+  documented layouts filled with the study's split_kv_v4 / gqa_reuse_v3 figures, registers and
+  occupancy partly invented. Their first line says so; the parser skips it.
+
+The fallback runs the real impls under the Triton interpreter on tiny shapes; nothing is timed."""
 
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from pagedattn.bench import ncu
 from pagedattn.bench.ncu import METRIC_KEYS, KernelCounters, parse_ncu_csv, read_ncu_csv
 
 DATA = Path(__file__).parent / "data"
-REAL = sorted(DATA.glob("ncu_h200_*.csv"))
+REAL = [DATA / "ncu_h200_raw.csv", DATA / "ncu_h200_details.csv"]
 SYNTHETIC = sorted(DATA.glob("ncu_synthetic_*.csv"))
 # the interpreter fallback; on a GPU these would time (never in pytest) and run ncu
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter path")
@@ -46,6 +54,17 @@ def test_every_capture_parses_to_sane_kernels(path):
         if k.grid:  # "(x, y, z)" agrees with the block count
             dims = [int(d) for d in k.grid.strip("()").split(",")]
             assert math.prod(dims) == v["grid"]
+
+
+def test_the_real_raw_and_details_pages_agree_launch_by_launch():
+    raw, details = (read_ncu_csv(p) for p in REAL)
+    assert [k.name for k in raw] == [k.name for k in details] == [
+        "_baseline_kernel", "_gqa_reuse_v3_kernel", "_split_kv_v4_kernel",
+        "_split_kv_v4_merge_kernel", "_paged_decode_kernel", "_paged_decode_merge_kernel"]
+    for r, d in zip(raw, details, strict=True):
+        assert r.launches == d.launches == 1 and (r.grid, r.block) == (d.grid, d.block)
+        for key in METRIC_KEYS:  # the details page prints 3-4 significant digits
+            assert d.values[key] == pytest.approx(r.values[key], rel=2e-3), (r.name, key)
 
 
 def test_synthetic_details_split_and_merge_in_canonical_units():

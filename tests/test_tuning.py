@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import pagedattn.launch.decode as L
+import pagedattn.launch.policy as L
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ def test_table_from_rows_keeps_measured_gains_only():
 
 
 def test_the_package_data_holds_the_tables_the_launcher_reads():
-    """pyproject's package-data patterns match the path ``launch/decode.py`` reads a GPU's
+    """pyproject's package-data patterns match the path ``launch/policy.py`` reads a GPU's
     table from (``launch/tuned/<name>.json``), so a table written there ships in the wheel."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][

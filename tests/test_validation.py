@@ -546,3 +546,43 @@ def test_host_context_lens_must_be_integers(lens):
     with pytest.raises(ValueError, match="^host_context_lens: expected a 1-D integer CPU"):
         pagedattn.plan_decode(args[3], args[4], num_q_heads=4, num_kv_heads=2, head_dim=64,
                               page_size=8, q_dtype=FP16, host_context_lens=lens)
+
+
+# --- session 14 -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "false", "False", "off", "no", "", "2"])
+def test_a_false_triton_interpret_refuses_cpu_tensors(value, monkeypatch):
+    """``TRITON_INTERPRET=false`` (or ``2``) read as on: the library now reads the variable as
+    Triton does (``pagedattn._env.is_interpreter``, which the CLI uses too)."""
+    args = _base(dtype=torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    with pytest.raises(ValueError, match="expected a CUDA tensor, or CPU tensors with "
+                                         "TRITON_INTERPRET=1"):
+        pagedattn.paged_decode(*args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors run in the interpreter only")
+@pytest.mark.parametrize("value", ["1", "TRUE", "on", "Yes", "y"])
+def test_every_true_word_of_triton_runs_cpu_tensors(value, monkeypatch):
+    args = _base(dtype=torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    ref = pagedattn.paged_decode_reference(*args).out
+    assert torch.allclose(pagedattn.paged_decode(*args).double(), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["paged_decode", "plan.run"])
+def test_a_sparse_out_is_a_type_error_naming_it(path):
+    """A sparse ``out`` got the overlap error (its strides read as 0): refused for its layout,
+    as a sparse query is."""
+    inp = make_paged_inputs([5, 33], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            dtype=torch.float32)
+    out = torch.zeros(2, 4, 32).to_sparse()
+    with pytest.raises(TypeError, match="^out: expected a dense"):
+        if path == "paged_decode":
+            pagedattn.paged_decode(*inp, out=out)
+        else:
+            plan = pagedattn.plan_decode(inp.block_tables, inp.context_lens, num_q_heads=4,
+                                         num_kv_heads=2, head_dim=32, page_size=16,
+                                         q_dtype=torch.float32)
+            plan.run(inp.query, inp.key_cache, inp.value_cache, out=out)

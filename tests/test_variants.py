@@ -17,7 +17,7 @@ import pytest
 import torch
 from _hardening import NO_VARIANT_IMPLS
 
-from pagedattn import merge_states, paged_decode, paged_decode_reference, plan_decode
+from pagedattn import merge_states, options, paged_decode, paged_decode_reference, plan_decode
 from pagedattn.serving import ops
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
@@ -41,6 +41,20 @@ def _heads(device, seed, low=-1.0, high=1.0):
     return (torch.rand(H, generator=g) * (high - low) + low).to(device)
 
 
+#: a value that switches each option of ``pagedattn.options`` on (its ``example``; a per-call
+#: one: a maker of its ``[num_q_heads]`` tensor, given the device): the parametrized tests
+#: below run each field, and ``test_every_option_is_tested`` checks the rest of its tests
+EXAMPLES = {name: option.example if option.when == "plan" else
+            (lambda device, seed=30 + i, r=option.example: _heads(device, seed, *r))
+            for i, (name, option) in enumerate(options.OPTIONS.items())}
+PLAN_EXAMPLES = {n: v for n, v in EXAMPLES.items() if n in options.PLAN}
+
+
+def _example(name, device):
+    value = EXAMPLES[name]
+    return value(device) if callable(value) else value
+
+
 def _check(inputs, query=None, num_splits=None, **kw):
     """paged_decode (NaN-poisoned out) against the oracle: out within the dtype's tolerance,
     LSE within 1e-3 where finite and -inf exactly where the oracle's is."""
@@ -61,6 +75,35 @@ def _check(inputs, query=None, num_splits=None, **kw):
 
 
 SPLITS = [None, 3, 1]  # 1: one unit per sequence (no scans of the lengths, no merge)
+
+
+def test_every_option_is_tested():
+    """Each field of ``DecodeOptions`` has an example (the parametrized tests), a refused
+    bad value (``BAD``), and a keyword of the oracle; every option is off at its default."""
+    import inspect
+
+    assert set(options.OPTIONS) <= {name for kw, _, _ in BAD for name in kw}
+    assert set(options.OPTIONS) <= set(inspect.signature(paged_decode_reference).parameters)
+    for name in options.OPTIONS:
+        assert options.is_default(name, options.DEFAULTS[name])
+        assert not options.is_default(name, _example(name, "cpu"))
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_each_option_against_the_oracle(device, name, num_splits):
+    """Each option on alone, one-shot (with an empty sequence and a multi-token query) and
+    through a plan (a plan-time option to ``plan_decode``, a per-call one to ``run``)."""
+    inp = _inputs([0, 9, 70], device, seed=18)
+    kw = {name: _example(name, device)}
+    _check(inp, num_splits=num_splits, **kw)
+    _check(inp, _multi_query(inp, 2, seed=18), num_splits=num_splits, **kw)
+    plan_kw = {k: v for k, v in kw.items() if k in options.PLAN}
+    plan = plan_decode(inp.block_tables, inp.context_lens, q_dtype=torch.float32,
+                       num_splits=num_splits, **plan_kw, **SHAPE)
+    out = plan.run(*inp[:3], **{k: v for k, v in kw.items() if k not in plan_kw})
+    ref = paged_decode_reference(*inp, **kw)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float32)
 
 
 @pytest.mark.parametrize("num_splits", SPLITS)
@@ -342,6 +385,9 @@ BAD = [
     (dict(alibi_slopes=torch.zeros(1, H)), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=torch.zeros(H, dtype=torch.float16)), TypeError, "alibi_slopes"),
     (dict(batch_invariant=1), TypeError, "batch_invariant"),
+    (dict(sinks=torch.tensor([0.0, math.nan, 0.0, 0.0])), ValueError, "sinks"),
+    (dict(alibi_slopes=torch.tensor([0.0, math.inf, 0.0, 0.0])), ValueError, "alibi_slopes"),
+    (dict(no_such_option=1), TypeError, "no_such_option"),
 ]
 
 
@@ -356,11 +402,9 @@ def test_bad_variant_arguments_are_named(kw, exc, name):
 def test_impls_without_variants_refuse_them_and_4d_queries(impl):
     """Every impl the table marks without ``variants`` (the study's stages, a new impl)."""
     inp = _inputs([3, 5], "cpu")
-    for kw in (dict(window_left=4), dict(logits_soft_cap=30.0), dict(sinks=torch.zeros(H)),
-               dict(alibi_slopes=torch.zeros(H)), dict(batch_invariant=True)):
-        name = next(iter(kw))
+    for name in EXAMPLES:
         with pytest.raises(ValueError, match=rf"{name}: impl='{impl}'"):
-            paged_decode(*inp, impl=impl, **kw)
+            paged_decode(*inp, impl=impl, **{name: _example(name, "cpu")})
     with pytest.raises(ValueError, match=rf"query: impl='{impl}'"):
         paged_decode(_multi_query(inp, 2), *inp[1:], impl=impl)
 
@@ -393,32 +437,28 @@ def test_plan_and_merge_errors():
 
 # --- torch custom op -----------------------------------------------------------------------
 
-VARIANT_KW = dict(window_left=6, logits_soft_cap=3.0)
-
-
 def _op_case(device):
+    """A multi-token call with every option on (``EXAMPLES``)."""
     inp = _inputs([5, 0, 13], device, poison=False)
-    return (_multi_query(inp, 2), *inp[1:]), dict(sinks=_heads(device, 16),
-                                                  alibi_slopes=_heads(device, 17, 0, 0.2))
+    return (_multi_query(inp, 2), *inp[1:]), {n: _example(n, device) for n in EXAMPLES}
 
 
 def test_opcheck_variants(device):
-    args, tensors = _op_case(device)
-    torch.library.opcheck(torch.ops.pagedattn.paged_decode_lse.default, args,
-                          {**VARIANT_KW, **tensors},
+    args, kw = _op_case(device)
+    torch.library.opcheck(torch.ops.pagedattn.paged_decode_lse.default, args, kw,
                           test_utils=("test_schema", "test_faketensor",
                                       "test_aot_dispatch_static"))
-    out, lse = ops.paged_decode(*args, return_lse=True, **VARIANT_KW, **tensors)
-    ref = paged_decode_reference(*args, **VARIANT_KW, **tensors)
+    out, lse = ops.paged_decode(*args, return_lse=True, **kw)
+    ref = paged_decode_reference(*args, **kw)
     assert lse.shape == (3, 2, H) and rel_l2_error(out, ref.out) <= 1e-4
 
 
 def test_torch_compile_fullgraph_variants(device):
     torch._dynamo.reset()
-    args, tensors = _op_case(device)
+    args, kw = _op_case(device)
 
     def step(query, *rest):
-        out, lse = ops.paged_decode(query, *rest, return_lse=True, **VARIANT_KW, **tensors)
+        out, lse = ops.paged_decode(query, *rest, return_lse=True, **kw)
         return out * 2, lse
 
     eager = step(*args)
@@ -445,12 +485,15 @@ def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
     cases = ("plain-bf16,everything,sinks-per-head-merge,q_len2-fp8-sinks,q_len4,one-unit-fp8,"
-             "window-no-lse,window-one-unit-no-lse,plain-fp8")
+             "window-no-lse,window-one-unit-no-lse,plain-fp8,new-options")
     run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"),
                           "--cases", cases, "--ptx-dir", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count(" ok,") == 16  # seven mains and merges, two mains alone
+    # seven mains and merges, two mains alone (and an option without a case of its own:
+    # "new-options", compiled too: the return code)
+    assert sum(" ok," in line and not line.startswith("option-")
+               for line in run.stdout.splitlines()) == 16
     import triton
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -474,9 +517,12 @@ def test_kernels_compile_for_sm90(tmp_path):
     ref.mkdir()
     for kind in ("paged_decode", "paged_decode_merge"):
         text = (tmp_path / f"plain-bf16.{kind}.ptx").read_text()
-        # a source line number in a .loc directive is not code
+        # a source line number in a .loc directive is not code, nor a debug scope's label
+        # (an inlined helper's start or end: no branch targets it)
         shifted = re.sub(r"\.loc\t(\d+) (\d+)", r".loc\t\1 9\2", text)
-        assert shifted != text
+        shifted = re.sub(r"^(\$L__tmp\d+):$", r"\1:\n$L__tmp99999:", shifted, count=1,
+                         flags=re.M)
+        assert shifted != text and "$L__tmp99999:" in shifted
         (ref / f"plain-bf16.{kind}.ptx").write_text(shifted)
     compare = [sys.executable, str(root / "scripts" / "compile_sm90.py"), "--cases",
                "plain-bf16", "--compare", str(ref)]
@@ -504,7 +550,7 @@ def test_window_one_unit_rule(change, unit):
     unmerged, only where that was measured faster (perf-notes step 25): a window of at most
     2,048 keys, 16-bit caches, head_dim <= 128, one query token, pairs >= 1.5 x SMs, no batch
     invariance and no forced split count."""
-    from pagedattn.launch.decode import window_one_unit
+    from pagedattn.launch.policy import window_one_unit
 
     kw = dict(batch=64, num_kv_heads=8, sms=132, window_left=1024, q_len=1,
               kv_dtype=torch.bfloat16, head_dim=128, batch_invariant=False, forced_splits=0)
@@ -545,7 +591,7 @@ def test_multi_token_config(head_dim, kv_dtype, ragged, choose_tiles, expect):
     programs."""
     from dataclasses import asdict
 
-    from pagedattn.launch.decode import choose_config, multi_token_config
+    from pagedattn.launch.policy import choose_config, multi_token_config
 
     cfg = choose_config(head_dim, 4, kv_dtype, 16, interpret=False, ragged=ragged)
     got = asdict(multi_token_config(cfg, head_dim=head_dim, kv_dtype=kv_dtype,

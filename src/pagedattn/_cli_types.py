@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["INT_MAX", "ArgumentError", "OneLineParser", "checked_output", "name_list",
+__all__ = ["DTYPE_SHORT", "INT_MAX", "ArgumentError", "OneLineParser", "checked_output",
+           "dtype_name", "name_list",
            "nonneg_float", "nonneg_int", "output_dir", "output_file", "positive_float",
            "positive_int", "say_duration"]
 
@@ -107,6 +108,31 @@ def name_list(known: Iterable[str], *, what: str,
         return names
 
     parse.__name__ = f"{what}_list"  # argparse names the type in some messages
+    return parse
+
+
+#: the short spelling of each float dtype beside torch's name: ``run`` took the short ones,
+#: ``generate``/``bench-model`` torch's; every dtype option takes both (:func:`dtype_name`)
+DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def dtype_name(known: Iterable[str]) -> Callable[[str], str]:
+    """A type function for a dtype option whose table is keyed by ``known`` (torch's names,
+    ``float32``/``float16``/``bfloat16``, and any others such as ``fp8_e4m3``): a name of
+    ``known`` or a float dtype's short spelling (``fp32``, ``fp16``, ``bf16``), in any case,
+    returned as the name in ``known``. Anything else is an error listing both spellings."""
+    known = tuple(known)
+    words = {k.lower(): k for k in known}
+    words.update({DTYPE_SHORT[k]: k for k in known if k in DTYPE_SHORT})
+    listed = ", ".join(f"{k} ({DTYPE_SHORT[k]})" if k in DTYPE_SHORT else k for k in known)
+
+    def parse(text: str) -> str:
+        name = words.get(text.strip().lower())
+        if name is None:
+            raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; expected one of: {listed}")
+        return name
+
+    parse.__name__ = "dtype"  # argparse names the type in some messages
     return parse
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import sys
 from typing import Any
 
 import torch
+
+from pagedattn._env import is_interpreter
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DTYPES = tuple(
@@ -87,10 +88,6 @@ def _check_tensor(name: str, t: Any, rank: int, dtypes: tuple, dtype_words: str)
         _fail(TypeError, name, dtype_words, t.dtype)
 
 
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _kernels_built_for_gpu() -> bool:
     """True when a ``pagedattn.kernels`` module was imported without the interpreter (its
     ``@triton.jit`` functions are GPU ``JITFunction`` objects, not ``InterpretedFunction``)."""
@@ -114,7 +111,7 @@ def check_device_runnable(name: str, t: torch.Tensor) -> None:
     if t.device.type != "cpu":
         _fail(ValueError, name, "a CUDA tensor (or a CPU one under TRITON_INTERPRET=1)",
               f"a tensor on {t.device}")
-    if not _interpreter_on():
+    if not is_interpreter():  # read as Triton reads it: TRITON_INTERPRET=false is off
         _fail(ValueError, name,
               "a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set in the environment "
               "before triton is imported (Triton runs CPU tensors through its interpreter "
@@ -172,24 +169,6 @@ def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) 
         _fail(ValueError, name, f"a tensor on the inputs' device {device}", s.device)
 
 
-def check_variant_options(*, window_left, logits_soft_cap, batch_invariant, q_len=1) -> None:
-    """The plan-time variants: ``window_left`` an int >= -1, ``logits_soft_cap`` None or a
-    finite float > 0, ``batch_invariant`` a bool, ``q_len`` an int >= 1."""
-    _check_int("window_left", window_left, -1)
-    if logits_soft_cap is not None:
-        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
-            _fail(TypeError, "logits_soft_cap", "a float or None",
-                  type(logits_soft_cap).__name__)
-        if _check_float32("logits_soft_cap", logits_soft_cap,
-                          f"a finite float > 0 {_WITHIN}") < SOFTCAP_MIN:
-            # the kernels take ln(2) / cap too, which must stay finite in float32
-            _fail(ValueError, "logits_soft_cap", f"a finite float >= {SOFTCAP_MIN:.3g}",
-                  logits_soft_cap)
-    if not isinstance(batch_invariant, bool):
-        _fail(TypeError, "batch_invariant", "a Python bool", _type_name(batch_invariant))
-    _check_int("q_len", q_len, 1)
-
-
 def check_head_tensor(name: str, t: Any, num_q_heads: int, device: torch.device) -> None:
     """``sinks`` / ``alibi_slopes``: None or a float32 ``[num_q_heads]`` tensor on ``device``."""
     if t is None:
@@ -228,11 +207,11 @@ def check_softmax_scale(scale: Any) -> None:
 
 def check_metadata(
     query, key_cache, value_cache, block_tables, context_lens, *, scale, impl, impls,
-    num_splits, out, kv_layout, k_scale, v_scale, return_lse, validate, window_left=-1,
-    logits_soft_cap=None, sinks=None, alibi_slopes=None, batch_invariant=False,
+    num_splits, out, kv_layout, k_scale, v_scale, return_lse, validate,
 ) -> None:
     """Metadata checks: no data is read, so no host sync. Raises TypeError/ValueError.
-    ``query`` is 3-D, or 4-D ``[batch, q_len, num_q_heads, head_dim]`` (multi-token)."""
+    ``query`` is 3-D, or 4-D ``[batch, q_len, num_q_heads, head_dim]`` (multi-token). The
+    variants are checked by ``pagedattn.options``."""
     if not isinstance(impl, str) or impl not in impls:
         _fail(ValueError, "impl", f"one of {', '.join(repr(i) for i in impls)}", repr(impl))
     if kv_layout not in KV_LAYOUTS:
@@ -297,10 +276,6 @@ def check_metadata(
         check_out_aliasing(out, query, (("key_cache", key_cache), ("value_cache", value_cache)))
     _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
                        scale=scale)
-    check_variant_options(window_left=window_left, logits_soft_cap=logits_soft_cap,
-                          batch_invariant=batch_invariant)
-    check_head_tensor("sinks", sinks, num_q_heads, query.device)
-    check_head_tensor("alibi_slopes", alibi_slopes, num_q_heads, query.device)
     check_device_runnable("query", query)
 
 
@@ -327,7 +302,10 @@ def check_out_aliasing(out: torch.Tensor, query: torch.Tensor, caches: tuple = (
     (a broadcast view with stride 0, or overlapping strides), and it may share none with the
     query unless it is the query itself (each program reads its query rows before writing
     the same rows), nor with the caches in ``caches`` (``(name, tensor)`` pairs: read while
-    ``out`` is written). Metadata only. Raises ValueError naming ``out``."""
+    ``out`` is written). Metadata only. Raises ValueError naming ``out`` (TypeError for a
+    sparse or nested ``out``: its strides, read here, would say nothing of its memory)."""
+    if out.layout != torch.strided:
+        _fail(TypeError, "out", "a dense (strided) tensor", out.layout)
     dims = sorted((stride, size) for size, stride in zip(out.shape, out.stride(), strict=True)
                   if size > 1)
     reach = 1
@@ -382,32 +360,24 @@ def check_values(
               int(ids[row, col]))
 
 
-def check_scalar_values(named: tuple, *, sinks: torch.Tensor | None = None,
-                        alibi_slopes: torch.Tensor | None = None) -> None:
-    """Value checks of the per-call float tensors (a host sync on CUDA, so they run where the
-    index checks run): fp8 scales given as tensors (``named``: ``(name, tensor or other)``
-    pairs; non-tensors were checked as floats) finite and in ``(0, KERNEL_SCALAR_MAX]``;
-    ``sinks`` at most ``KERNEL_SCALAR_MAX`` and not NaN (``-inf`` is no sink); ALiBi slopes
-    finite and within it. Raises ValueError naming the argument and the first bad entry."""
-    def first_bad(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str) -> None:
-        if bool(bad.any()):
-            i = int(bad.reshape(-1).nonzero()[0, 0])
-            _fail(ValueError, name, f"{expected} (entry {i})", float(t.reshape(-1)[i]))
+def first_bad(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str) -> None:
+    """Raise a ValueError naming ``name``, ``expected`` and the first entry where ``bad``."""
+    if bool(bad.any()):
+        i = int(bad.reshape(-1).nonzero()[0, 0])
+        _fail(ValueError, name, f"{expected} (entry {i})", float(t.reshape(-1)[i]))
 
+
+def check_scalar_values(named: tuple) -> None:
+    """Value checks of fp8 scales given as tensors (a host sync on CUDA, so they run where
+    the index checks run; ``named``: ``(name, tensor or other)`` pairs, non-tensors were
+    checked as floats): finite and in ``(0, KERNEL_SCALAR_MAX]``. The variants' per-call
+    tensors have their own (``pagedattn.options``). Raises ValueError naming the argument
+    and the first bad entry."""
     for name, t in named:
         if isinstance(t, torch.Tensor):
             v = t.detach().double()
             first_bad(name, v, ~((v > 0) & (v <= KERNEL_SCALAR_MAX)),
                       f"finite scales > 0 {_WITHIN}")
-    if sinks is not None:
-        v = sinks.detach().double()
-        first_bad("sinks", v, v.isnan() | (v > KERNEL_SCALAR_MAX)
-                  | ((v < -KERNEL_SCALAR_MAX) & v.isfinite()),
-                  f"sink logits {_WITHIN}, or -inf for none")
-    if alibi_slopes is not None:
-        v = alibi_slopes.detach().double()
-        first_bad("alibi_slopes", v, ~(v.abs() <= KERNEL_SCALAR_MAX),
-                  f"finite slopes {_WITHIN}")
 
 
 #: the largest magnitude any float32 intermediate of the kernels may reach on valid input:

@@ -22,7 +22,9 @@ from typing import NamedTuple
 import torch
 
 from pagedattn import _validation as V
+from pagedattn import options as O
 from pagedattn._env import num_devices
+from pagedattn.options import DecodeOptions
 
 
 def _stages():
@@ -65,7 +67,7 @@ class ImplSpec:
     hnd: bool = False  # the HND cache layout
     lse: bool = False  # return_lse=True
     splits: bool = False  # honours num_splits (the others have no context split)
-    # window_left, logits_soft_cap, sinks, alibi_slopes, batch_invariant, 4-D queries
+    # every pagedattn.options field off its default, and 4-D queries
     variants: bool = False
 
 
@@ -80,14 +82,10 @@ IMPLS: dict[str, ImplSpec] = {
                      variants=True),
 }
 STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
-#: the widest window the kernels hold (int32); a wider one sees every key, as -1 does
-_INT32_MAX = (1 << 31) - 1
 #: the largest scale the kernels take (they multiply it by log2(e) in float32)
 _SMAX = V.KERNEL_SCALAR_MAX
 _STRIDED = torch.strided  # the dense layout, tested by identity on the fast path
-#: the variant arguments at their "off" values
-_VARIANT_DEFAULTS = {"window_left": -1, "logits_soft_cap": None, "sinks": None,
-                     "alibi_slopes": None, "batch_invariant": False}
+_NO_GUARD = contextlib.nullcontext()  # stateless: one for every launch without a device guard
 
 
 class DecodeOutput(NamedTuple):
@@ -102,17 +100,17 @@ class DecodeOutput(NamedTuple):
 def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
                         return_lse, query=None, variants=None) -> None:
     """What the spec cannot honour is a ValueError naming the argument and the impl.
-    ``variants``: ``{name: value}`` of the variant arguments, refused unless at default."""
+    ``variants``: ``{name: value}`` of the variant arguments (:mod:`pagedattn.options`),
+    refused unless at default."""
     impl = spec.name
     if not spec.variants:
         if query is not None and query.dim() == 4:
             raise ValueError(f"query: impl={impl!r} takes a 3-D query [batch, num_q_heads, "
                              "head_dim]; multi-token (4-D) queries need impl='auto'")
-        for name, value in (variants or {}).items():
-            default = _VARIANT_DEFAULTS[name]
-            if not (value is None if default is None else value == default):
-                raise ValueError(f"{name}: impl={impl!r} does not support attention "
-                                 "variants; use impl='auto'")
+        name = O.refused(variants or {})
+        if name is not None:
+            raise ValueError(f"{name}: impl={impl!r} does not support attention "
+                             "variants; use impl='auto'")
     if key_cache.dtype in V.FP8_DTYPES and not spec.fp8:
         raise ValueError(f"key_cache: impl={impl!r} supports float32/float16/bfloat16 caches, "
                          f"got {key_cache.dtype}; use impl='auto' for fp8")
@@ -127,8 +125,10 @@ def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
 
 
 def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
-                      window_left=-1, q_len=1, k_scale=None, v_scale=None, sinks=None,
-                      alibi_slopes=None, caches=None, scale=None) -> None:
+                      window_left=-1, q_len=1, k_scale=None, v_scale=None, calls=None,
+                      caches=None, scale=None) -> None:
+    """The value checks (CPU tensors, or ``validate=True``); ``calls``: the per-call
+    variant tensors that are on."""
     on_cpu = query.device.type == "cpu"
     if validate is False or (validate is None and not on_cpu):
         return
@@ -136,13 +136,14 @@ def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, v
         raise ValueError("validate: True needs a device-to-host sync, which CUDA-graph capture "
                          "forbids; validate eagerly before capturing, or pass validate=None")
     V.check_values(block_tables, context_lens, num_pages, page_size,
-                   window_left=min(int(window_left), _INT32_MAX), q_len=q_len)
-    V.check_scalar_values((("k_scale", k_scale), ("v_scale", v_scale)), sinks=sinks,
-                          alibi_slopes=alibi_slopes)
+                   window_left=min(int(window_left), O.INT32_MAX), q_len=q_len)
+    V.check_scalar_values((("k_scale", k_scale), ("v_scale", v_scale)))
+    if calls:
+        O.check_values(calls)
     if caches is not None:  # (key_cache, value_cache, kv_layout): the float32 value bounds
         V.check_value_ranges(query, caches[0], caches[1], block_tables, context_lens,
                              kv_layout=caches[2], scale=scale, k_scale=k_scale,
-                             v_scale=v_scale, window_left=min(int(window_left), _INT32_MAX),
+                             v_scale=v_scale, window_left=min(int(window_left), O.INT32_MAX),
                              q_len=q_len)
 
 
@@ -175,8 +176,8 @@ class DecodePlan:
 
     def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,
                  page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
-                 window_left=-1, logits_soft_cap=None, batch_invariant=False, one_shot=False,
-                 table_shape=None, device=None):
+                 options: DecodeOptions = O.DEFAULT, one_shot=False, table_shape=None,
+                 device=None):
         # a one-shot template (_ONE_SHOT_TEMPLATES) holds no tensor: it is built from the
         # table's ``table_shape`` and ``device``, and each call passes its own tables
         self.block_tables, self.context_lens = block_tables, context_lens
@@ -185,9 +186,8 @@ class DecodePlan:
         # workspace
         self._one_shot = one_shot
         self.ragged = ragged
-        # a window past int32 sees every key (the kernels hold it in 32 bits)
-        self.q_len, self.window_left = int(q_len), min(int(window_left), _INT32_MAX)
-        self.logits_soft_cap, self.batch_invariant = logits_soft_cap, batch_invariant
+        # the plan-time variants, checked and normalized (pagedattn.options.plan_options)
+        self.q_len, self.options = int(q_len), options
         # numpy integers pass validation (numbers.Integral); the launcher takes Python ints
         self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
         self.head_dim, self.page_size = int(head_dim), int(page_size)
@@ -199,6 +199,10 @@ class DecodePlan:
         # a multi-token plan takes 4-D queries [batch, q_len, num_q_heads, head_dim]
         self._q_shape = torch.Size((self.batch, num_q_heads, head_dim) if q_len == 1
                                    else (self.batch, q_len, num_q_heads, head_dim))
+        self._lse_shape = tuple(self._q_shape[:-1])  # a tuple parses faster than a Size
+        # FlashAttention's one-token query [batch, 1, num_q_heads, head_dim] (_run_4d)
+        self._q_shape_4d = (torch.Size((self.batch, 1, num_q_heads, head_dim)) if q_len == 1
+                            else None)
         self._cache_tail = torch.Size((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
                                       else (num_kv_heads, page_size, head_dim))
         self._launcher = None  # built on first use: importing Triton waits for a real launch
@@ -214,8 +218,7 @@ class DecodePlan:
                 self._launcher = _one_shot_launcher()(
                     self.batch, self.max_pages, self.num_q_heads,
                     self.num_kv_heads, self.head_dim, self.page_size, self.q_dtype,
-                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.window_left,
-                    self.logits_soft_cap, self.batch_invariant)
+                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.options)
         elif self._launcher is None:
             with _on_device(self.device):
                 self._launcher = _auto_launcher_class()(
@@ -223,14 +226,13 @@ class DecodePlan:
                     num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
                     kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
-                    ragged=self.ragged, q_len=self.q_len, window_left=self.window_left,
-                    softcap=self.logits_soft_cap, batch_invariant=self.batch_invariant)
+                    ragged=self.ragged, q_len=self.q_len, options=self.options)
         return self._launcher
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
-            out=None, return_lse=False, validate=None, sinks=None, alibi_slopes=None):
+            out=None, return_lse=False, validate=None, **variants):
         """One layer's decode: ``softmax(q·Kᵀ·scale)·V`` over each sequence's tokens (with
-        the plan's window, soft-cap and query length).
+        the plan's variants and query length).
 
         Args:
             query: ``[batch, num_q_heads, head_dim]`` of the plan's ``q_dtype`` (``[batch,
@@ -238,8 +240,10 @@ class DecodePlan:
             key_cache, value_cache: the plan's layout and ``kv_dtype``, ``num_kv_heads``,
                 ``page_size`` and ``head_dim`` (see :func:`paged_decode`).
             scale, k_scale, v_scale, out, return_lse, validate: as in :func:`paged_decode`.
-            sinks, alibi_slopes: per-layer ``[num_q_heads]`` float32 tensors on the plan's
-                device, or ``None``; as in :func:`paged_decode`.
+            variants: the per-call options of :mod:`pagedattn.options`, per-layer
+                ``[num_q_heads]`` float32 tensors on the plan's device, or ``None``; as in
+                :func:`paged_decode`:
+<variant options>
 
         Returns:
             ``out`` or ``DecodeOutput(out, lse)`` as :func:`paged_decode`.
@@ -248,29 +252,47 @@ class DecodePlan:
             TypeError, ValueError: an input that does not match the plan (the message names
                 the argument), or what :func:`paged_decode` refuses.
         """
-        if not self._common_call(query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                                 return_lse, validate) or sinks is not None \
-                or alibi_slopes is not None:
+        if variants or not self._common_call(query, key_cache, value_cache, scale, k_scale,
+                                             v_scale, out, return_lse, validate):
             V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
                         v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
-            V.check_head_tensor("sinks", sinks, self.num_q_heads, self.device)
-            V.check_head_tensor("alibi_slopes", alibi_slopes, self.num_q_heads, self.device)
+            variants = O.call_options(variants, self.num_q_heads, self.device)
         if self._on_cpu or validate:
             _run_value_checks(query, self.block_tables, self.context_lens,
                               key_cache.shape[0], self.page_size, validate,
-                              window_left=self.window_left, q_len=self.q_len, k_scale=k_scale,
-                              v_scale=v_scale, sinks=sinks, alibi_slopes=alibi_slopes,
+                              window_left=self.options.window_left, q_len=self.q_len,
+                              k_scale=k_scale, v_scale=v_scale, calls=variants,
                               caches=(key_cache, value_cache, self.kv_layout), scale=scale)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                            return_lse, sinks, alibi_slopes)
+                            return_lse, variants)
+
+    def _run_4d(self, query, key_cache, value_cache, scale, return_lse):
+        """FlashAttention's repeated decode call (``compat.flash_attn``'s fast path): a
+        ``[batch, 1, num_q_heads, head_dim]`` query on a one-token plan, the same memory as the
+        3-D one, launched as it is (no view either way); the output is ``[batch, 1,
+        num_q_heads, head_dim]``, the LSE ``[batch, num_q_heads]``. ``None`` for any call that
+        is not the plain one: the caller then goes through :meth:`run`, whose checks name the
+        argument."""
+        q_shape = self._q_shape_4d
+        if q_shape is None or not self._common_call(query, key_cache, value_cache, scale, None,
+                                                    None, None, return_lse, None, q_shape):
+            return None
+        if self._on_cpu:  # as run: the value checks (on a 3-D view; the CPU only)
+            _run_value_checks(query[:, 0], self.block_tables, self.context_lens,
+                              key_cache.shape[0], self.page_size, None,
+                              window_left=self.options.window_left, q_len=1,
+                              caches=(key_cache, value_cache, self.kv_layout), scale=scale)
+        return self._launch(query, key_cache, value_cache, scale, None, None, None, return_lse)
 
     def _common_call(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                     return_lse, validate) -> bool:
+                     return_lse, validate, q_shape=None) -> bool:
         """The serving call, checked in one expression (the host path is the eager time of a
         small batch): plain tensors of the plan's shapes, dtypes and device, float or absent
         scales, ``validate=None``. Anything else goes through the full check, which raises
-        the error naming the argument."""
-        device, q_shape, strided = self.device, self._q_shape, _STRIDED
+        the error naming the argument. ``q_shape``: the query's shape when not the plan's
+        (:meth:`_run_4d`)."""
+        device, strided = self.device, _STRIDED
+        q_shape = self._q_shape if q_shape is None else q_shape
         # a sparse tensor is a torch.Tensor too: the layout test keeps it off the fast path
         return (type(query) is torch.Tensor and query.shape == q_shape
                 and query.dtype == self.q_dtype and query.device == device
@@ -299,31 +321,29 @@ class DecodePlan:
                 and (return_lse is False or return_lse is True) and validate is None)
 
     def _launch(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                return_lse, sinks=None, alibi_slopes=None, tables=None):
+                return_lse, calls=None, tables=None):
         """The run after validation (``paged_decode`` validates once and comes here).
+        ``calls``: the per-call variant tensors that are on, contiguous
+        (:func:`pagedattn.options.call_options`).
         ``tables``: a one-shot call's ``(block_tables, context_lens)`` for a template plan;
         the call then returns ``(result, compiled)`` (a shared template keeps no
         ``last_compiled``)."""
-        if out is None:
-            out = torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device)
-        lse = (torch.empty(self._q_shape[:-1], dtype=torch.float32, device=query.device)
+        if out is None:  # the query's shape, dtype and device (checked): no size to parse
+            out = (torch.empty_like(query, memory_format=torch.contiguous_format)
+                   if type(query) is torch.Tensor
+                   else torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device))
+        lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=self.device)
                if return_lse else None)
         if self.batch > 0 and self.num_q_heads > 0:
-            # the kernels index sinks / slopes by head: a strided view is made contiguous
-            if sinks is not None and sinks.stride(0) != 1:
-                sinks = sinks.contiguous()
-            if alibi_slopes is not None and alibi_slopes.stride(0) != 1:
-                alibi_slopes = alibi_slopes.contiguous()
             if self.kv_layout != "NHD":
                 key_cache, value_cache = _nhd(key_cache, value_cache, self.kv_layout)
             sm_scale = self._default_scale if scale is None else float(scale)
             engine = self._launcher or self._engine()
             block_tables, context_lens = tables or (self.block_tables, self.context_lens)
-            with _on_device(self.device) if self._guarded else contextlib.nullcontext():
+            with _on_device(self.device) if self._guarded else _NO_GUARD:
                 compiled = engine.launch(
                     query, key_cache, value_cache, block_tables, context_lens, out,
-                    lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                    alibi_slopes=alibi_slopes,
+                    lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, calls=calls,
                     workspace=engine.new_workspace() if self._one_shot else None)
         else:
             compiled = {}
@@ -338,9 +358,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                 num_kv_heads: int, head_dim: int, page_size: int, q_dtype: torch.dtype,
                 kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD",
                 num_splits: int | None = None,
-                host_context_lens=None, q_len: int = 1, window_left: int = -1,
-                logits_soft_cap: float | None = None,
-                batch_invariant: bool = False) -> DecodePlan:
+                host_context_lens=None, q_len: int = 1, **variants) -> DecodePlan:
     """Plan one decode step of the production kernel (``impl="auto"``) for every layer.
 
     Args:
@@ -358,9 +376,10 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
             ``context_lens`` on the device, so a later in-place update stays correct.
         q_len: query tokens per sequence (≥ 1); with ``q_len > 1`` :meth:`DecodePlan.run`
             takes ``[batch, q_len, num_q_heads, head_dim]`` queries (speculative decoding).
-        window_left, logits_soft_cap, batch_invariant: as in :func:`paged_decode`; they
-            are compile-time specializations of the plan's kernel. (``sinks`` and
-            ``alibi_slopes`` are per layer: pass them to :meth:`DecodePlan.run`.)
+        variants: the plan-time options of :mod:`pagedattn.options`, as in
+            :func:`paged_decode`: compile-time specializations of the plan's kernel (the
+            per-call ones are per layer: pass them to :meth:`DecodePlan.run`):
+<variant options>
 
     Returns:
         A :class:`DecodePlan`. Nothing is read from the device (no host sync).
@@ -373,8 +392,8 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                  num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                  q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=kv_layout,
                  num_splits=num_splits)
-    V.check_variant_options(window_left=window_left, logits_soft_cap=logits_soft_cap,
-                            batch_invariant=batch_invariant, q_len=q_len)
+    V._check_int("q_len", q_len, 1)
+    options = O.plan_options(variants)
     ragged = False
     if host_context_lens is not None:
         lens = V.check_host_context_lens(host_context_lens, block_tables.shape[0])
@@ -383,9 +402,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                       num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                       q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,
                       kv_layout=kv_layout, num_splits=num_splits, ragged=ragged, q_len=q_len,
-                      window_left=window_left,
-                      logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                      batch_invariant=batch_invariant)
+                      options=options)
 
 
 def paged_decode(
@@ -404,11 +421,7 @@ def paged_decode(
     v_scale: float | torch.Tensor | None = None,
     return_lse: bool = False,
     validate: bool | None = None,
-    window_left: int = -1,
-    logits_soft_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    batch_invariant: bool = False,
+    **variants,
 ) -> torch.Tensor | DecodeOutput:
     """One decode step of paged attention: ``softmax(q·Kᵀ·scale)·V`` per sequence and head.
 
@@ -452,24 +465,9 @@ def paged_decode(
         validate: ``None`` (default) runs the value checks (lengths and used page ids in
             range) only for CPU tensors; ``True`` runs them on any device (one host sync;
             refused under CUDA-graph capture); ``False`` skips them.
-        window_left: sliding window (Mistral; Gemma 2/3's local layers): the query token at
-            position ``i`` sees keys ``p`` with ``i - window_left <= p <= i``; ``-1`` (default)
-            is no window (as is any window at least as wide as the context). Pages wholly
-            before the window are never read, and the splits
-            balance the visible tokens, so time scales with the window, not the context.
-        logits_soft_cap: a float > 0 (Gemma 2: 50.0 for attention): the logits
-            ``s = scale·q·k`` become ``cap·tanh(s / cap)`` before any bias and the softmax.
-        sinks: ``[num_q_heads]`` float32 on the query's device, one logit per head added to
-            the softmax denominator only (gpt-oss's attention sinks):
-            ``out = Σ exp(s_p)·v_p / (exp(sink) + Σ exp(s_p))``; the LSE is the log of that
-            whole denominator (a row with no key: out 0, LSE = sink).
-        alibi_slopes: ``[num_q_heads]`` float32 on the query's device: ALiBi (Press et al.,
-            ICLR 2022; BLOOM, MPT, Falcon) adds ``slope_h · (p - i)`` to the logit of key
-            ``p`` for the query at ``i``, after the soft-cap.
-        batch_invariant: ``True`` makes each sequence's output bitwise identical whatever
-            else is in the batch and whatever the batch size (a fixed split size in tokens;
-            the vLLM batch-invariant / SGLang deterministic modes). Costs some speed on
-            batches that a batch-wide split count would balance better.
+        variants: the attention variants, :mod:`pagedattn.options` (``impl="auto"``
+            only), each off by default:
+<variant options>
 
     Returns:
         ``out`` in the query's shape and dtype (a row that saw no key is all zeros), or
@@ -482,15 +480,15 @@ def paged_decode(
         ValueError: a wrong rank or shape, mixed devices (or a device other than CUDA or the
             CPU with ``TRITON_INTERPRET=1``), ``num_q_heads % num_kv_heads != 0``, ``head_dim``
             outside [16, 256], an unknown ``impl``/``kv_layout``, ``num_splits`` outside
-            [1, 65536], a bad scale shape, ``scale``/``k_scale``/``v_scale``/``logits_soft_cap``
-            (or ``scale * k_scale``) past float32's range / log2(e) (about 2.36e38: the kernels
-            work in base 2), fp8 scales <= 0, ``window_left < -1``, ``logits_soft_cap`` not a
-            finite float > 0, an ``out`` whose elements overlap or that overlaps the query
-            (``out`` may be the query itself) or a cache, ``sinks``/``alibi_slopes`` not
-            ``[num_q_heads]`` float32 on the query's device (TypeError for a wrong dtype), an
+            [1, 65536], a bad scale shape, ``scale``/``k_scale``/``v_scale`` (or ``scale *
+            k_scale``) past float32's range / log2(e) (about 2.36e38: the kernels work in base
+            2), fp8 scales <= 0, a variant outside the range its entry above states (a
+            per-call one not ``[num_q_heads]`` float32 on the query's device: TypeError for
+            a wrong dtype; an unknown keyword: TypeError), an ``out`` whose elements overlap
+            or that overlaps the query (``out`` may be the query itself) or a cache, an
             option the impl cannot honour (every variant and 4-D queries are ``impl="auto"``
-            only), or (when value checks run) tensor fp8 scales, sinks or slopes out of those
-            ranges, a length outside ``[0, max_pages * page_size]`` (or past 2^30, the
+            only), or (when value checks run) tensor fp8 scales or per-call variants out of
+            those ranges, a length outside ``[0, max_pages * page_size]`` (or past 2^30, the
             kernels' int32 bound), a used page id outside ``[0, num_pages)``, or data past
             the kernels' float32 range (``_validation.check_value_ranges``: ``head_dim ·
             max|q| · max|k|``, ``max|q| · |scale| · log2(e)``, the scores and ``max
@@ -504,9 +502,7 @@ def paged_decode(
     result, _ = _decode(query, key_cache, value_cache, block_tables, context_lens, scale=scale,
                         impl=impl, num_splits=num_splits, out=out, kv_layout=kv_layout,
                         k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-                        validate=validate, window_left=window_left,
-                        logits_soft_cap=logits_soft_cap, sinks=sinks,
-                        alibi_slopes=alibi_slopes, batch_invariant=batch_invariant)
+                        validate=validate, **variants)
     return result
 
 
@@ -519,24 +515,24 @@ _TEMPLATES_LOCK = threading.Lock()
 
 
 def _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                window_left, logits_soft_cap, batch_invariant) -> tuple | None:
+                options_key) -> tuple | None:
     """What :func:`check_metadata` reads of a one-shot call apart from the per-call checks of
     the fast path: the shapes, dtypes and device of the tensors, the layout and the
-    plan-time variants (exact types: a bool ``window_left`` is no int here). ``None`` for a
-    call that is not plain (non-tensors, other types, a 4-D query of one token)."""
-    if not (type(query) is torch.Tensor and type(key_cache) is torch.Tensor
+    plan-time variants (``options_key``: :func:`pagedattn.options.fast_key`, exact types: a
+    bool ``window_left`` is no int there). ``None`` for a call that is not plain
+    (non-tensors, other types, a 4-D query of one token, a per-call variant)."""
+    if not (options_key is not None and type(query) is torch.Tensor
+            and type(key_cache) is torch.Tensor
             and type(block_tables) is torch.Tensor and type(context_lens) is torch.Tensor
             and block_tables.layout is _STRIDED and context_lens.layout is _STRIDED
-            and (num_splits is None or type(num_splits) is int) and type(window_left) is int
-            and (logits_soft_cap is None or type(logits_soft_cap) is float)
-            and type(batch_invariant) is bool and type(kv_layout) is str):
+            and (num_splits is None or type(num_splits) is int) and type(kv_layout) is str):
         return None
     rank, shape = query.dim(), query.shape
     if key_cache.dim() != 4 or not (rank == 3 or rank == 4 and shape[1] > 1):
         return None
     return (shape, query.dtype, query.device, key_cache.shape[1:], key_cache.dtype, kv_layout,
             block_tables.shape, block_tables.dtype, context_lens.shape, context_lens.dtype,
-            num_splits, window_left, logits_soft_cap, batch_invariant)
+            num_splits, options_key)
 
 
 def _new_template(key: tuple, plan: DecodePlan) -> DecodePlan:
@@ -565,15 +561,28 @@ def compiled_kernels(query, key_cache, value_cache, block_tables, context_lens, 
                    **kwargs)
 
 
+def check_decode(query, key_cache, value_cache, block_tables, context_lens, *, scale, impl,
+                 num_splits, out, kv_layout, k_scale, v_scale, return_lse, validate,
+                 variants: dict, where: str = "paged_decode") -> tuple[DecodeOptions, dict]:
+    """Every metadata check of a decode call (``_validation.check_metadata``, then the
+    variants through :func:`pagedattn.options.split`); returns ``(plan-time options,
+    per-call tensors that are on)``. Shared by :func:`paged_decode` and the custom ops'
+    fake kernels (``serving/ops.py``)."""
+    V.check_metadata(
+        query, key_cache, value_cache, block_tables, context_lens, scale=scale, impl=impl,
+        impls=tuple(IMPLS), num_splits=num_splits, out=out, kv_layout=kv_layout,
+        k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, validate=validate)
+    return O.split(variants, query.shape[-2], query.device, where)
+
+
 def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
             impl="auto", num_splits=None, out=None, kv_layout="NHD", k_scale=None, v_scale=None,
-            return_lse=False, validate=None, window_left=-1, logits_soft_cap=None, sinks=None,
-            alibi_slopes=None, batch_invariant=False):
+            return_lse=False, validate=None, **variants):
     # the fast path: a plain call of a static key that an earlier call passed check_metadata
     # with (everything check_metadata reads is the key or checked here per call)
-    if type(impl) is str and impl == "auto" and sinks is None and alibi_slopes is None:
+    if type(impl) is str and impl == "auto":
         key = _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                          window_left, logits_soft_cap, batch_invariant)
+                          O.fast_key(variants))
         plan = _ONE_SHOT_TEMPLATES.get(key) if key is not None else None
         if plan is not None and plan._common_call(query, key_cache, value_cache, scale,
                                                   k_scale, v_scale, out, return_lse, validate) \
@@ -581,29 +590,25 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
                 and (not plan._on_cpu or _runnable(query)):
             if plan._on_cpu:  # validate is None here: the value checks run on the CPU
                 _run_value_checks(query, block_tables, context_lens, key_cache.shape[0],
-                                  plan.page_size, validate, window_left=plan.window_left,
-                                  q_len=plan.q_len, k_scale=k_scale, v_scale=v_scale,
+                                  plan.page_size, validate,
+                                  window_left=plan.options.window_left, q_len=plan.q_len,
+                                  k_scale=k_scale, v_scale=v_scale,
                                   caches=(key_cache, value_cache, plan.kv_layout), scale=scale)
             return plan._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                                 return_lse, tables=(block_tables, context_lens))
-    variants = dict(window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                    alibi_slopes=alibi_slopes, batch_invariant=batch_invariant)
-    V.check_metadata(
+    options, calls = check_decode(
         query, key_cache, value_cache, block_tables, context_lens, scale=scale, impl=impl,
-        impls=tuple(IMPLS), num_splits=num_splits, out=out, kv_layout=kv_layout,
-        k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, validate=validate,
-        **variants,
-    )
+        num_splits=num_splits, out=out, kv_layout=kv_layout, k_scale=k_scale,
+        v_scale=v_scale, return_lse=return_lse, validate=validate, variants=variants)
     num_splits = None if num_splits is None else int(num_splits)  # numpy ints pass the check
     spec = IMPLS[impl]
     _check_capabilities(spec, key_cache, kv_layout, k_scale, v_scale, return_lse, query,
                         variants)
     num_pages, page_size, num_kv_heads, head_dim = V.cache_dims(key_cache, kv_layout)
     _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
-                      window_left=window_left if IMPLS[impl].planned else -1,
+                      window_left=options.window_left if spec.planned else -1,
                       q_len=query.shape[1] if query.dim() == 4 else 1, k_scale=k_scale,
-                      v_scale=v_scale, sinks=variants.get("sinks"),
-                      alibi_slopes=variants.get("alibi_slopes"),
+                      v_scale=v_scale, calls=calls,
                       caches=(key_cache, value_cache, kv_layout), scale=scale)
     batch, num_q_heads = query.shape[0], query.shape[-2]
     if spec.planned:
@@ -611,15 +616,15 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
         squeeze = query.dim() == 4 and q_len == 1  # a one-token plan on 3-D views
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        softcap = None if logits_soft_cap is None else float(logits_soft_cap)
         statics = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        page_size=page_size, q_dtype=query.dtype, kv_dtype=key_cache.dtype,
                        kv_layout=kv_layout, num_splits=num_splits, q_len=q_len,
-                       window_left=window_left, logits_soft_cap=softcap,
-                       batch_invariant=batch_invariant, one_shot=True)
-        # validated: a call of this static key may take the fast path from now on
+                       options=options, one_shot=True)
+        # validated: a call of this static key may take the fast path from now on (a call
+        # with per-call variants never does: its template serves the plain calls of the key)
+        plan_kw = {n: v for n, v in variants.items() if n not in O.CALL}
         key = _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                          int(window_left), softcap, batch_invariant)
+                          O.fast_key(plan_kw) or options.key())
         if key is None:  # a 4-D query of one token, a str subclass...: a plan of its own
             plan = DecodePlan(block_tables, context_lens, **statics)
         else:
@@ -628,7 +633,7 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
                                 device=query.device, **statics))
         result, compiled = plan._launch(
             query[:, 0] if squeeze else query, key_cache, value_cache, scale, k_scale,
-            v_scale, out[:, 0] if squeeze else out, return_lse, sinks, alibi_slopes,
+            v_scale, out[:, 0] if squeeze else out, return_lse, calls,
             tables=(block_tables, context_lens))
         if return_lse:
             result = DecodeOutput(out, result.lse.unsqueeze(1) if squeeze else result.lse)
@@ -677,6 +682,26 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     _append_kv_launcher()(key, value, key_cache, value_cache, slot_mapping,
                           kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
                           validate=validate)
+
+
+def _with_variants(fn, names: tuple, indent: int = 0):
+    """``fn`` takes the options ``names`` as ``**variants``: its ``__signature__`` lists them
+    (keyword-only, with their defaults and types, from :class:`DecodeOptions`), and with an
+    ``indent`` its docstring's ``<variant options>`` line becomes their Args entries."""
+    import inspect
+
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    fn.__signature__ = sig.replace(parameters=params + O.signature_params(names))
+    if indent:
+        fn.__doc__ = fn.__doc__.replace("<variant options>", O.docs(indent, names))
+    return fn
+
+
+_with_variants(paged_decode, tuple(O.OPTIONS), indent=12)
+_with_variants(compiled_kernels, tuple(O.OPTIONS))
+_with_variants(plan_decode, O.PLAN, indent=12)
+_with_variants(DecodePlan.run, O.CALL, indent=16)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:

@@ -51,6 +51,7 @@ def paged_decode_reference(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> ReferenceOutput:
     """Float64 paged decode attention.
 
@@ -67,7 +68,10 @@ def paged_decode_reference(
         k_scale, v_scale: fp8 dequantization scales (float, 0-d, or ``[num_kv_heads]``); the
             cache value is ``stored * scale``.
         window_left, logits_soft_cap, sinks, alibi_slopes: the variants (module docstring);
-            ``sinks`` and ``alibi_slopes`` are ``[num_q_heads]``.
+            ``sinks`` and ``alibi_slopes`` are ``[num_q_heads]``. The oracle takes every
+            option of ``pagedattn.options`` by its keyword (``tests/test_variants.py``).
+        batch_invariant: changes no value (it makes the kernel's result bitwise independent
+            of the batch); taken so that one set of keywords serves the kernel and the oracle.
 
     Returns:
         ``ReferenceOutput(out, lse)`` in float64; a row that sees no key has ``out == 0``

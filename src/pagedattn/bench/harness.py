@@ -45,6 +45,7 @@ import torch
 from pagedattn._cli_types import (
     ArgumentError,
     checked_output,
+    dtype_name,
     name_list,
     nonneg_int,
     output_dir,
@@ -73,7 +74,8 @@ DEFAULT_IMPLS = ("auto", "split_kv_v4", "gqa_reuse_v3")
 #: ``pagedattn run`` defaults: the stages loop token by token in the interpreter (about 0.1 s
 #: per token for 32 heads), so the CPU default takes under a minute on 2 cores
 CPU_BATCH, CPU_MAX_CONTEXT, GPU_BATCH = 6, 32, 64
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: ``--dtype`` (``_cli_types.dtype_name``: fp32/fp16/bf16 also)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Timer = Callable[[Callable[[], object]], Timing]
 Factory = Callable[[BenchShape, BenchBatch, bool], Callable[[], torch.Tensor]]
 
@@ -453,8 +455,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         type=name_list(_impl_names(), what="impl",
                                        presets={"all": _impl_names()}),
                         help="comma list of impls, or 'all' (default)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="query/cache dtype (default: the model's)")
+    parser.add_argument("--dtype", type=dtype_name(DTYPES), default=None,
+                        help="query/cache dtype: float32 (fp32), float16 (fp16) or bfloat16 "
+                             "(bf16) (default: the model's)")
     parser.add_argument("--seed", type=nonneg_int, default=0, help="trace draw and K/V/q seed")
     parser.add_argument("--reps", type=positive_int, default=50,
                         help="timed repetitions on a GPU")

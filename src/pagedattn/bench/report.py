@@ -201,6 +201,11 @@ def _drop_empty_columns(table: list[dict[str, str]]) -> list[dict[str, str]]:
     return [{k: t[k] for k in keep} for t in table]
 
 
+def _md_cell(text: Any) -> str:
+    """``text`` for a markdown table cell: a ``|`` in it (a peer's error) would end the cell."""
+    return str(text).replace("|", "\\|")
+
+
 def terminal_table(rows: list[dict[str, Any]], width: int = 100) -> str:
     """The table, then its notes (each long error whole, wrapped at ``width`` columns)."""
     import textwrap
@@ -251,13 +256,15 @@ def write_markdown(rows: list[dict[str, Any]], meta: dict[str, Any],
         lines.append("- **nothing was timed** (dry run or no GPU): outputs were checked against "
                      "the float64 oracle only")
     lines.append("")
-    lines.append(tabulate(_drop_empty_columns(display_rows(rows)), headers="keys",
-                          tablefmt="github", disable_numparse=True))
+    table = [{k: _md_cell(v) for k, v in t.items()}
+             for t in _drop_empty_columns(display_rows(rows))]
+    lines.append(tabulate(table, headers="keys", tablefmt="github", disable_numparse=True))
     notes = status_cells(rows)[1]
     if notes:
         lines += ["", "## Notes (errors in full)", ""]
         lines += [f"- {n}" for n in notes]
-    compiled = [(r["shape"], r["impl"], r["kernels"]) for r in rows if r.get("kernels")]
+    compiled = [tuple(map(_md_cell, (r["shape"], r["impl"], r["kernels"]))) for r in rows
+                if r.get("kernels")]
     if compiled:
         lines += ["", "## Triton compile metadata", ""]
         lines.append(tabulate(compiled, headers=["shape", "impl", "kernels"], tablefmt="github"))

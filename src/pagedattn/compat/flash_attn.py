@@ -69,8 +69,10 @@ _MAX_TILE_ROWS = 64
 _plans: OrderedDict = OrderedDict()
 #: the repeated decode call (one query token, a table, tensor lengths, nothing appended or
 #: rescaled), keyed by the identity of its table and lengths and by every other argument that
-#: shapes the plan; an entry keeps its tensors alive, so an id names the same tensor, and
-#: their pointers and shapes are checked again on every hit
+#: shapes the plan, and (the last plan of those tables) by the identities and options alone:
+#: the plan then checks the query's and caches' shapes and dtypes itself
+#: (``DecodePlan._run_4d``), cheaper than hashing them. An entry keeps its tensors alive, so
+#: an id names the same tensor, and their pointers and shapes are checked again on every hit
 _fast: dict = {}
 
 
@@ -213,6 +215,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         # the decode call an engine repeats per layer: a plan found by identity (see _fast)
         table = page_table if block_table is None else block_table
         try:
+            entry = _fast.get((id(table), id(cache_seqlens), causal, window_size, softcap,
+                               num_splits, page_table is None))
+        except TypeError:  # an unhashable window: the full path
+            entry = None
+        if entry is not None and sinks is None and entry[0] is table \
+                and entry[1] is cache_seqlens and table.data_ptr() == entry[2] \
+                and table.shape == entry[3] and cache_seqlens.data_ptr() == entry[4] \
+                and cache_seqlens.shape == entry[5]:
+            # the plan checks q's and the caches' shapes and dtypes, and runs FA's [batch, 1,
+            # heads, dim] query as it is (no view); None for anything else
+            result = entry[6]._run_4d(q, k_cache, v_cache, softmax_scale, return_softmax_lse)
+            if result is not None:
+                return (DecodeOutput(result.out, result.lse.unsqueeze(-1))
+                        if return_softmax_lse else result)
+        try:
             entry = _fast.get((id(table), id(cache_seqlens), q.shape, q.dtype, k_cache.shape,
                                k_cache.dtype, causal, window_size, softcap, num_splits,
                                page_table is None))
@@ -327,10 +344,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         except TypeError:  # an unhashable window (a tensor): no fast entry
             sig = None
         if sig is not None:
-            if len(_fast) >= _PLAN_CACHE_SIZE:
+            if len(_fast) >= 2 * _PLAN_CACHE_SIZE:
                 _fast.clear()
-            _fast[sig] = (table, cache_seqlens, table.data_ptr(), table.shape,
-                          cache_seqlens.data_ptr(), cache_seqlens.shape, plan)
+            # under the full signature, and under the tables and options alone (the plan
+            # checks the rest: _run_4d), which a later plan of the same tables replaces
+            _fast[sig] = _fast[sig[:2] + sig[6:]] = (
+                table, cache_seqlens, table.data_ptr(), table.shape, cache_seqlens.data_ptr(),
+                cache_seqlens.shape, plan)
 
     if flat:  # [b, sq, hk, g, d] -> [b, (hk sq g), d]
         query = q.view(batch, seqlen_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4) \

@@ -199,6 +199,7 @@ def _decode_pages(module, query, key, value, attention_mask, dropout, kwargs):
     return views[0], views[1], tables, count.int(), True
 
 
+# attention_forward's signature again: transformers' AttentionInterface calls both with it
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

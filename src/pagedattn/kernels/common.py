@@ -12,6 +12,7 @@ Addressing (in the style of attention-gym's pointer helpers):
   the block table, in 64-bit (``page_id * stride_page`` passes 2^31 on large caches).
 * ``_dim_mask``: the mask of the real head dims, a constant splat when ``head_dim`` is a power
   of two.
+* ``_program_sequence``: a ``(batch, heads)`` grid program's sequence, head and clamped length.
 
 Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN-safe:
 
@@ -30,6 +31,17 @@ Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), NaN
   denominator, none of the numerator.
 * ``_merge_partials``: fold one partial state ``(m_s, l_s, acc_s)`` (a split of the context)
   into a running one; the log-sum-exp merge of Flash-Decoding (Dao et al., 2023).
+
+The production kernel's steps (``kernels/decode.py``) close the module, in the order a unit
+runs them: the device-side split planner (``_plan_unit``: ``_batch_chunk``, ``_locate_row``;
+``_unit_tokens``), the tile's rows and pointers (``_tile_rows``, ``_tile_ptrs``,
+``_lse_ptrs``), the query and scales (``_kv_scales``, ``_load_query``, ``_v_tile_view``), the
+token loop's ``_score_and_mask`` and ``_online_softmax_step(_pairs)``, the epilogues
+(``_store_result``, ``_store_partial``) and the merges' ``_seq_rows``, ``_merge_row`` and
+``_add_sink``. Each keeps the kernel's flags as constexpr arguments, so a flag that is off
+leaves no code, and Triton inlines each: the kernels compile to the instructions and registers
+they had as one body (``docs/perf-notes.md``, step 31, which also says why the K/V loads stay
+in the kernel's loop).
 """
 
 import triton
@@ -47,6 +59,16 @@ def _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity):
     narrowed to int32 (an int64 length past 2^31 clamps to the capacity, never wraps)."""
     n = tl.load(context_lens_ptr + b * stride_ctx)
     return tl.minimum(tl.maximum(n, 0), capacity).to(tl.int32)
+
+
+@triton.jit
+def _program_sequence(context_lens_ptr, stride_ctx, max_pages, page_size):
+    """Grid ``(batch, heads, ...)``: this program's sequence ``b``, its head (the grid's second
+    axis: a query or a kv head, as the kernel's grid has it) and the sequence's length clamped
+    to the table's ``max_pages * page_size`` tokens (:func:`_clamped_context_len`)."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    return b, head, _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
 
 
 @triton.jit
@@ -198,3 +220,419 @@ def _fold_sink(m, l, sink2):
 def _natural_lse(m, l):
     """Natural-log LSE of an exp2-domain running state ``(m, l)``: ``(m + log2 l) · ln 2``."""
     return (m + tl.log2(l)) * LN2
+
+
+@triton.jit
+def _window_first(n, window_left, Q_LEN: tl.constexpr):
+    """The first key that any of the ``Q_LEN`` query tokens of a sequence of ``n`` keys sees
+    through a sliding window (vector or scalar ``n``): the first token sits at ``n - Q_LEN``
+    and its window starts ``window_left`` keys before it."""
+    return tl.maximum(n - Q_LEN - window_left, 0)
+
+
+@triton.jit
+def _visible_tokens(n, window_left, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(start, count)``: the key range ``[start, n)`` that the planner splits and the tiles
+    walk: from :func:`_window_first` rounded down to a whole tile, so every tile and split
+    starts at a multiple of ``BLOCK_N`` as without a window. The compiler then knows that
+    tiles are page-aligned (a window starting mid-tile cost 160 registers against 118, and
+    so a quarter of the resident programs: perf-notes step 23); keys before the window in
+    the first tile read the window's first row instead (their addresses are clamped to it)
+    and are masked from the scores only, so no byte before the window is fetched."""
+    start = _window_first(n, window_left, Q_LEN) // BLOCK_N * BLOCK_N
+    return start, n - start
+
+
+@triton.jit
+def _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity, window_left,
+                          BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, Q_LEN: tl.constexpr,
+                          HAS_WINDOW: tl.constexpr):
+    """Σ clamped lengths (with a window, the visible tokens only: the split work scales with
+    the window) (64-bit: with shared, prefix-cached pages the batch's tokens are not
+    bounded by the cache size, and 1,024 sequences of 256 k tokens pass 2^31) and the longest
+    clamped length. ``BLOCK_B`` lengths per vector load: the batch is a runtime value."""
+    total = tl.full([], 0, tl.int64)
+    longest = tl.full([], 0, tl.int32)
+    for b0 in range(0, batch, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
+        n = tl.minimum(tl.maximum(n, 0), capacity).to(tl.int32)  # clamped before narrowing
+        if HAS_WINDOW:
+            _, n = _visible_tokens(n, window_left, Q_LEN, BLOCK_N)
+        total += tl.sum(n.to(tl.int64))
+        longest = tl.maximum(longest, tl.max(n))
+    return total, longest
+
+
+@triton.jit
+def _chunk_of(n, chunk, forced_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split for a sequence of length ``n`` (vector or scalar): ``n`` cut into
+    ``ceil(n / chunk)`` (or ``forced_splits``) near-equal pieces, rounded up to whole tiles.
+    Equal pieces, not ``chunk``-sized ones and a remainder: a 2048-token sequence with a
+    1344-token chunk splits 1024 + 1024, not 1344 + 704 (the longest unit sets the tail)."""
+    splits = tl.where(forced_splits > 0, forced_splits, tl.cdiv(n, chunk))
+    piece = tl.cdiv(n, tl.maximum(splits, 1))
+    return tl.maximum(tl.cdiv(piece, BLOCK_N) * BLOCK_N, BLOCK_N)
+
+
+@triton.jit
+def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_splits,
+                window_left, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Sequence ``b`` owning split row ``r`` and the first row ``start_b`` it owns."""
+    b = 0
+    start = 0
+    running = 0
+    for b0 in range(0, batch, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        n = tl.load(context_lens_ptr + offs_b * stride_ctx, mask=offs_b < batch, other=0)
+        n = tl.minimum(tl.maximum(n, 0), capacity).to(tl.int32)  # clamped before narrowing
+        if HAS_WINDOW:  # split the visible tokens only
+            _, n = _visible_tokens(n, window_left, Q_LEN, BLOCK_N)
+        rows = tl.cdiv(n, _chunk_of(n, chunk, forced_splits, BLOCK_N))
+        ends = running + tl.cumsum(rows, axis=0)
+        before = (ends <= r) & (offs_b < batch)
+        b += tl.sum(before.to(tl.int32))
+        start = tl.maximum(start, tl.max(tl.where(before, ends, 0)))
+        running += tl.sum(rows)
+    return b, start
+
+
+@triton.jit
+def _token_rows(offs_h, kv_head, group, Q_LEN: tl.constexpr):
+    """Multi-token tiles (``Q_LEN > 1``): row ``i`` is query token ``i // group`` of query
+    head ``kv_head * group + i % group``. Returns ``(q_tok, heads, mask_h)`` ``[BLOCK_H]``."""
+    return offs_h // group, kv_head * group + offs_h % group, offs_h < Q_LEN * group
+
+
+@triton.jit
+def _fp8_dim_pairs(w, FP8: tl.constexpr, ASM: tl.constexpr):
+    """fp8 V tile read as 16-bit words ``w`` (``[BLOCK_N, BLOCK_D // 2]``: dims ``2j`` in the
+    low byte, ``2j + 1`` in the high byte) -> ``(even, odd)`` fp16 tiles, each exact. A tile of
+    bytes whose reduction dim (tokens) is strided cannot go through ``ldmatrix.trans`` (16-bit
+    only): the byte tile was read from shared memory one byte per instruction (perf-notes step
+    28). Words transpose like fp16, and each pair of words becomes two fp16 pairs by one
+    ``prmt`` and two packed ``cvt`` (``ASM``: inline PTX, sm_89+; else plain Triton casts,
+    which the interpreter runs). ``FP8``: 1 e4m3, 2 e5m2."""
+    if ASM and FP8 == 1:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    elif ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+            "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            "=r,=r,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        fp8: tl.constexpr = tl.float8e4nv if FP8 == 1 else tl.float8e5
+        even = (w & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+        odd = ((w >> 8) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+        return even, odd
+
+
+# ---- the production kernel's pieces (kernels/decode.py), in the order a unit runs them ----
+# Each is inlined by Triton, and each constexpr flag stays a constexpr argument, so a flag
+# that is off leaves no code: the kernels compile to the instructions they had when these
+# lines stood in their bodies (docs/perf-notes.md, step 31).
+
+
+@triton.jit
+def _batch_chunk(context_lens_ptr, batch, stride_ctx, capacity, num_kv_heads, min_chunk,
+                 target_units, target_units_ragged, window_left, BLOCK_B: tl.constexpr,
+                 BLOCK_N: tl.constexpr, Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 BATCH_INVARIANT: tl.constexpr):
+    """The batch-wide split size in tokens (a multiple of ``BLOCK_N``): the launcher's fixed
+    ``min_chunk`` under ``BATCH_INVARIANT`` (a sequence's splits, and so its arithmetic, never
+    depend on the rest of the batch), else the batch's token-work spread over
+    ``target_units`` units (``target_units_ragged`` for a ragged batch: mean length under
+    half the longest, whose whole-sequence units of unequal lengths leave a tail that
+    smaller units fill)."""
+    if BATCH_INVARIANT:
+        chunk = min_chunk.to(tl.int32)
+    else:
+        total, longest = _total_and_max_tokens(context_lens_ptr, batch, stride_ctx, capacity,
+                                               window_left, BLOCK_B, BLOCK_N, Q_LEN,
+                                               HAS_WINDOW)
+        work = total * num_kv_heads  # int64
+        ragged = total * 2 < longest.to(tl.int64) * batch
+        target = tl.where(ragged, target_units_ragged, target_units)
+        # a multiple of BLOCK_N, so the near-equal pieces of _chunk_of are never more than
+        # ceil(len / chunk) per sequence (the workspace bound of the launcher)
+        chunk = tl.cdiv(tl.maximum(tl.cdiv(work, target), min_chunk), BLOCK_N) * BLOCK_N
+        chunk = tl.minimum(chunk, capacity + BLOCK_N).to(tl.int32)  # no sequence is longer
+    return chunk
+
+
+
+@triton.jit
+def _plan_unit(context_lens_ptr, r, batch, stride_ctx, capacity, num_kv_heads, min_chunk,
+               target_units, target_units_ragged, forced_splits, window_left,
+               BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, Q_LEN: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, BATCH_INVARIANT: tl.constexpr,
+               ONE_UNIT: tl.constexpr):
+    """Which sequence unit row ``r`` belongs to: ``(b, start_b, chunk)``, the sequence, the
+    first row it owns and the batch's split size (:func:`_batch_chunk`, :func:`_locate_row`;
+    ``b >= batch``: a row past the last real one). ``ONE_UNIT``: the launcher knows that no
+    sequence splits, so row ``r`` is sequence ``r``, with no chunk to size and no scan of the
+    lengths."""
+    if ONE_UNIT:
+        b = r
+        start_b = r
+        chunk = 0
+    else:
+        chunk = _batch_chunk(context_lens_ptr, batch, stride_ctx, capacity, num_kv_heads,
+                             min_chunk, target_units, target_units_ragged, window_left,
+                             BLOCK_B, BLOCK_N, Q_LEN, HAS_WINDOW, BATCH_INVARIANT)
+        b, start_b = _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk,
+                                 forced_splits, window_left, BLOCK_B, BLOCK_N, Q_LEN,
+                                 HAS_WINDOW)
+    return b, start_b, chunk
+
+
+@triton.jit
+def _unit_tokens(ctx, r, start_b, chunk, forced_splits, window_left, Q_LEN: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, ONE_UNIT: tl.constexpr):
+    """The tokens ``[tok_start, tok_end)`` that unit row ``r`` of a sequence of ``ctx`` keys
+    (rows from ``start_b``) walks, the sequence's row count ``n_rows`` and the window's first
+    key ``win_first`` (``ctx`` when there is no window: unused). With a window only its
+    tiles are split (:func:`_visible_tokens`); ``ONE_UNIT``: the whole visible range, one
+    row (an empty sequence is one row too: it writes 0, and -inf or the sink)."""
+    n_vis = ctx
+    win_first = ctx
+    if HAS_WINDOW:  # the window's tiles only: splits cut [start, ctx), no page before is read
+        win_first = _window_first(ctx, window_left, Q_LEN)
+        first, n_vis = _visible_tokens(ctx, window_left, Q_LEN, BLOCK_N)
+    if ONE_UNIT:
+        n_rows = 1
+        tok_start = 0
+        if HAS_WINDOW:
+            tok_start = first
+        tok_end = ctx
+    else:
+        chunk_b = _chunk_of(n_vis, chunk, forced_splits, BLOCK_N)
+        n_rows = tl.cdiv(n_vis, chunk_b)
+        tok_start = (r - start_b) * chunk_b
+        if HAS_WINDOW:
+            tok_start += first
+        tok_end = tl.minimum(tok_start + chunk_b, ctx)
+    return tok_start, tok_end, n_rows, win_first
+
+
+@triton.jit
+def _tile_rows(offs_h, kv_head, group, ctx, Q_LEN: tl.constexpr):
+    """The tile's rows: ``(q_tok, heads, mask_h, q_pos)`` ``[BLOCK_H]``. One query token: row
+    ``i`` is query head ``kv_head * group + i`` (``q_tok``, ``q_pos``: 0, unused); ``Q_LEN >
+    1``: :func:`_token_rows`, and row ``i`` sits at position ``ctx - Q_LEN + q_tok`` (< 0: it
+    sees no key)."""
+    if Q_LEN > 1:
+        q_tok, heads, mask_h = _token_rows(offs_h, kv_head, group, Q_LEN)
+        q_pos = ctx - Q_LEN + q_tok
+    else:
+        q_tok = 0
+        q_pos = 0
+        mask_h = offs_h < group
+        heads = kv_head * group + offs_h
+    return q_tok, heads, mask_h, q_pos
+
+
+@triton.jit
+def _tile_ptrs(base_ptr, b, q_tok, heads, offs_d, stride_b, stride_t, stride_h, stride_d,
+               Q_LEN: tl.constexpr):
+    """``[BLOCK_H, BLOCK_D]`` pointers of the tile's rows (:func:`_tile_rows`) in a query or
+    output ``[batch, (Q_LEN,) heads, head_dim]`` (``stride_t``: the token's, ``Q_LEN > 1``
+    only); sequence offsets in 64-bit."""
+    if Q_LEN > 1:
+        return base_ptr + (b.to(tl.int64) * stride_b + q_tok * stride_t
+                           + heads * stride_h)[:, None] + offs_d[None, :] * stride_d
+    else:
+        return (base_ptr + b.to(tl.int64) * stride_b + heads[:, None] * stride_h
+                + offs_d[None, :] * stride_d)
+
+
+@triton.jit
+def _lse_ptrs(lse_ptr, b, q_tok, heads, num_q_heads, Q_LEN: tl.constexpr):
+    """``[BLOCK_H]`` pointers of the tile's rows in a contiguous LSE ``[batch, (Q_LEN,)
+    num_q_heads]``."""
+    if Q_LEN > 1:
+        return lse_ptr + (b.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
+    else:
+        return lse_ptr + b.to(tl.int64) * num_q_heads + heads
+
+
+@triton.jit
+def _kv_scales(k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale, k_scale_val,
+               v_scale_val, kv_head, SCALE_FROM_PTR: tl.constexpr):
+    """``(k_scale, v_scale)`` of a kv head: from the tensors (``SCALE_FROM_PTR``: per head or
+    0-d, graph-safe) or the Python floats."""
+    if SCALE_FROM_PTR:
+        k_scale = tl.load(k_scale_ptr + kv_head * stride_k_scale).to(tl.float32)
+        v_scale = tl.load(v_scale_ptr + kv_head * stride_v_scale).to(tl.float32)
+    else:
+        k_scale = k_scale_val
+        v_scale = v_scale_val
+    return k_scale, v_scale
+
+
+@triton.jit
+def _load_query(q_ptrs, mask_hd, scale_log2, k_scale, BLOCK_H: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, Q_POW2_SCALE: tl.constexpr):
+    """The query tile as the dots' operand and the per-row score scale ``(q_dot, qk_scale)``.
+    The scale (``scale · log2 e · k_scale``) applies to the fp32 scores, never to a 16-bit
+    ``q`` (which would round the scores by the query's precision, case B16).
+    ``Q_POW2_SCALE`` (fp8 caches dot in fp16): a bf16/fp32 query may exceed fp16's range
+    (65,504), so each row is scaled by 2^e into [2^13, 2^14) first; a power of two is exact,
+    and ``qk_scale`` divides it back out (no cast narrows the caller's range, case N07); the
+    exponent is at most 126, so 2^e and 2^-e stay finite (a row with max |q| below 2^-114,
+    about 5e-35, made 2^e inf and the row NaN): such a row's largest element lands below
+    2^12, still exact, and its scores are ~0 whatever fp16 rounds away."""
+    q = tl.load(q_ptrs, mask=mask_hd, other=0.0).to(tl.float32)
+    qk_scale = tl.zeros([BLOCK_H], tl.float32) + scale_log2 * k_scale  # per query row
+    if Q_POW2_SCALE:
+        amax = tl.max(tl.abs(q), axis=1)
+        e = tl.minimum(tl.where(amax > 0, 14.0 - tl.ceil(tl.log2(amax)), 0.0), 126.0)
+        q = q * tl.exp2(e)[:, None]
+        qk_scale = qk_scale * tl.exp2(-e)
+    return q.to(DOT_DTYPE), qk_scale  # unscaled: exact for fp16/bf16 queries
+
+
+@triton.jit
+def _v_tile_view(value_cache_ptr, offs_d, mask_d, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, FP8_V_PAIRS: tl.constexpr):
+    """How the value tiles are read: ``(base, offs, mask_d)``. ``FP8_V_PAIRS``: the cache as
+    16-bit words, two fp8 dims each (``BLOCK_D // 2`` per row; the launcher sets the flag
+    only for 16-byte strides and a unit dim stride, so the mask is a splat: 16-byte loads);
+    else the cache and the dims themselves."""
+    if FP8_V_PAIRS:
+        offs_w = tl.arange(0, BLOCK_D // 2)
+        v_words = value_cache_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        return v_words, offs_w, _dim_mask(offs_w, HEAD_DIM // 2, BLOCK_D // 2)
+    else:
+        return value_cache_ptr, offs_d, mask_d
+
+
+@triton.jit
+def _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
+                    window_left, softcap, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr):
+    """A tile's exp2-domain scores ``[BLOCK_H, BLOCK_N]``: ``q·kᵀ · qk_scale``, then the
+    soft-cap (Gemma 2, on the natural-domain logit, before any bias), ALiBi's ``+ slope·(p -
+    i)`` (``alibi2``: slopes times log2 e, per row), and -inf where a key is not seen: past
+    the unit's range, after the row's own position (``Q_LEN > 1``: causal, bottom-right
+    aligned) or before its window (each row's with several tokens; one token: the first
+    tile's keys before ``win_first``)."""
+    s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)),
+               input_precision=DOT_PRECISION) * qk_scale[:, None]
+    if HAS_SOFTCAP:
+        s = _soft_cap(s, softcap)
+    if HAS_ALIBI:
+        if Q_LEN > 1:
+            s += alibi2[:, None] * (tok[None, :] - q_pos[:, None]).to(tl.float32)
+        else:
+            s += alibi2[:, None] * (tok - (ctx - 1)).to(tl.float32)[None, :]
+    if Q_LEN > 1:  # per row: causal, and the row's own window ([first, ctx) is the union)
+        seen = mask_n[None, :] & (tok[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            seen = seen & (tok[None, :] >= q_pos[:, None] - window_left)
+        s = tl.where(seen, s, float("-inf"))
+    elif HAS_WINDOW:
+        s = tl.where((mask_n & (tok >= win_first))[None, :], s, float("-inf"))
+    else:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _online_softmax_step(m, l, acc, s, v, DOT_DTYPE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """Fold a tile of scores ``s`` and values ``v`` ``[BLOCK_N, BLOCK_D]`` into the state
+    ``(m, l, acc)``: :func:`_softmax_block_step`, then ``acc · alpha + P·V`` (``tl.dot``)."""
+    m, alpha, p, l = _softmax_block_step(m, l, s)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                        input_precision=DOT_PRECISION)
+    return m, l, acc
+
+
+@triton.jit
+def _online_softmax_step_pairs(m, l, acc_even, acc_odd, s, v, FP8: tl.constexpr,
+                               ASM: tl.constexpr):
+    """:func:`_online_softmax_step` for fp8 values read as 16-bit dim pairs ``v``
+    (:func:`_fp8_dim_pairs`): the even and odd dims accumulate apart, in two half-width
+    fp16 P·V dots."""
+    m, alpha, p, l = _softmax_block_step(m, l, s)
+    v_even, v_odd = _fp8_dim_pairs(v, FP8, ASM)
+    p16 = p.to(tl.float16)
+    acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
+    acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
+    return m, l, acc_even, acc_odd
+
+
+@triton.jit
+def _add_sink(m, l, acc, sinks_ptr, heads, mask_h):
+    """The sink logits of the tile's rows (``[num_q_heads]`` natural-domain) folded into a
+    final state (:func:`_fold_sink`), once: ``(m, l, acc)``."""
+    m, l, alpha = _fold_sink(m, l, tl.load(sinks_ptr + heads, mask=mask_h, other=0.0) * LOG2E)
+    return m, l, acc * alpha[:, None]
+
+
+@triton.jit
+def _store_result(out_ptr, lse_ptr, sinks_ptr, b, q_tok, heads, mask_h, offs_d, mask_hd, m,
+                  l, acc, v_scale, num_q_heads, stride_o_b, stride_o_t, stride_o_h,
+                  stride_o_d, Q_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+                  HAS_LSE: tl.constexpr, ONE_UNIT: tl.constexpr):
+    """The epilogue of a sequence's only unit: the sink folded in (once, here), ``out = acc ·
+    v_scale / l`` and the LSE written. A row that saw no key (a token before the sequence's
+    start, or an empty sequence under ``ONE_UNIT``) gets 0, never 0 / 0."""
+    if HAS_SINKS:
+        m, l, acc = _add_sink(m, l, acc, sinks_ptr, heads, mask_h)
+    if Q_LEN > 1 or ONE_UNIT:
+        out = acc * _normalize(v_scale, l)[:, None]
+    else:
+        out = acc * (v_scale / l)[:, None]
+    o_ptrs = _tile_ptrs(out_ptr, b, q_tok, heads, offs_d, stride_o_b, stride_o_t, stride_o_h,
+                        stride_o_d, Q_LEN)
+    lse_ptrs = _lse_ptrs(lse_ptr, b, q_tok, heads, num_q_heads, Q_LEN)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+    if HAS_LSE:
+        tl.store(lse_ptrs, _natural_lse(m, l), mask=mask_h)
+
+
+@triton.jit
+def _store_partial(part_ml_ptr, part_acc_ptr, r, q_tok, heads, mask_h, offs_d, m, l, acc,
+                   v_scale, num_q_heads, BLOCK_D: tl.constexpr, Q_LEN: tl.constexpr):
+    """The epilogue of one of several units: its unnormalized partial ``(m, l)`` and ``acc ·
+    v_scale`` at workspace row ``r`` (per query token and head with ``Q_LEN > 1``)."""
+    if Q_LEN > 1:
+        row = (r.to(tl.int64) * Q_LEN + q_tok) * num_q_heads + heads
+    else:
+        row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H]
+    tl.store(part_ml_ptr + row * 2, m, mask=mask_h)
+    tl.store(part_ml_ptr + row * 2 + 1, l, mask=mask_h)
+    tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc * v_scale,
+             mask=mask_h[:, None])
+
+
+
+@triton.jit
+def _merge_row(m, l, acc, m_r, l_r, acc_r, MAY_BE_EMPTY: tl.constexpr):
+    """Fold one split row's partial ``(m_r, l_r, acc_r)`` (``[BLOCK_H]``, ``[BLOCK_H,
+    BLOCK_D]``) into the running merge state, both rescaled to the common max. ``m`` is
+    finite from the first row on when every row held tokens; ``MAY_BE_EMPTY`` (several
+    query tokens): a row may have seen no key of its split (``m_r = -inf``), weighted 0."""
+    m_new = tl.maximum(m, m_r)
+    alpha = _rescale(m, m_new)
+    w = _rescale(m_r, m_new) if MAY_BE_EMPTY else tl.exp2(m_r - m_new)
+    l = l * alpha + l_r * w
+    acc = acc * alpha[:, None] + acc_r * w[:, None]
+    return m_new, l, acc
+
+
+@triton.jit
+def _seq_rows(seq_rows_ptr, b):
+    """A merge's split rows of sequence ``b``: ``(start, n_rows)``, which the main kernel
+    writes for every non-empty sequence (an empty sequence's entry is stale, or the
+    launcher's zeros, and must not be used)."""
+    start = tl.load(seq_rows_ptr + b * 2)
+    n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
+    return start, n_rows

@@ -19,7 +19,7 @@ which runs it on a token range.
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import _attend_tokens, _clamped_context_len, _dim_mask, _normalize
+from pagedattn.kernels.common import _attend_tokens, _dim_mask, _normalize, _program_sequence
 
 
 @triton.jit
@@ -34,9 +34,7 @@ def _single_head_kernel(
     stride_o_b, stride_o_h, stride_o_d,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
+    b, h, ctx = _program_sequence(context_lens_ptr, stride_ctx, max_pages, page_size)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     q = tl.load(query_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h + offs_d * stride_q_d,

@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from pagedattn.kernels.common import (
-    _clamped_context_len,
     _dim_mask,
     _normalize,
     _page_ids,
+    _program_sequence,
     _softmax_block_step,
 )
 
@@ -40,9 +40,7 @@ def _gqa_reuse_v3_kernel(
 ):
     tl.static_assert((BLOCK_G & (BLOCK_G - 1)) == 0, "BLOCK_G must be a power of two")
     tl.static_assert((BLOCK_N & (BLOCK_N - 1)) == 0, "BLOCK_N must be a power of two")
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, max_pages * page_size)
+    b, kv_head, ctx = _program_sequence(context_lens_ptr, stride_ctx, max_pages, page_size)
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, BLOCK_G)

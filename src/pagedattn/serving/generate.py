@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from pagedattn._cli_types import dtype_name
 from pagedattn.api import IMPLS
 from pagedattn.serving.cli_args import (
     ArgumentError,
@@ -54,11 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no chat template: the prompt text is the model's whole input")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if "
                         "present)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="model dtype (default: bfloat16 on CUDA, float32 on the CPU)")
-    parser.add_argument("--cache-dtype", choices=sorted(CACHE_DTYPES), default=None,
-                        help="KV cache dtype (default: the model's); fp8 scales are calibrated "
-                        "per layer and kv head from the first prefill")
+    parser.add_argument("--dtype", type=dtype_name(DTYPES), default=None,
+                        help="model dtype: float32 (fp32), float16 (fp16) or bfloat16 (bf16) "
+                        "(default: bfloat16 on CUDA, float32 on the CPU)")
+    parser.add_argument("--cache-dtype", type=dtype_name(CACHE_DTYPES), default=None,
+                        help="KV cache dtype: fp8_e4m3, fp8_e5m2 or a --dtype name (default: "
+                        "the model's); fp8 scales are calibrated per layer and kv head from "
+                        "the first prefill")
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="decode by CUDA-graph replay (default: on with CUDA)")
     parser.add_argument("--compile", action="store_true",

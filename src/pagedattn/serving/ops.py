@@ -17,81 +17,85 @@ a schema cannot hold "float or tensor"; the Python wrappers :func:`paged_decode`
 (no host-to-device copy, so it is CUDA-graph safe).
 """
 
-from typing import cast
+import inspect
 
 import torch
 
 from pagedattn import _validation as V
 from pagedattn import api
+from pagedattn import options as O
+
+#: the decode ops' arguments before the variants: (name, schema type, default or EMPTY);
+#: the variants (pagedattn.options) follow, then ``(out, lse)`` differ only in the return
+_EMPTY = inspect.Parameter.empty
+_DECODE_ARGS = (("query", "Tensor", _EMPTY), ("key_cache", "Tensor", _EMPTY),
+                ("value_cache", "Tensor", _EMPTY), ("block_tables", "Tensor", _EMPTY),
+                ("context_lens", "Tensor", _EMPTY), ("scale", "float?", None),
+                ("impl", "str", "auto"), ("num_splits", "int?", None),
+                ("kv_layout", "str", "NHD"), ("k_scale", "Tensor?", None),
+                ("v_scale", "Tensor?", None))
+
+_TENSORS = ("query", "key_cache", "value_cache", "block_tables", "context_lens")
 
 
-def _check(query, key_cache, value_cache, block_tables, context_lens, scale, impl, num_splits,
-           kv_layout, k_scale, v_scale, return_lse, variants: dict) -> None:
-    V.check_metadata(query, key_cache, value_cache, block_tables, context_lens, scale=scale,
-                     impl=impl, impls=tuple(api.IMPLS), num_splits=num_splits, out=None,
-                     kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
-                     return_lse=return_lse, validate=None, **variants)
+def _literal(v) -> str:
+    return repr(v).replace("'", '"') if isinstance(v, str) else repr(v)
 
 
-@torch.library.custom_op("pagedattn::paged_decode", mutates_args=())
-def _paged_decode_op(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
-    impl: str = "auto", num_splits: int | None = None, kv_layout: str = "NHD",
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    window_left: int = -1, logits_soft_cap: float | None = None,
-    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-    batch_invariant: bool = False,
-) -> torch.Tensor:
-    out = api.paged_decode(query, key_cache, value_cache, block_tables, context_lens,
-                           scale=scale, impl=impl, num_splits=num_splits, kv_layout=kv_layout,
-                           k_scale=k_scale, v_scale=v_scale, window_left=window_left,
-                           logits_soft_cap=logits_soft_cap, sinks=sinks,
-                           alibi_slopes=alibi_slopes, batch_invariant=batch_invariant)
-    return cast(torch.Tensor, out)
+#: the schema's arguments, ``"Tensor query, ..., int window_left=-1, ..."``
+DECODE_SCHEMA_ARGS = ", ".join(
+    [f"{t} {n}" + ("" if d is _EMPTY else f"={_literal(d)}") for n, t, d in _DECODE_ARGS]
+    + [O.schema()])
+_SIGNATURE = inspect.Signature(
+    [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d)
+     for n, _, d in _DECODE_ARGS]
+    + [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+       for p in O.signature_params()])
 
 
-@_paged_decode_op.register_fake
-def _(query, key_cache, value_cache, block_tables, context_lens, scale=None, impl="auto",
-      num_splits=None, kv_layout="NHD", k_scale=None, v_scale=None, window_left=-1,
-      logits_soft_cap=None, sinks=None, alibi_slopes=None, batch_invariant=False):
-    _check(query, key_cache, value_cache, block_tables, context_lens, scale, impl, num_splits,
-           kv_layout, k_scale, v_scale, False, dict(
-               window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
-               alibi_slopes=alibi_slopes, batch_invariant=batch_invariant))
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
+def _bound(args, kwargs) -> dict:
+    """An op call's arguments by name, defaults filled (the dispatcher passes those given)."""
+    bound = _SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
-@torch.library.custom_op("pagedattn::paged_decode_lse", mutates_args=())
-def _paged_decode_lse_op(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
-    impl: str = "auto", num_splits: int | None = None, kv_layout: str = "NHD",
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    window_left: int = -1, logits_soft_cap: float | None = None,
-    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-    batch_invariant: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = api.paged_decode(query, key_cache, value_cache, block_tables, context_lens,
-                                scale=scale, impl=impl, num_splits=num_splits,
-                                kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
-                                return_lse=True, window_left=window_left,
-                                logits_soft_cap=logits_soft_cap, sinks=sinks,
-                                alibi_slopes=alibi_slopes, batch_invariant=batch_invariant)
-    return out, lse
+def _check(kw: dict, return_lse: bool) -> None:
+    """The eager API's metadata checks of one call (``kw``: the op's arguments by name)."""
+    core = {n: kw[n] for n, _, _ in _DECODE_ARGS}
+    tensors = [core.pop(n) for n in _TENSORS]
+    api.check_decode(*tensors, out=None, return_lse=return_lse, validate=None,
+                     variants={n: kw[n] for n in O.OPTIONS}, **core)
 
 
-@_paged_decode_lse_op.register_fake
-def _(query, key_cache, value_cache, block_tables, context_lens, scale=None, impl="auto",
-      num_splits=None, kv_layout="NHD", k_scale=None, v_scale=None, window_left=-1,
-      logits_soft_cap=None, sinks=None, alibi_slopes=None, batch_invariant=False):
-    _check(query, key_cache, value_cache, block_tables, context_lens, scale, impl, num_splits,
-           kv_layout, k_scale, v_scale, True, dict(
-               window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
-               alibi_slopes=alibi_slopes, batch_invariant=batch_invariant))
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    lse = query.new_empty(query.shape[:-1], dtype=torch.float32)  # 4-D query: [b, q_len, H]
-    return out, lse
+def _decode_op(name: str, return_lse: bool):
+    """Register ``pagedattn::<name>`` (functional) and its fake kernel, the schema from
+    ``_DECODE_ARGS`` and the options' fields."""
+    returns = "(Tensor, Tensor)" if return_lse else "Tensor"
+
+    def real(*args, **kwargs):
+        kw = _bound(args, kwargs)
+        tensors = [kw.pop(n) for n in _TENSORS]
+        result = api.paged_decode(*tensors, return_lse=return_lse, **kw)
+        return tuple(result) if return_lse else result
+
+    def fake(*args, **kwargs):
+        kw = _bound(args, kwargs)
+        _check(kw, return_lse)
+        query = kw["query"]
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if not return_lse:
+            return out
+        return out, query.new_empty(query.shape[:-1], dtype=torch.float32)  # [b, (t,) H]
+
+    op = torch.library.custom_op(f"pagedattn::{name}", real, mutates_args=(),
+                                 schema=f"({DECODE_SCHEMA_ARGS}) -> {returns}")
+    op.register_fake(fake)
+    return op
+
+
+_paged_decode_op = _decode_op("paged_decode", return_lse=False)
+_paged_decode_lse_op = _decode_op("paged_decode_lse", return_lse=True)
 
 
 @torch.library.custom_op("pagedattn::append_kv", mutates_args=("key_cache", "value_cache"))
@@ -119,30 +123,26 @@ def _scale_tensor(s, device: torch.device) -> torch.Tensor | None:
 
 def paged_decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
                  impl="auto", num_splits=None, kv_layout="NHD", k_scale=None, v_scale=None,
-                 return_lse=False, window_left=-1, logits_soft_cap=None, sinks=None,
-                 alibi_slopes=None, batch_invariant=False):
+                 return_lse=False, **variants):
     """:func:`pagedattn.paged_decode` through the custom op (traceable by ``torch.compile``).
 
-    Same arguments, shapes, dtypes and errors as the eager API (the variants
-    ``window_left``, ``logits_soft_cap``, ``sinks``, ``alibi_slopes``, ``batch_invariant``
-    and 4-D multi-token queries included), without ``out=`` and ``validate=`` (CPU inputs
-    are value-checked; CUDA inputs are not). Float scales become 0-d device tensors.
-    Returns ``out`` in the query's shape, or ``(out, lse)`` with ``return_lse=True``
-    (``lse`` the query's shape without ``head_dim``, fp32, natural log).
+    Same arguments, shapes, dtypes and errors as the eager API (the variants of
+    :mod:`pagedattn.options` and 4-D multi-token queries included), without ``out=`` and
+    ``validate=`` (CPU inputs are value-checked; CUDA inputs are not). Float scales become
+    0-d device tensors. Returns ``out`` in the query's shape, or ``(out, lse)`` with
+    ``return_lse=True`` (``lse`` the query's shape without ``head_dim``, fp32, natural log).
     """
     # the eager API's checks on the caller's own values first: a float scale becomes a tensor
     # below, whose value no metadata check sees (a bool, 0 or NaN scale would pass)
-    _check(query, key_cache, value_cache, block_tables, context_lens, scale, impl, num_splits,
-           kv_layout, k_scale, v_scale, return_lse, dict(
-               window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
-               alibi_slopes=alibi_slopes, batch_invariant=batch_invariant))
+    api.check_decode(query, key_cache, value_cache, block_tables, context_lens, scale=scale,
+                     impl=impl, num_splits=num_splits, out=None, kv_layout=kv_layout,
+                     k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, validate=None,
+                     variants=variants)
     args = (query, key_cache, value_cache, block_tables, context_lens, scale, impl,
             num_splits, kv_layout, _scale_tensor(k_scale, query.device),
-            _scale_tensor(v_scale, query.device), window_left, logits_soft_cap, sinks,
-            alibi_slopes, batch_invariant)
-    if return_lse:
-        return torch.ops.pagedattn.paged_decode_lse(*args)
-    return torch.ops.pagedattn.paged_decode(*args)
+            _scale_tensor(v_scale, query.device))
+    op = torch.ops.pagedattn.paged_decode_lse if return_lse else torch.ops.pagedattn.paged_decode
+    return op(*args, **variants)
 
 
 def append_kv(key, value, key_cache, value_cache, slot_mapping, *, kv_layout="NHD",
