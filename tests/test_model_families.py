@@ -145,3 +145,35 @@ def test_load_hf_refuses_other_models(tmp_path):
         hf_config(dict(SHAPE, model_type="llama", rope_scaling={"rope_type": "yarn"}))
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf(tmp_path / "nowhere")
+
+
+def test_generate_cli_serves_a_hugging_face_directory(tmp_path, capsys):
+    """``pagedattn generate --model DIR``: the Gemma 2 model with a word-level tokenizer
+    prints transformers' greedy continuation; a directory without config.json is one line,
+    exit 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from pagedattn import cli
+
+    words = {f"w{i}": i for i in range(128)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(
+        tmp_path)
+    hf = build("gemma2", tmp_path)
+    prompt = [5, 17, 3, 99, 42, 7]
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    argv = ["generate", " ".join(f"w{t}" for t in prompt), "--raw", "--device", "cpu",
+            "--max-new-tokens", str(NEW_TOKENS), "--model", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert len(out.split()) > 1 and out.split() == [f"w{t}" for t in want
+                                                    if t != hf.config.eos_token_id], out
+    try:
+        rc = cli.main(argv[:-1] + [str(tmp_path / "nowhere")])
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--model: no config.json" in err, err
