@@ -143,6 +143,8 @@ def test_load_hf_refuses_other_models(tmp_path):
         load_hf(tmp_path)
     with pytest.raises(ValueError, match="rope scaling 'yarn'"):
         hf_config(dict(SHAPE, model_type="llama", rope_scaling={"rope_type": "yarn"}))
+    with pytest.raises(ValueError, match="attention_bias"):
+        hf_config(dict(SHAPE, model_type="llama", attention_bias=True))
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf(tmp_path / "nowhere")
 

@@ -93,8 +93,8 @@ _HF_LAYER_NAMES = {
 
 def hf_config(c: dict) -> ModelConfig:
     """A :class:`ModelConfig` from a parsed ``config.json``. Raises ValueError for a
-    ``model_type`` outside :data:`HF_MODEL_TYPES`, RoPE scaling, or an activation other than
-    SiLU / tanh-GELU."""
+    ``model_type`` outside :data:`HF_MODEL_TYPES`, RoPE scaling, ``attention_bias`` /
+    ``mlp_bias`` (outside Qwen2's QKV bias), or an activation other than SiLU / tanh-GELU."""
     mt = c.get("model_type")
     if mt not in HF_MODEL_TYPES:
         raise ValueError(f"config.json: model_type {mt!r} is not supported "
@@ -104,6 +104,10 @@ def hf_config(c: dict) -> ModelConfig:
     if rope_type != "default":
         raise ValueError(f"config.json: rope scaling {rope_type!r} is not supported")
     theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    for key in ("attention_bias", "mlp_bias"):  # Qwen2's QKV bias is implied, not this key
+        if c.get(key) and mt != "qwen2":
+            raise ValueError(f"config.json: {key} (biases on the output or FFN projections) "
+                             "is not supported")
     act = c.get("hidden_activation") or c.get("hidden_act", "silu")
     acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
     if act not in acts:
@@ -133,7 +137,7 @@ def hf_config(c: dict) -> ModelConfig:
         tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),
         bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"),
         activation=acts[act],
-        qkv_bias=bool(c.get("attention_bias", mt == "qwen2")),
+        qkv_bias=mt == "qwen2",
         qk_norm=mt == "qwen3", post_norms=gemma,
         embed_scale=math.sqrt(hidden) if gemma else None,
         attn_scale=float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
