@@ -1,6 +1,9 @@
 """A small Llama (SmolLM2) in the style of gpt-fast: ``RMSNorm``, ``Attention``, ``FeedForward``,
 ``TransformerBlock`` and ``Transformer`` modules, with the attention backend a constructor
-choice.
+choice. The other families (Mistral, Qwen2/3, Gemma 2) are options of the same modules, read
+from a :class:`~pagedattn.serving.config.ModelConfig`: QKV bias, Q/K norms, GeGLU, Gemma 2's
+post norms and embedding scale, a final logit soft-cap, and each layer's attention variants
+(window, soft-cap, softmax scale) through prefill and the decode plans.
 
 The attention backend owns the KV cache: each ``Attention`` layer computes its rotated
 ``q``/``k``/``v`` and calls ``backend(layer, q, k, v, step)``, where ``step`` is the backend's
