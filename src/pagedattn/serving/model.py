@@ -1,6 +1,9 @@
 """A small Llama (SmolLM2) in the style of gpt-fast: ``RMSNorm``, ``Attention``, ``FeedForward``,
 ``TransformerBlock`` and ``Transformer`` modules, with the attention backend a constructor
-choice.
+choice. The other families (Mistral, Qwen2/3, Gemma 2) are options of the same modules, read
+from a :class:`~pagedattn.serving.config.ModelConfig`: QKV bias, Q/K norms, GeGLU, Gemma 2's
+post norms and embedding scale, a final logit soft-cap, and each layer's attention variants
+(window, soft-cap, softmax scale) through prefill and the decode plans.
 
 The attention backend owns the KV cache: each ``Attention`` layer computes its rotated
 ``q``/``k``/``v`` and calls ``backend(layer, q, k, v, step)``, where ``step`` is the backend's
@@ -33,7 +36,8 @@ from torch import nn
 from pagedattn.api import DecodePlan, plan_decode
 from pagedattn.serving import ops
 from pagedattn.serving.cache import PagedKVCache, StepMetadata
-from pagedattn.serving.gguf_loader import LlamaConfig, load_gguf
+from pagedattn.serving.config import ModelConfig, load_hf
+from pagedattn.serving.gguf_loader import load_gguf
 
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -43,13 +47,38 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
+             mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """SDPA with grouped KV: ``q`` ``[B, Hq, Tq, D]``, ``k``/``v`` ``[B, Hkv, Tk, D]``."""
     if _SDPA_HAS_GQA and mask is None:  # as transformers does when there is no mask
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True,
+                                              scale=scale)
     group = q.shape[1] // k.shape[1]  # with a mask: repeat, so the fused kernels apply
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          scale=scale)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      *, window_left: int = -1, logits_soft_cap: float = 0.0,
+                      scale: float | None = None) -> torch.Tensor:
+    """A prefill's attention over packed prompts: ``q`` ``[N, Hq, D]``, ``k``/``v`` ``[N,
+    Hkv, D]``, ``mask`` ``[N, N]`` bool (:func:`prefill_mask`) -> ``[N, Hq, D]``.
+
+    ``window_left >= 0`` keeps keys at most that many positions back (every prompt starts
+    at position 0, so packed-index distance is position distance); ``logits_soft_cap > 0``
+    caps the scores (``cap * tanh(s / cap)``) in explicit math, which SDPA cannot do."""
+    if window_left >= 0:
+        i = torch.arange(mask.shape[0], device=mask.device)
+        mask = mask & (i[:, None] - i[None, :] <= window_left)
+    q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if logits_soft_cap <= 0:
+        return sdpa_gqa(q, k, v, mask=mask, scale=scale)[0].transpose(0, 1)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = torch.tanh(s / logits_soft_cap) * logits_soft_cap
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    return (p @ v)[0].transpose(0, 1)
 
 
 # -- attention backends ------------------------------------------------------------------
@@ -60,7 +89,8 @@ class AttentionBackend(Protocol):
                  step) -> torch.Tensor: ...
 
 
-Attend = Callable[..., torch.Tensor]  # (q, key_cache, value_cache, k_scale, v_scale) -> out
+#: (q, key_cache, value_cache, k_scale, v_scale, window_left, logits_soft_cap, scale) -> out
+Attend = Callable[..., torch.Tensor]
 
 
 class PagedStep(NamedTuple):
@@ -78,24 +108,32 @@ def decode_attend(meta: StepMetadata, impl: str) -> Attend:
     With ``impl="auto"`` this is the plan API: the first layer's call plans the step
     (:func:`pagedattn.plan_decode` over ``meta``'s block tables and lengths, shapes and dtypes
     from that layer's query and cache) and every layer runs that one plan, so a step pays for
-    one launch plan and one workspace (one kernel that zeroes it), not one per layer. Inside a
-    ``torch.compile`` trace of the step, and for the study's stages, each layer calls the
-    custom op (:func:`pagedattn.serving.ops.paged_decode`).
+    one launch plan and one workspace (one kernel that zeroes it), not one per layer. A
+    model whose layers differ in their variants (``window_left``, ``logits_soft_cap``: compile-
+    time specializations of a plan) gets one plan per distinct pair, planned by the first
+    layer that has it (Gemma 2: two plans a step). Inside a ``torch.compile`` trace of the
+    step, and for the study's stages, each layer calls the custom op
+    (:func:`pagedattn.serving.ops.paged_decode`).
     """
     if impl != "auto" or torch.compiler.is_compiling():
-        def attend_op(q, kc, vc, k_scale, v_scale):
+        def attend_op(q, kc, vc, k_scale, v_scale, window_left=-1, logits_soft_cap=0.0,
+                      scale=None):
             return ops.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, impl=impl,
-                                    k_scale=k_scale, v_scale=v_scale)
+                                    k_scale=k_scale, v_scale=v_scale, scale=scale,
+                                    window_left=window_left,
+                                    logits_soft_cap=logits_soft_cap or None)
         return attend_op
-    plans: list[DecodePlan] = []
+    plans: dict[tuple[int, float], DecodePlan] = {}
 
-    def attend(q, kc, vc, k_scale, v_scale):
-        if not plans:
-            plans.append(plan_decode(
+    def attend(q, kc, vc, k_scale, v_scale, window_left=-1, logits_soft_cap=0.0, scale=None):
+        plan = plans.get((window_left, logits_soft_cap))
+        if plan is None:
+            plan = plans[window_left, logits_soft_cap] = plan_decode(
                 meta.block_tables, meta.context_lens, num_q_heads=q.shape[1],
                 num_kv_heads=kc.shape[2], head_dim=q.shape[2], page_size=kc.shape[1],
-                q_dtype=q.dtype, kv_dtype=kc.dtype))
-        return plans[0].run(q, kc, vc, k_scale=k_scale, v_scale=v_scale)
+                q_dtype=q.dtype, kv_dtype=kc.dtype, window_left=window_left,
+                logits_soft_cap=logits_soft_cap or None)
+        return plan.run(q, kc, vc, k_scale=k_scale, v_scale=v_scale, scale=scale)
     return attend
 
 
@@ -111,11 +149,16 @@ def prefill_mask(query_start: list[int], device: torch.device) -> torch.Tensor:
 
 class PagedAttention:
     """Paged backend: K/V through ``append_kv`` into the step's cache; decode attention by
-    ``paged_decode`` (``impl``), prefill attention by one masked SDPA over the packed prompts.
+    ``paged_decode`` (``impl``), prefill attention by one masked SDPA over the packed prompts
+    (:func:`prefill_attention`). ``cfg`` gives each layer's variants (window, soft-cap) and
+    the softmax scale (:class:`ModelConfig`); without one, none and ``head_dim ** -0.5``.
     An fp8 cache that still needs calibration takes its scales from the prefill's K/V."""
 
-    def __init__(self, impl: str = "auto"):
+    def __init__(self, impl: str = "auto", cfg: ModelConfig | None = None):
         self.impl = impl
+        n = cfg.num_layers if cfg is not None else 0
+        self.variants = [cast(ModelConfig, cfg).layer_variants(i) for i in range(n)]
+        self.scale = cfg.attn_scale if cfg is not None else None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  step: PagedStep) -> torch.Tensor:
@@ -125,11 +168,11 @@ class PagedAttention:
         k_scale, v_scale = cache.scales(layer)
         kc, vc = cache.key_cache(layer), cache.value_cache(layer)
         ops.append_kv(k, v, kc, vc, step.meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        window, cap = self.variants[layer] if self.variants else (-1, 0.0)
         if step.mask is not None:  # prefill
-            o = sdpa_gqa(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                         v.transpose(0, 1)[None], mask=step.mask)
-            return o[0].transpose(0, 1)
-        return cast(Attend, step.attend)(q, kc, vc, k_scale, v_scale)
+            return prefill_attention(q, k, v, step.mask, window_left=window,
+                                     logits_soft_cap=cap, scale=self.scale)
+        return cast(Attend, step.attend)(q, kc, vc, k_scale, v_scale, window, cap, self.scale)
 
 
 # -- a layer's small functions -------------------------------------------------------------
@@ -156,6 +199,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: ``silu(gate) * up`` for ``gate_up = [gate | up]`` on the last dim."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's activation: ``gelu_tanh(gate) * up`` for ``gate_up = [gate | up]`` (eager)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -229,38 +278,54 @@ class RMSNorm(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``w_down(silu(w_gate x) * w_up x)``, gate and up as one ``w13`` projection."""
+    """SwiGLU: ``w_down(silu(w_gate x) * w_up x)``, gate and up as one ``w13`` projection
+    (``activation="gelu_tanh"``: GeGLU, Gemma's)."""
 
     def __init__(self, w13: torch.Tensor, w_down: torch.Tensor,
-                 fused: LayerFunctions | None = None):
+                 fused: LayerFunctions | None = None, activation: str = "silu"):
         super().__init__()
         self.w13 = _param(w13)  # [2 * intermediate, hidden]: gate rows, then up rows
         self.w_down = _param(w_down)
-        self.fused = fused
+        self.fused, self.activation = fused, activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_functions(self.fused, x).silu_mul(F.linear(x, self.w13)), self.w_down)
+        gate_up = F.linear(x, self.w13)
+        if self.activation == "gelu_tanh":
+            return F.linear(gelu_tanh_mul(gate_up), self.w_down)
+        return F.linear(_functions(self.fused, x).silu_mul(gate_up), self.w_down)
 
 
 class Attention(nn.Module):
-    """GQA self-attention: fused QKV projection, RoPE, the backend, output projection."""
+    """GQA self-attention: fused QKV projection (``bqkv``: its bias, Qwen2's), per-head Q/K
+    norms (``qk_norm``: the ``[head_dim]`` weights of Q's and K's, Qwen3's), RoPE, the
+    backend, output projection."""
 
-    def __init__(self, cfg: LlamaConfig, layer: int, backend: AttentionBackend,
-                 wqkv: torch.Tensor, wo: torch.Tensor, fused: LayerFunctions | None = None):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend,
+                 wqkv: torch.Tensor, wo: torch.Tensor, fused: LayerFunctions | None = None,
+                 bqkv: torch.Tensor | None = None,
+                 qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.layer, self.backend = layer, backend
         self.num_q_heads, self.num_kv_heads = cfg.num_q_heads, cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.eps = cfg.head_dim, cfg.rms_eps
         self.wqkv = _param(wqkv)  # [(Hq + 2 Hkv) D, hidden]: the Q, K, V rows
         self.wo = _param(wo)
+        self.bqkv = None if bqkv is None else _param(bqkv)
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm, self.k_norm = _param(qk_norm[0]), _param(qk_norm[1])
         self.fused = fused
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 step) -> torch.Tensor:
         n, hq, hkv, d = x.shape[0], self.num_q_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.wqkv)  # [N, (Hq + 2 Hkv) D]
-        qk = _functions(self.fused, x).apply_rope(
-            qkv[:, :(hq + hkv) * d].view(n, hq + hkv, d), *rope)
+        fns = _functions(self.fused, x)
+        qkv = F.linear(x, self.wqkv, self.bqkv)  # [N, (Hq + 2 Hkv) D]
+        qk = qkv[:, :(hq + hkv) * d].view(n, hq + hkv, d)
+        if self.q_norm is not None:
+            qk = torch.cat([fns.rms_norm(qk[:, :hq], self.q_norm, self.eps),
+                            fns.rms_norm(qk[:, hq:], self.k_norm, self.eps)], dim=1)
+        qk = fns.apply_rope(qk, *rope)
         v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
         o = self.backend(self.layer, qk[:, :hq], qk[:, hq:], v, step)  # [N, Hq, D]
         return F.linear(o.reshape(n, hq * d), self.wo)
@@ -276,12 +341,17 @@ class TransformerBlock(nn.Module):
     feed_forward: FeedForward
     attention_norm: RMSNorm
     ffn_norm: RMSNorm
+    post_norms: tuple[RMSNorm, RMSNorm] | None  # Gemma 2's, of the attention and FFN outputs
 
     def __init__(self, attention: Attention, feed_forward: FeedForward,
-                 attention_norm: RMSNorm, ffn_norm: RMSNorm):
+                 attention_norm: RMSNorm, ffn_norm: RMSNorm,
+                 post_norms: tuple[RMSNorm, RMSNorm] | None = None):
         super().__init__()
         self.attention, self.feed_forward = attention, feed_forward
         self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
+        self.post_attn_norm = self.post_ffn_norm = None
+        if post_norms is not None:
+            self.post_attn_norm, self.post_ffn_norm = post_norms
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope,
                 step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,16 +359,23 @@ class TransformerBlock(nn.Module):
             h, normed = x, self.attention_norm(x)
         else:
             h, normed = self.attention_norm(x, residual)
-        h, normed = self.ffn_norm(self.attention(normed, rope, step), h)
-        return self.feed_forward(normed), h
+        a = self.attention(normed, rope, step)
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
+        h, normed = self.ffn_norm(a, h)
+        f = self.feed_forward(normed)
+        if self.post_ffn_norm is not None:
+            f = self.post_ffn_norm(f)
+        return f, h
 
 
 class Transformer(nn.Module):
     """Llama decoder.
 
     Args:
-        cfg: shapes and constants (:class:`LlamaConfig`).
-        weights: tensors as returned by :func:`load_gguf` (``nn.Linear`` layout).
+        cfg: shapes, constants and variants (:class:`ModelConfig`, from any loader).
+        weights: tensors as returned by :func:`load_gguf` or :func:`load_hf` (``nn.Linear``
+            layout; the names of :mod:`pagedattn.serving.config`).
         dtype: compute dtype of weights and activations (float32/float16/bfloat16).
         device: where the weights live.
         impl: the ``paged_decode`` impl of the default backend.
@@ -311,27 +388,38 @@ class Transformer(nn.Module):
 
     inv_freq: torch.Tensor  # [head_dim // 2] fp32 RoPE frequencies (a buffer)
     fused: LayerFunctions | None  # the compiled functions (a CUDA model), shared by the layers
+    embed_scale: float | None  # the embeddings' factor (Gemma's sqrt(hidden)), or None
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], *,
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  impl: str = "auto", attention: AttentionBackend | None = None):
         super().__init__()
         self.cfg, self.impl = cfg, impl
-        self.attention = PagedAttention(impl) if attention is None else attention
+        self.attention = PagedAttention(impl, cfg) if attention is None else attention
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.tok_embeddings = _param(w["embed"])
+        # Gemma: embeddings times sqrt(hidden) rounded to the model's dtype, as transformers
+        self.embed_scale = (None if cfg.embed_scale is None
+                            else torch.tensor(cfg.embed_scale, dtype=dtype).item())
         self.fused = fused = fused_functions() if self.tok_embeddings.is_cuda else None
         self.norm = RMSNorm(w["final_norm"], cfg.rms_eps, fused)
         self.output = _param(w.get("lm_head", w["embed"]))  # tied: the same tensor
         self.layers = nn.ModuleList()
         for i in range(cfg.num_layers):
             lw = {k.split(".", 2)[2]: v for k, v in w.items() if k.startswith(f"layers.{i}.")}
+            bias = torch.cat([lw["bq"], lw["bk"], lw["bv"]]) if cfg.qkv_bias else None
+            post = None
+            if cfg.post_norms:
+                post = (RMSNorm(lw["post_attn_norm"], cfg.rms_eps, fused),
+                        RMSNorm(lw["post_ffn_norm"], cfg.rms_eps, fused))
             self.layers.append(TransformerBlock(
                 Attention(cfg, i, self.attention,
-                          torch.cat([lw["wq"], lw["wk"], lw["wv"]]), lw["wo"], fused),
-                FeedForward(torch.cat([lw["w_gate"], lw["w_up"]]), lw["w_down"], fused),
+                          torch.cat([lw["wq"], lw["wk"], lw["wv"]]), lw["wo"], fused, bias,
+                          (lw["q_norm"], lw["k_norm"]) if cfg.qk_norm else None),
+                FeedForward(torch.cat([lw["w_gate"], lw["w_up"]]), lw["w_down"], fused,
+                            cfg.activation),
                 RMSNorm(lw["attn_norm"], cfg.rms_eps, fused),
-                RMSNorm(lw["ffn_norm"], cfg.rms_eps, fused)))
+                RMSNorm(lw["ffn_norm"], cfg.rms_eps, fused), post))
         inv = 1.0 / (cfg.rope_theta ** (
             torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).to(torch.float32) / cfg.head_dim))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
@@ -343,19 +431,41 @@ class Transformer(nn.Module):
         cfg, weights = load_gguf(path)
         return cls(cfg, weights, dtype=dtype, device=device, impl=impl)
 
+    @classmethod
+    def from_hf(cls, path, *, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", impl: str = "auto") -> Transformer:
+        """Load a Hugging Face checkpoint directory (Llama, Mistral, Qwen2/3, Gemma 2); see
+        :func:`pagedattn.serving.config.load_hf`."""
+        cfg, weights = load_hf(path)
+        return cls(cfg, weights, dtype=dtype, device=device, impl=impl)
+
     def with_attention(self, attention: AttentionBackend) -> Transformer:
-        """A twin sharing every weight tensor (no copy) over another attention backend."""
+        """A twin sharing every weight tensor (no copy) over another attention backend.
+
+        Raises ValueError for a model with attention variants (window, soft-cap, a softmax
+        scale of its own) and a backend other than :class:`PagedAttention`: backends get no
+        variants (:class:`pagedattn.serving.baselines.DenseAttention` applies none)."""
+        c = self.cfg
+        if not isinstance(attention, PagedAttention) and (
+                c.window_left or c.logits_soft_cap or c.attn_scale is not None):
+            raise ValueError(f"attention: {type(attention).__name__} applies no attention "
+                             "variants; this model has some (window_left, logits_soft_cap "
+                             "or attn_scale): use PagedAttention")
         twin = Transformer.__new__(Transformer)
         nn.Module.__init__(twin)
         twin.cfg, twin.impl, twin.attention = self.cfg, self.impl, attention
         twin.tok_embeddings, twin.norm, twin.output = self.tok_embeddings, self.norm, self.output
-        twin.fused = self.fused
+        twin.fused, twin.embed_scale = self.fused, self.embed_scale
         blocks = cast(list[TransformerBlock], list(self.layers))
-        twin.layers = nn.ModuleList(
-            TransformerBlock(Attention(self.cfg, i, attention, b.attention.wqkv, b.attention.wo,
-                                       self.fused),
-                             b.feed_forward, b.attention_norm, b.ffn_norm)
-            for i, b in enumerate(blocks))
+        twin.layers = nn.ModuleList()
+        for i, b in enumerate(blocks):
+            a = b.attention
+            qk_norm = None if a.q_norm is None else (a.q_norm, cast(torch.Tensor, a.k_norm))
+            post = (None if b.post_attn_norm is None
+                    else (b.post_attn_norm, cast(RMSNorm, b.post_ffn_norm)))
+            twin.layers.append(TransformerBlock(
+                Attention(self.cfg, i, attention, a.wqkv, a.wo, self.fused, a.bqkv, qk_norm),
+                b.feed_forward, b.attention_norm, b.ffn_norm, post))
         twin.register_buffer("inv_freq", self.inv_freq, persistent=False)
         return twin
 
@@ -377,6 +487,8 @@ class Transformer(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
         x = F.embedding(token_ids, self.tok_embeddings)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         rope = _functions(self.fused, x).rope_tables(positions, self.inv_freq, x.dtype)
         residual = None
         for layer in self.layers:
@@ -384,7 +496,9 @@ class Transformer(nn.Module):
         return x if residual is None else x + residual
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), self.output)
+        out = F.linear(self.norm(x), self.output)
+        cap = self.cfg.final_logit_soft_cap
+        return torch.tanh(out / cap) * cap if cap > 0 else out
 
     # -- paged entry points --------------------------------------------------------------
     def prefill(self, token_ids: torch.Tensor, meta: StepMetadata,

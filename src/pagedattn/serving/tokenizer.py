@@ -32,8 +32,9 @@ def encode(tokenizer, text: str, chat: bool | None = None) -> list[int]:
 
 
 def eos_ids(tokenizer, cfg) -> list[int]:
-    """The end-of-sequence ids of the tokenizer and of the model config."""
-    ids = {cfg.eos_token_id, tokenizer.eos_token_id}
+    """The end-of-sequence ids of the tokenizer and of the model config (one id or a list)."""
+    own = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    ids = {*own, tokenizer.eos_token_id}
     return sorted(int(i) for i in ids if i is not None)
 
 

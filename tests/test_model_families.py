@@ -1,0 +1,181 @@
+"""The model seam (pagedattn.serving.config): tiny random-weight transformers models of each
+supported family (Llama, Mistral with a sliding window shorter than the sequence, Qwen2 with
+QKV bias, Qwen3 with Q/K norms, Gemma 2 with soft-caps and alternating windows), saved as
+safetensors, loaded by ``load_hf`` and generated through the Engine (paged cache, the plan
+API's kernel), token for token and logit for logit as transformers' greedy ``generate``.
+
+Tolerance: everything runs in float32 on both sides; the only differences are summation
+orders (the kernel's online softmax and split-KV merge, SDPA against eager matmuls), worth a
+few ulps of the O(1..10) logits, so 1e-4 absolute and relative is loose by two orders of
+magnitude yet far below the differences a dropped variant makes (asserted: above 1e-2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from pagedattn.serving.config import hf_config, load_hf  # noqa: E402
+from pagedattn.serving.engine import generate_greedy  # noqa: E402
+from pagedattn.serving.model import Transformer  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS, WINDOW = 6, 8, 4  # 13 tokens in the cache: longer than the window
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=64)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": WINDOW}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {}),
+    "gemma2": (transformers.Gemma2Config, {
+        "sliding_window": WINDOW, "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 5.0}),
+}
+
+
+def build(family: str, tmp_path):
+    """A random-weight transformers model of ``family``, saved to ``tmp_path``. Every
+    parameter is redrawn (biases and norms too: their init is 0 / 1), Q/K large enough that
+    Gemma 2's scores pass its soft-cap of 5."""
+    cls, extra = FAMILIES[family]
+    cfg = cls(**SHAPE, **extra, attn_implementation="eager", tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                mean = 0.0 if family == "gemma2" else 1.0  # Gemma scales by (1 + w)
+                p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                std = 0.5 if "q_proj" in name or "k_proj" in name else 0.2
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def hf_greedy(model, prompt):
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
+
+
+def engine_greedy(model: Transformer, prompt):
+    req = generate_greedy(model, [prompt], NEW_TOKENS, page_size=4, keep_logits=True).requests[0]
+    return req.output, torch.stack(req.logits)
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """The (window_left, logits_soft_cap) of every decode plan the model makes."""
+    import pagedattn.serving.model as m
+    calls, real = [], m.plan_decode
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs["window_left"], kwargs["logits_soft_cap"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(m, "plan_decode", recording)
+    return calls
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_generates_as_transformers(family, tmp_path, planned):
+    hf = build(family, tmp_path)
+    prompt = torch.randint(1, 128, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2))
+    prompt = prompt.tolist()
+    want_tokens, want_logits = hf_greedy(hf, prompt)
+    cfg, weights = load_hf(tmp_path)
+    model = Transformer(cfg, weights, impl="auto")
+    got_tokens, got_logits = engine_greedy(model, prompt)
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    # each decode step plans once per distinct variant pair of the layers
+    per_step = {"mistral": [(WINDOW - 1, None)], "gemma2": [(WINDOW - 1, 5.0), (-1, 5.0)]}
+    assert planned == per_step.get(family, [(-1, None)]) * (NEW_TOKENS - 1)
+
+    # the variants bite: each one switched off changes the logits
+    off = {"mistral": [{"window_left": ()}],
+           "gemma2": [{"window_left": ()}, {"logits_soft_cap": ()},
+                      {"final_logit_soft_cap": 0.0}]}.get(family, [])
+    if family == "qwen2":
+        off_weights = {k: (torch.zeros_like(v) if k.endswith(("bq", "bk", "bv")) else v)
+                       for k, v in weights.items()}
+        _, logits = engine_greedy(Transformer(cfg, off_weights), prompt)
+        assert (logits - want_logits).abs().max() > 1e-2
+    for change in off:
+        _, logits = engine_greedy(Transformer(dataclasses.replace(cfg, **change), weights),
+                                  prompt)
+        assert (logits - want_logits).abs().max() > 1e-2, change
+    if off:  # a backend that applies no variants is refused for such a model
+        from pagedattn.serving.baselines import DenseAttention
+        with pytest.raises(ValueError, match="applies no attention variants"):
+            model.with_attention(DenseAttention())
+
+
+def test_hf_config_variants_per_layer():
+    """HF's sliding_window w (keys with q - k < w) is the kernel's window_left w - 1; Gemma 2
+    slides on even layers; a Qwen window is off unless use_sliding_window."""
+    base = dict(SHAPE, num_hidden_layers=4)
+    g = hf_config(dict(base, model_type="gemma2", sliding_window=4, query_pre_attn_scalar=16,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                       hidden_activation="gelu_pytorch_tanh"))
+    assert g.window_left == (3, -1, 3, -1) and g.logits_soft_cap == (50.0,) * 4
+    assert g.attn_scale == 16 ** -0.5 and g.final_logit_soft_cap == 30.0
+    assert g.activation == "gelu_tanh" and g.post_norms and g.embed_scale == 8.0
+    assert hf_config(dict(base, model_type="mistral", sliding_window=5)).window_left == (4,) * 4
+    assert hf_config(dict(base, model_type="qwen2", sliding_window=5)).window_left == ()
+    q3 = hf_config(dict(base, model_type="qwen3"))
+    assert q3.qk_norm and not q3.qkv_bias
+
+
+def test_load_hf_refuses_other_models(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(SHAPE, model_type="phi3")))
+    with pytest.raises(ValueError, match="model_type 'phi3'"):
+        load_hf(tmp_path)
+    with pytest.raises(ValueError, match="rope scaling 'yarn'"):
+        hf_config(dict(SHAPE, model_type="llama", rope_scaling={"rope_type": "yarn"}))
+    with pytest.raises(ValueError, match="attention_bias"):
+        hf_config(dict(SHAPE, model_type="llama", attention_bias=True))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf(tmp_path / "nowhere")
+
+
+def test_generate_cli_serves_a_hugging_face_directory(tmp_path, capsys):
+    """``pagedattn generate --model DIR``: the Gemma 2 model with a word-level tokenizer
+    prints transformers' greedy continuation; a directory without config.json is one line,
+    exit 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from pagedattn import cli
+
+    words = {f"w{i}": i for i in range(128)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(
+        tmp_path)
+    hf = build("gemma2", tmp_path)
+    prompt = [5, 17, 3, 99, 42, 7]
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    argv = ["generate", " ".join(f"w{t}" for t in prompt), "--raw", "--device", "cpu",
+            "--max-new-tokens", str(NEW_TOKENS), "--model", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert len(out.split()) > 1 and out.split() == [f"w{t}" for t in want
+                                                    if t != hf.config.eos_token_id], out
+    try:
+        rc = cli.main(argv[:-1] + [str(tmp_path / "nowhere")])
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--model: no config.json" in err, err
