@@ -55,7 +55,7 @@ TARGETS = (
 #: its time targets: (shape, µs), eager and graph
 US_TARGETS = (("fp8-llama8b-b64-c8k", 290), ("fp8-llama8b-b1-c32k", 40),
               ("seed-fp32-b64-c2048", 300))
-#: the sections whose file measured an older commit than the bench run (file -> commit)
+#: the sections whose file measured another commit than the bench run (file -> commit)
 OLDER = "measured-on.json"
 #: what changed in src/ since the bench run, quoted under the page's header (absent: nothing)
 SINCE = "src-since-run.md"
@@ -347,7 +347,8 @@ def _command(rows: list[dict]) -> str:
 
 
 def _older(results: Path) -> dict[str, str]:
-    """The files of ``results`` that measured an older commit than its bench run."""
+    """The files of ``results`` that measured another commit than its bench run (older, or
+    newer where a section was re-measured after it)."""
     path = results / OLDER
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
@@ -372,7 +373,7 @@ def page(results: Path, gpu: str) -> str:
            f"> Measured on commit {short} (`{commit}`): the figures are those of that commit's "
            "`src/`. Made by `scripts/results.py page` from the files named below; "
            f"every harness run is also a line of `bench-runs.csv`."
-           + (" Sections made from older files say so: "
+           + (" Sections made from files of other commits say so: "
               + ", ".join(f"`{f}` ({c})" for f, c in _older(results).items()) + "."
               if _older(results) else ""), "",
            *_since(results),
@@ -395,8 +396,8 @@ def page(results: Path, gpu: str) -> str:
     for name, title, intro, table in _SECTIONS:
         path = results / name.format(gpu=gpu)
         if path.exists():
-            note = [f"> Measured on commit {older[path.name]}, older than this page's run: "
-                    "`src/` has changed since.", ""] if path.name in older else []
+            note = [f"> Measured on commit {older[path.name]}, not this page's bench run "
+                    "(see the note at the top).", ""] if path.name in older else []
             out += ["", f"## {title}", "", *note, f"`{path.name}`" + intro.format(
                 roofline=_fa3_roofline(path) if table is _fa3_table else ""), "", *table(path)]
     out += ["", "## GPU tests, sanitizers, serving", "",
