@@ -266,14 +266,7 @@ def check_metadata(
         if not 1 <= num_splits <= MAX_SPLITS:
             _fail(ValueError, "num_splits", f"an int in [1, {MAX_SPLITS}] or None", num_splits)
     if out is not None:
-        if not isinstance(out, torch.Tensor):
-            _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
-        if out.shape != query.shape:
-            _fail(ValueError, "out", f"shape {tuple(query.shape)}", tuple(out.shape))
-        if out.dtype != query.dtype:
-            _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
-        check_same_device("query", query.device, (("out", out),))
-        check_out_aliasing(out, query, (("key_cache", key_cache), ("value_cache", value_cache)))
+        check_out(out, query, key_cache, value_cache)
     _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
                        scale=scale)
     check_device_runnable("query", query)
@@ -296,6 +289,20 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
 
+
+
+def check_out(out, query, key_cache, value_cache) -> None:
+    """``out``: a tensor of the query's shape, dtype and device sharing memory with neither the
+    query (unless it is the query) nor the caches; one error type per mistake, for
+    ``check_metadata`` and ``check_run`` alike."""
+    if not isinstance(out, torch.Tensor):
+        _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
+    if out.shape != query.shape:
+        _fail(ValueError, "out", f"shape {tuple(query.shape)}", tuple(out.shape))
+    if out.dtype != query.dtype:
+        _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
+    check_same_device("query", query.device, (("out", out),))
+    check_out_aliasing(out, query, (("key_cache", key_cache), ("value_cache", value_cache)))
 
 def check_out_aliasing(out: torch.Tensor, query: torch.Tensor, caches: tuple = ()) -> None:
     """``out`` is written by many programs at once: no two of its elements may share memory
@@ -541,15 +548,7 @@ def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, o
             _fail(ValueError, name, f"a tensor on the plan's device {plan.device}", t.device)
     check_softmax_scale(scale)
     if out is not None:
-        if not isinstance(out, torch.Tensor):
-            _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
-        # the error types of check_metadata's: one type per mistake on both paths
-        if out.shape != query.shape:
-            _fail(ValueError, "out", f"shape {tuple(query.shape)}", tuple(out.shape))
-        if out.dtype != query.dtype:
-            _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
-        check_same_device("query", query.device, (("out", out),))
-        check_out_aliasing(out, query, (("key_cache", key_cache), ("value_cache", value_cache)))
+        check_out(out, query, key_cache, value_cache)
     _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
                        scale=scale)
 
