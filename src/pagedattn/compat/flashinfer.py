@@ -392,13 +392,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"out: expected q's shape {tuple(q.shape)}")
             query = q.view(self._q_shape)
             res_out = None if out is None else out.view(self._q_shape)
-        if sinks is None and self._alibi is None:  # no variant keyword: run's fast check
-            result = plan.run(query, k_cache, v_cache, scale=scale, k_scale=ks, v_scale=vs,
-                              out=res_out, return_lse=return_lse)
-        else:
-            result = plan.run(query, k_cache, v_cache, scale=scale, k_scale=ks, v_scale=vs,
-                              out=res_out, return_lse=return_lse, sinks=sinks,
-                              alibi_slopes=self._alibi)
+        # sinks / alibi_slopes of None are the plain call: run's fast check
+        result = plan.run(query, k_cache, v_cache, scale=scale, k_scale=ks, v_scale=vs,
+                          out=res_out, return_lse=return_lse, sinks=sinks,
+                          alibi_slopes=self._alibi)
         o = result.out if return_lse else result
         if self._q_len > 1:
             o = o.view(q.shape)

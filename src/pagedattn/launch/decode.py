@@ -162,6 +162,16 @@ def _launch_c(c: tuple, grid: tuple[int, int, int], stream: int, args: list) -> 
          *args)
 
 
+def _launch_recorded(compiled, c: tuple | None, grid: tuple[int, int, int], stream: int,
+                     args: list, enter, leave) -> None:
+    """A recorded launch: Triton's C launch itself (:func:`_launch_c`) when ``c`` holds it
+    and no hook is set, else :func:`_launch_compiled`."""
+    if c is None or enter is not None or leave is not None:
+        _launch_compiled(compiled, grid, stream, args, enter, leave)
+    else:
+        _launch_c(c, grid, stream, args)
+
+
 def _recorded(kernel, args: dict, slots: tuple[str, ...], calls: tuple) -> tuple[list, tuple]:
     """``kernel``'s arguments in parameter order with ``None`` in the per-call ``slots`` and
     the per-call variants' arguments (``calls``: ``(name, arg, flag)``), and the positions
@@ -355,11 +365,7 @@ class AutoLauncher:
                     args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
                 stream = self._get_stream(self.device.index)
                 enter, leave = _hooks()
-                hooked = enter is not None or leave is not None
-                if main_c is None or hooked:
-                    _launch_compiled(main, self.grid, stream, args, enter, leave)
-                else:  # Triton's C launch itself (_c_launch): no scratch, no hook
-                    _launch_c(main_c, self.grid, stream, args)
+                _launch_recorded(main, main_c, self.grid, stream, args, enter, leave)
                 if merge is None:
                     return compiled
                 args = merge_args.copy()
@@ -368,10 +374,7 @@ class AutoLauncher:
                     cl_ptr, out_ptr, lse_ptr, ml_ptr, acc_ptr, rows_ptr)
                 for pos, name in merge_slots[6]:
                     args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
-                if merge_c is None or hooked:
-                    _launch_compiled(merge, self.merge_grid, stream, args, enter, leave)
-                else:
-                    _launch_c(merge_c, self.merge_grid, stream, args)
+                _launch_recorded(merge, merge_c, self.merge_grid, stream, args, enter, leave)
                 return compiled
         multi = self.q_len > 1  # a 4-D query and out
         k_t = v_t = None
