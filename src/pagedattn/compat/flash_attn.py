@@ -170,6 +170,14 @@ def _plan(block_tables, context_lens, lens_key, appended, **options):
     return plan
 
 
+def _is_live(entry, table, cache_seqlens) -> bool:
+    """A ``_fast`` entry (or ``None``) still names these tensors: the same objects, at the
+    same addresses and shapes."""
+    return (entry is not None and entry[0] is table and entry[1] is cache_seqlens
+            and table.data_ptr() == entry[2] and table.shape == entry[3]
+            and cache_seqlens.data_ptr() == entry[4] and cache_seqlens.shape == entry[5])
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                             page_table=None, block_table=None, cache_batch_idx=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -219,10 +227,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                                num_splits, page_table is None))
         except TypeError:  # an unhashable window: the full path
             entry = None
-        if entry is not None and sinks is None and entry[0] is table \
-                and entry[1] is cache_seqlens and table.data_ptr() == entry[2] \
-                and table.shape == entry[3] and cache_seqlens.data_ptr() == entry[4] \
-                and cache_seqlens.shape == entry[5]:
+        if sinks is None and _is_live(entry, table, cache_seqlens):
             # the plan checks q's and the caches' shapes and dtypes, and runs FA's [batch, 1,
             # heads, dim] query as it is (no view); None for anything else
             result = entry[6]._run_4d(q, k_cache, v_cache, softmax_scale, return_softmax_lse)
@@ -235,9 +240,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                                page_table is None))
         except (AttributeError, TypeError):  # not tensors, an unhashable window: full path
             entry = None
-        if entry is not None and entry[0] is table and entry[1] is cache_seqlens \
-                and table.data_ptr() == entry[2] and table.shape == entry[3] \
-                and cache_seqlens.data_ptr() == entry[4] and cache_seqlens.shape == entry[5]:
+        if _is_live(entry, table, cache_seqlens):
             result = entry[6].run(q.squeeze(1), k_cache, v_cache, scale=softmax_scale,
                                   return_lse=bool(return_softmax_lse), sinks=sinks)
             if return_softmax_lse:
