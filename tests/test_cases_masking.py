@@ -259,6 +259,34 @@ def test_B14_empty_splits_short_contexts(impl, size, device, monkeypatch):
         check_lse(lse, ref)
 
 
+@pytest.mark.parametrize("heads", [(4, 1), (8, 2)], ids=["per-head-merge", "kv2"])
+def test_B05_empty_sequences_in_a_split_batch_fresh_workspace(heads, device, monkeypatch):
+    """Empty sequences between split ones, in a fresh NaN-poisoned workspace that nothing
+    fills: the main kernel writes an empty sequence's merge rows as (0, 0) (the merges load
+    them beside the length: never uninitialized memory), every row matches the oracle, the
+    empty ones are zeros with LSE -inf."""
+    hq, hkv = heads
+    lens = [0, 70, 0, 33, 0]
+    inputs = make_paged_inputs(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
+                               page_size=16, dtype=torch.float32, seed=21, device=device)
+    poison_scratch(monkeypatch)
+    plan = pagedattn.plan_decode(inputs.block_tables, inputs.context_lens, num_q_heads=hq,
+                                 num_kv_heads=hkv, head_dim=32, page_size=16,
+                                 q_dtype=torch.float32, num_splits=2)
+    launcher = plan._engine()  # built before the run, to see its workspace unfilled
+    assert not launcher.one_unit and torch.isnan(launcher.workspace).all()  # not filled
+    out, lse = plan.run(*inputs[:3], return_lse=True)
+    check(out, inputs)
+    check_lse(lse, paged_decode_reference(*inputs))
+    rows = launcher.seq_rows.view(len(lens), 2).cpu()
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert rows[b].tolist() == [0, 0], f"sequence {b}: merge rows {rows[b].tolist()}"
+            assert (out[b] == 0).all()
+        else:
+            assert rows[b, 1] == 2  # two split rows, written by the unit (b, 0, kv head 0)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("num_splits", [2, 4, 8])
 @pytest.mark.parametrize("size", sizes(dict(lens=[1, 2, 3, 7, 8, 9, 17], dim=32, heads=2),

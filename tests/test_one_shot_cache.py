@@ -93,7 +93,10 @@ def test_each_part_of_the_key_gets_its_own_launcher(change):
     for shared, key in ((a, base), (b, other)):
         fresh = launch_decode.AutoLauncher(**key)
         assert _static(shared) == _static(fresh)
-        assert shared.workspace is None  # scratch is per call, never shared
+        if shared.one_unit:  # 16 bytes no kernel touches, kept
+            assert shared.workspace.numel() == 4
+        else:  # scratch is per call, never shared
+            assert shared.workspace is None
 
 
 def test_the_cache_is_bounded():
@@ -116,24 +119,44 @@ def test_the_cache_is_bounded():
 
 def test_a_one_shot_call_shares_no_workspace(device, monkeypatch):
     """Each one-shot call launches with a workspace of its own (two calls in flight on two
-    streams, or in two CUDA graphs, must not share scratch); the shared launcher has none."""
+    streams, or in two CUDA graphs, must not share scratch); the shared split launcher has
+    none."""
     seen = []
-    real = launch_decode.AutoLauncher.launch
+    real = launch_decode.AutoLauncher.new_workspace
 
-    def spy(self, *args, workspace=None, **kwargs):
-        seen.append(workspace)
-        return real(self, *args, workspace=workspace, **kwargs)
+    def spy(self):
+        work = real(self)
+        seen.append(work)
+        return work
 
-    monkeypatch.setattr(launch_decode.AutoLauncher, "launch", spy)
-    x = make_paged_inputs([20, 3], dtype=torch.float32, seed=3, max_pages=4, device=device,
+    monkeypatch.setattr(launch_decode.AutoLauncher, "new_workspace", spy)
+    # 70 keys in a 128-token table: two split rows on the CPU (32-token tiles) and the GPU
+    x = make_paged_inputs([70, 3], dtype=torch.float32, seed=3, max_pages=16, device=device,
                           **SHAPE)
     ref = paged_decode_reference(*x).out
     outs = [pagedattn.paged_decode(*x, num_splits=2) for _ in range(2)]
     for out in outs:
         assert rel_l2_error(out, ref) <= tolerance_for(torch.float32)
-    assert len(seen) == 2 and all(w is not None for w in seen)
-    assert seen[0][0] is not seen[1][0]  # two allocations, not one cached buffer
     assert launch_decode.one_shot_launcher.cache_info().currsize == 1
+    assert len(seen) == 2 and all(w is not None for w in seen)
+    assert seen[0] is not seen[1]  # two allocations, not one cached buffer
+
+
+def test_a_one_unit_one_shot_allocates_nothing(device, monkeypatch):
+    """A one-unit launcher's kernels never touch the workspace: its 16 bytes are made once,
+    with the shared launcher, and later one-shot calls allocate no scratch."""
+    x = make_paged_inputs([20, 3], dtype=torch.float32, seed=4, max_pages=4, device=device,
+                          **SHAPE)  # a 32-token table: never more than one split
+    seen = []
+    real = launch_decode.AutoLauncher.new_workspace
+    monkeypatch.setattr(launch_decode.AutoLauncher, "new_workspace",
+                        lambda self: seen.append(self) or real(self))
+    ref = paged_decode_reference(*x).out
+    for _ in range(3):
+        out = pagedattn.paged_decode(*x)
+        assert rel_l2_error(out, ref) <= tolerance_for(torch.float32)
+    (launcher,) = seen  # the shared launcher's own, once
+    assert launcher.one_unit and launcher.workspace.numel() == 4
 
 
 @pytest.mark.gpu

@@ -183,8 +183,8 @@ class DecodePlan:
         # table's ``table_shape`` and ``device``, and each call passes its own tables
         self.block_tables, self.context_lens = block_tables, context_lens
         # a one-shot plan (paged_decode) runs once, through the launcher that every one-shot
-        # call of its static key shares (launch.decode.one_shot_launcher), with a fresh
-        # workspace
+        # call of its static key shares (launch.decode.one_shot_launcher), which takes a fresh
+        # workspace per launch
         self._one_shot = one_shot
         self.ragged = ragged
         # the plan-time variants, checked and normalized (pagedattn.options.plan_options)
@@ -347,8 +347,7 @@ class DecodePlan:
             with _on_device(self.device) if self._guarded else _NO_GUARD:
                 compiled = engine.launch(
                     query, key_cache, value_cache, block_tables, context_lens, out,
-                    lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, calls=calls,
-                    workspace=engine.new_workspace() if self._one_shot else None)
+                    lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, calls=calls)
         else:
             compiled = {}
         result = DecodeOutput(out, lse) if lse is not None else out

@@ -631,11 +631,22 @@ def _merge_row(m, l, acc, m_r, l_r, acc_r, MAY_BE_EMPTY: tl.constexpr):
 @triton.jit
 def _seq_rows(seq_rows_ptr, b):
     """A merge's split rows of sequence ``b``: ``(start, n_rows)``, which the main kernel
-    writes for every non-empty sequence (an empty sequence's entry is stale, or the
-    launcher's zeros, and must not be used)."""
+    writes for every sequence (:func:`_empty_seq_rows` for an empty one)."""
     start = tl.load(seq_rows_ptr + b * 2)
     n_rows = tl.load(seq_rows_ptr + b * 2 + 1)
     return start, n_rows
+
+
+@triton.jit
+def _empty_seq_rows(seq_rows_ptr, context_lens_ptr, u, batch, stride_ctx, capacity):
+    """Program ``u < batch`` of a split launch writes ``(0, 0)`` as sequence ``u``'s merge
+    rows when the sequence is empty: no unit of its own writes that entry, and the merges
+    load every sequence's entry beside its length (one round of loads), so the entry is
+    never uninitialized memory (initcheck) and a fresh workspace needs no fill kernel."""
+    if u < batch:  # noqa: SIM102 (the length is loaded only for a real sequence)
+        if _clamped_context_len(context_lens_ptr, u, stride_ctx, capacity) == 0:
+            tl.store(seq_rows_ptr + u * 2, 0)
+            tl.store(seq_rows_ptr + u * 2 + 1, 0)
 
 
 # --- programmatic dependent launch (PDL; perf-notes step 32) ---------------------------------

@@ -107,6 +107,7 @@ from pagedattn.kernels.common import (
     _add_sink,
     _clamped_context_len,
     _dim_mask,
+    _empty_seq_rows,
     _fold_sink,
     _kv_scales,
     _load_query,
@@ -143,7 +144,7 @@ def _paged_decode_kernel(
     out_ptr, lse_ptr,
     part_ml_ptr,  # [rows_max, num_q_heads, 2] fp32 (m, l), exp2 domain
     part_acc_ptr,  # [rows_max, num_q_heads, BLOCK_D] fp32, unnormalized
-    seq_rows_ptr,  # [batch, 2] int32 (start_b, n_b), written by the unit (b, s=0, kv head 0)
+    seq_rows_ptr,  # [batch, 2] int32 (start_b, n_b): the unit (b, s=0, kv head 0), or (0, 0)
     k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # [num_kv_heads] or 0-d
     k_scale_val, v_scale_val,  # Python-float scales (used when not SCALE_FROM_PTR)
     scale_log2,
@@ -189,6 +190,8 @@ def _paged_decode_kernel(
                                    num_kv_heads, min_chunk, target_units, target_units_ragged,
                                    forced_splits, window_left, BLOCK_B, BLOCK_N, Q_LEN,
                                    HAS_WINDOW, BATCH_INVARIANT, ONE_UNIT)
+    if not ONE_UNIT:  # no unit writes an empty sequence's merge entry: program b does
+        _empty_seq_rows(seq_rows_ptr, context_lens_ptr, u, batch, stride_ctx, capacity)
     if b >= batch:  # past the last real row: the grid is sized from shapes, not lengths
         return
     ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
@@ -281,7 +284,7 @@ def _paged_decode_kernel(
         else:
             _store_partial(part_ml_ptr, part_acc_ptr, r, q_tok, heads, mask_h, offs_d, m, l,
                            acc, v_scale, num_q_heads, BLOCK_D, Q_LEN)
-        if (r == start_b) & (kv_head == 0):  # the merge reads this for every non-empty b
+        if (r == start_b) & (kv_head == 0):  # the merge's rows of b (an empty b's: above)
             tl.store(seq_rows_ptr + b * 2, start_b)
             tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
 
@@ -306,8 +309,8 @@ def _merge_per_group_kernel(
     together). Several rows: ``out = Σ acc_r·2^(m_r−M) / Σ l_r·2^(m_r−M)`` with ``M = max m_r``,
     one ``[group, head_dim]`` tile per row, rows in order (their loads do not depend on each
     other, so they pipeline). The row range comes from ``seq_rows``, which the main kernel
-    fills for every non-empty sequence; every row in it held tokens, so every ``m_r`` is
-    finite. One program per (sequence, kv head) rather than per query head: a batch of 64
+    writes for every sequence ((0, 0) for an empty one); every row in it held tokens, so every
+    ``m_r`` is finite. One program per (sequence, kv head) rather than per query head: a batch of 64
     with 32 query heads launched 2,048 programs that mostly exit at once, a launch cost that
     ncu showed on llama8b-b64-c2k (``docs/perf-notes.md``, step 7). Used when ``batch ·
     num_kv_heads`` fills the SMs; else :func:`_merge_per_head_kernel`."""
@@ -321,7 +324,7 @@ def _merge_per_group_kernel(
                           stride_o_d, Q_LEN)
     lse_ptrs = _lse_ptrs(lse_ptr, b, q_tok, heads, num_q_heads, Q_LEN)
     mask_hd = mask_h[:, None] & _dim_mask(offs_d, HEAD_DIM, BLOCK_D)[None, :]
-    if ctx == 0:  # seq_rows is stale for an empty sequence: never read past here
+    if ctx == 0:  # no key: zeros (seq_rows holds (0, 0) here)
         tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
                  mask=mask_hd)
         if HAS_LSE:
@@ -372,8 +375,8 @@ def _merge_per_head_kernel(
     Length 0: writes zeros (and LSE -inf). One row: the main kernel already wrote the result.
     Several rows: ``out = Σ acc_r·2^(m_r−M) / Σ l_r·2^(m_r−M)`` with ``M = max m_r``, taking
     ``BLOCK_R`` rows per step as one vector load (no serial chain of dependent loads). The row
-    range comes from ``seq_rows``, which the main kernel fills for every non-empty sequence;
-    every row in it held tokens, so every ``m_r`` is finite."""
+    range comes from ``seq_rows``, which the main kernel writes for every sequence ((0, 0) for
+    an empty one); every row in it held tokens, so every ``m_r`` is finite."""
     b, h, ctx = _program_sequence(context_lens_ptr, stride_ctx, max_pages, page_size)
     # the rows loaded beside the length, not after it (one round of loads fewer before the
     # rows: the per-head merge runs at low occupancy, where each round is latency)

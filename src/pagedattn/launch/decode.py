@@ -213,7 +213,9 @@ class AutoLauncher:
             record's host time.
         workspace: own a workspace, used by every launch (a plan's launcher); ``False`` for a
             launcher shared by one-shot calls (:func:`one_shot_launcher`): each of its
-            launches passes a fresh :meth:`new_workspace`.
+            launches takes a fresh :meth:`new_workspace`. A one-unit launcher's kernels never
+            read or write the workspace (its pointers only fill the argument list), so it
+            always owns a 16-byte one, shared by every launch, and allocates nothing per call.
     """
 
     def __init__(self, *, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
@@ -279,15 +281,21 @@ class AutoLauncher:
             self.merge_constexprs.update(BLOCK_H=plan.merge_block, Q_LEN=q_len, PDL=self.pdl)
         else:
             self.merge_constexprs["BLOCK_R"] = plan.merge_block
-        # the workspace: per split row and query head and query token (m, l) then acc
-        # (fp32), then the [batch, 2] int32 (start_b, n_b)
+        # the workspace, one fp32 tensor: per split row and query head and query token
+        # (m, l) then acc (fp32), then the [batch, 2] int32 (start_b, n_b); one unit per
+        # sequence: 16 bytes that no kernel touches
         part_rows = plan.part_rows
         self._n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
         self._n_acc = part_rows * bd
-        # a plan's launcher owns one (reused by each run); a shared one (one-shot calls)
-        # owns none and takes a fresh one per call
-        self.workspace = self.new_workspace() if workspace else None
-        self.part_ml, self.part_acc, self.seq_rows = self.workspace or (None, None, None)
+        self._n_work = 4 if self.one_unit else self._n_ml + self._n_acc + 2 * batch
+        # byte offsets of acc and seq_rows from the base (multiples of 16)
+        self._acc_offset, self._rows_offset = 4 * self._n_ml, 4 * (self._n_ml + self._n_acc)
+        # a plan's launcher owns one (reused by each run), and so does a one-unit launcher
+        # (never touched); a shared split launcher (one-shot calls) takes one per launch
+        self.workspace = self.new_workspace() if workspace or self.one_unit else None
+        self.part_ml, self.part_acc, self.seq_rows = (
+            self.workspace_parts(self.workspace) if self.workspace is not None
+            else (None, None, None))
         # recorded launches of this launcher, one per binding (see launch): every integer,
         # constexpr and launch option is fixed by the launcher, so the binding is the
         # tensors' dtypes, strides and 16-byte alignment and whether LSE is written; the
@@ -297,21 +305,22 @@ class AutoLauncher:
         self._bindings: dict[tuple, tuple] = {}
         self._get_stream = driver.active.get_current_stream if self._direct else None
 
-    def new_workspace(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A fresh workspace ``(part_ml, part_acc, seq_rows)`` for this launcher's shapes, one
-        allocation on the current stream (the caching allocator's, so a CUDA graph captured
-        around the launch keeps its own)."""
+    def new_workspace(self) -> torch.Tensor:
+        """A fresh workspace for this launcher's shapes (:meth:`workspace_parts` names its
+        parts): one allocation on the current stream (the caching allocator's, so a CUDA
+        graph captured around the launch keeps its own), no fill: the main kernel writes
+        every entry a merge reads (the ``seq_rows`` of an empty sequence included)."""
+        return torch.empty(self._n_work, dtype=torch.float32, device=self.device)
+
+    def workspace_parts(self, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]:
+        """``(part_ml, part_acc, seq_rows)``: views of a :meth:`new_workspace` (empty views
+        for a one-unit launcher, whose kernels never touch them)."""
+        if self.one_unit:
+            return work, work, work.view(torch.int32)
         n_ml, n_acc = self._n_ml, self._n_acc
-        work = torch.empty(n_ml + n_acc + 2 * self.batch, dtype=torch.float32,
-                           device=self.device)
-        seq_rows = work[n_ml + n_acc:].view(torch.int32)
-        # the main kernel writes an entry per non-empty sequence only; the per-group merge
-        # loads the entry of an empty one too (beside its length, in one round) and ignores
-        # it: zeroed here, that load never reads uninitialized memory (initcheck); one unit
-        # per sequence never writes or reads it (and skips this fill kernel)
-        if not self.one_unit:
-            seq_rows.zero_()
-        return work[:n_ml], work[n_ml:n_ml + n_acc], seq_rows
+        return (work[:n_ml], work[n_ml:n_ml + n_acc],
+                work[n_ml + n_acc:].view(torch.int32))
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
                scale: float, k_scale=None, v_scale=None, calls=None,
@@ -322,19 +331,20 @@ class AutoLauncher:
         ``calls``: the per-call variants that are on (``pagedattn.options``: name ->
         contiguous ``[num_q_heads]`` float32, as the API makes them), or ``None``.
         ``workspace``: a :meth:`new_workspace` for this launch, or ``None`` for the
-        launcher's own. Returns the compiled kernels launched, by name (compile metadata for
-        the tools)."""
-        part_ml, part_acc, seq_rows = workspace or self.workspace
+        launcher's own (a fresh one when it owns none). Returns the compiled kernels
+        launched, by name (compile metadata for the tools)."""
+        work = workspace if workspace is not None else (
+            self.workspace if self.workspace is not None else self.new_workspace())
         tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
         key = None
         if self._direct and not tensor_scales:
             q_ptr, k_ptr, v_ptr = query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr()
             bt_ptr, cl_ptr, out_ptr = (block_tables.data_ptr(), context_lens.data_ptr(),
                                        out.data_ptr())
-            ml_ptr = part_ml.data_ptr()
+            ml_ptr = work.data_ptr()
             # the binding: what Triton specializes on beyond the launcher's fixed choices (the
-            # workspace's parts are aligned with its base: new_workspace's offsets are
-            # multiples of 16 bytes)
+            # workspace's parts are aligned with its base: their offsets are multiples of 16
+            # bytes)
             key = (lse is None, query.dtype, query.stride(), key_cache.dtype,
                    key_cache.stride(), value_cache.dtype, value_cache.stride(), out.dtype,
                    out.stride(), block_tables.dtype, block_tables.stride(),
@@ -349,7 +359,7 @@ class AutoLauncher:
                  merge_c) = entry
                 # unused pointers (flags off) point at the workspace, never read
                 lse_ptr = lse.data_ptr() if lse is not None else ml_ptr
-                acc_ptr, rows_ptr = part_acc.data_ptr(), seq_rows.data_ptr()
+                acc_ptr, rows_ptr = ml_ptr + self._acc_offset, ml_ptr + self._rows_offset
                 args = main_args.copy()
                 (args[main_slots[0]], args[main_slots[1]], args[main_slots[2]],
                  args[main_slots[3]], args[main_slots[4]], args[main_slots[5]],
@@ -376,6 +386,7 @@ class AutoLauncher:
                     args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
                 _launch_recorded(merge, merge_c, self.merge_grid, stream, args, enter, leave)
                 return compiled
+        part_ml, part_acc, seq_rows = self.workspace_parts(work)
         multi = self.q_len > 1  # a 4-D query and out
         k_t = v_t = None
         if tensor_scales:  # both as tensors: one specialization for the pair
@@ -471,9 +482,10 @@ def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads
     What it caches is a pure function of the key: the launch configuration (tiles, grid,
     merge, constexprs) and, per binding, the recorded launch (the compiled kernels and their
     argument list with every tensor argument a per-call slot). It owns no workspace: each
-    launch passes a fresh one (:meth:`AutoLauncher.new_workspace`, through the caching
+    launch takes a fresh one (:meth:`AutoLauncher.new_workspace`, through the caching
     allocator on the current stream), so calls on different streams, or captured in
-    different CUDA graphs, never share scratch. Context lengths, block tables, queries and
+    different CUDA graphs, never share scratch (a one-unit launcher's 16 bytes are never
+    touched, so it keeps them). Context lengths, block tables, queries and
     caches are per call and never part of the key."""
     return AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
