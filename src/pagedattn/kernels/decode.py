@@ -31,8 +31,8 @@ and V once for the whole group, and runs the online softmax in the exp2 domain w
 ``scale · log2(e)`` applied to the fp32 scores (fp32 accumulation; folding it into a 16-bit
 ``q`` would round the scores by the query's precision and cost the LSE its accuracy at large
 logits, case B16). The dots are ``tl.dot`` with the group padded to ≥ 16 rows: tensor cores
-for 16-bit and fp8 caches, split-TF32 (``DOT_PRECISION="tf32x3"``: fp32-level accuracy, never
-plain tf32) for fp32 caches. fp8 caches are converted to fp16 in registers; the query is first
+for 16-bit and fp8 caches, split-bf16 (``DOT_PRECISION="bf16x3"``; ``"tf32x3"`` in the
+interpreter: fp32-level accuracy, never plain tf32) for fp32 caches. fp8 caches are converted to fp16 in registers; the query is first
 scaled per row by a power of two into fp16's range (``Q_POW2_SCALE``: exact, and the scores
 divide it back out, so no cast narrows the caller's range, case N07); ``k_scale`` applies to
 the scores and ``v_scale`` to the output. Where the layout allows (``FP8_V_PAIRS``), the fp8
@@ -163,7 +163,7 @@ def _paged_decode_kernel(
     BLOCK_B: tl.constexpr,  # lengths per vector load of the split planner
     PAGE_SIZE: tl.constexpr,  # a model constant: token -> (page, slot) by shifts/multiplies
     DOT_DTYPE: tl.constexpr,  # operand dtype of the dots
-    DOT_PRECISION: tl.constexpr,  # "tf32x3" for fp32 operands (fp32 accuracy), else default
+    DOT_PRECISION: tl.constexpr,  # "bf16x3" / "tf32x3" for fp32 operands, else default
     Q_POW2_SCALE: tl.constexpr,  # rescale each query row by a power of two into DOT_DTYPE's range
     SCALE_FROM_PTR: tl.constexpr,  # scales come as tensors (graph-safe), not floats
     HAS_LSE: tl.constexpr,

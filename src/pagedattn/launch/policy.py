@@ -77,14 +77,16 @@ def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> Dec
     """The rule for GPUs (or keys) without a tuned entry, read off the H200 sweeps recorded in
     ``docs/perf-notes.md`` (step 8): 16-bit caches take 64-token tiles 2 stages deep at
     head_dim 128 (128-token tiles 2 deep at head_dim ≤ 64: step 32; 32-token tiles 3 deep at
-    256); fp8 caches 64-token
-    tiles 3 deep (step 28: 116 registers with V read as dim pairs); fp32 caches 32-token tiles
-    3 deep (twice the bytes). Splits target about one wave of four resident programs per SM
-    (three for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight for
-    ragged batches."""
+    256); fp8 caches 64-token tiles 3 deep (step 28: 116 registers with V read as dim pairs);
+    fp32 caches 64-token tiles 2 deep at head_dim ≤ 128 (step 33, with bf16x3 dots), 16-token
+    tiles 3 deep at 256. Splits target about one wave of four resident programs per SM (three
+    for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight for ragged
+    batches."""
     bd = block_d(head_dim)
     if cache_dtype == torch.float32:
-        block_n, stages, ctas = (32, 3, 2) if bd <= 128 else (16, 3, 2)
+        # 64-token tiles 2 deep with bf16x3 dots (perf-notes step 33's sweep: 323 µs on
+        # seed-fp32 against 352+ for every other tile, stage and warp count)
+        block_n, stages, ctas = (64, 2, 2) if bd <= 128 else (16, 3, 2)
     elif cache_dtype in FP8_DTYPES:
         # 64-token tiles: with V read as dim pairs (FP8_V_PAIRS) the kernel takes 116
         # registers, so four programs per SM (the 128-token tile took 255: two); a split
