@@ -150,9 +150,14 @@ def _first_table_figure(readme: str) -> tuple[str, str, str]:
 
 
 def _first_prose_figure(readme: str) -> tuple[str, str, str]:
-    """The same for the first ``GB/s`` figure of the Results prose."""
+    """The same for the first ``GB/s`` figure of the Results prose, planted as a number that
+    no results file holds (a nearby one may: another run's roofline)."""
     number = re.search(r"(\d[\d,]*) GB/s", readme.split("## Results", 1)[1]).group(1)
-    planted = f"{int(number.replace(',', '')) + 7:,}"
+    held = " ".join(f.read_text(encoding="utf-8", errors="replace")
+                    for f in (ROOT / "docs" / "results").iterdir() if f.is_file())
+    base = int(number.replace(",", ""))
+    wrong = next(n for n in range(base + 7, base + 1000, 7) if str(n) not in held)
+    planted = f"{wrong:,}"
     return f"{number} GB/s", f"{planted} GB/s", planted
 
 
