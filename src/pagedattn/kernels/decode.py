@@ -32,14 +32,14 @@ and V once for the whole group, and runs the online softmax in the exp2 domain w
 ``q`` would round the scores by the query's precision and cost the LSE its accuracy at large
 logits, case B16). The dots are ``tl.dot`` with the group padded to ≥ 16 rows: tensor cores
 for 16-bit and fp8 caches, split-bf16 (``DOT_PRECISION="bf16x3"``; ``"tf32x3"`` in the
-interpreter: fp32-level accuracy, never plain tf32) for fp32 caches. fp8 caches are converted to fp16 in registers; the query is first
-scaled per row by a power of two into fp16's range (``Q_POW2_SCALE``: exact, and the scores
-divide it back out, so no cast narrows the caller's range, case N07); ``k_scale`` applies to
-the scores and ``v_scale`` to the output. Where the layout allows (``FP8_V_PAIRS``), the fp8
-value tile is read as 16-bit pairs of dims, which transpose through shared memory like fp16
-(a byte tile was read one byte per instruction), and its even and odd dims accumulate in two
-half-width P·V dots (:func:`_fp8_dim_pairs`). Token tiles are software-pipelined by Triton
-(``num_stages``).
+interpreter: fp32-level accuracy, never plain tf32) for fp32 caches. fp8 caches are converted
+to fp16 in registers; the query is first scaled per row by a power of two into fp16's range
+(``Q_POW2_SCALE``: exact, and the scores divide it back out, so no cast narrows the caller's
+range, case N07); ``k_scale`` applies to the scores and ``v_scale`` to the output. Where the
+layout allows (``FP8_V_PAIRS``), the fp8 value tile is read as 16-bit pairs of dims, which
+transpose through shared memory like fp16 (a byte tile was read one byte per instruction),
+and its even and odd dims accumulate in two half-width P·V dots (:func:`_fp8_dim_pairs`).
+Token tiles are software-pipelined by Triton (``num_stages``).
 
 A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
 writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and a merge kernel
