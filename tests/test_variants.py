@@ -579,6 +579,7 @@ def test_window_one_unit_rule(change, unit):
     # fp8: 64-token tiles at three units per SM (perf-notes step 28); the cap counts three
     (128, torch.float8_e4m3fn, False, True, dict(block_n=64, num_stages=3, ctas_per_sm=3,
                                                  maxnreg=168)),
+    # fp32: the one-token 64 x 2 tiles (255 registers with bf16x3) back to 32 x 3
     (128, torch.float32, False, True, dict(block_n=32, num_stages=3, ctas_per_sm=2,
                                            maxnreg=None)),
     (256, torch.bfloat16, False, True, dict(block_n=32, num_stages=3, ctas_per_sm=4,

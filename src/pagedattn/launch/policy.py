@@ -182,7 +182,8 @@ def multi_token_config(cfg: DecodeConfig, *, head_dim: int, kv_dtype: torch.dtyp
     32-token tiles 3 deep fit the 128 cap with no spill (64 x 2 spill 92 bytes), and a split
     target of three units per SM (four stay resident) ran faster than the capped 64 x 2
     tiles at four on b64-c2k (perf-notes step 26; measured at q_len=4, group 4); a ragged
-    batch keeps its own split target."""
+    batch keeps its own split target. fp32 caches at head_dim 65-128 keep 32-token tiles 3
+    deep (their one-token 64 x 2 tiles were swept at q_len 1 only)."""
     bd = block_d(head_dim)
     if cfg.maxnreg is not None or bd > 128:
         return cfg
@@ -190,6 +191,10 @@ def multi_token_config(cfg: DecodeConfig, *, head_dim: int, kv_dtype: torch.dtyp
     if choose_tiles and bd > 64 and kv_dtype in (torch.float16, torch.bfloat16):
         cfg = replace(cfg, block_n=32, num_stages=3,
                       ctas_per_sm=3 if cfg.ctas_per_sm <= 4 else cfg.ctas_per_sm)
+    elif choose_tiles and bd > 64 and kv_dtype == torch.float32:
+        # fp32's one-token 64 x 2 tiles take 255 registers with bf16x3 dots (perf-notes step
+        # 33, swept at q_len 1 only): multi-token rows keep the 32 x 3 tiles they ran before
+        cfg = replace(cfg, block_n=32, num_stages=3)
     return replace(cfg, maxnreg=cap) if cap < 255 else cfg
 
 
