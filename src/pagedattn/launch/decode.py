@@ -79,9 +79,9 @@ def _dot_dtype(cache_dtype: torch.dtype, interpret: bool):
 
 def _dot_precision(cache_dtype: torch.dtype, interpret: bool) -> str:
     """fp32 operands: split-bf16 on the GPU (``bf16x3``: each operand split into two bf16
-    terms, three tensor-core passes at twice TF32's rate; rel. L2 6.2e-6 on seed-fp32, 323
-    against split-TF32's 426 µs: perf-notes step 33), split-TF32 (``tf32x3``) in the
-    interpreter, which has no bf16x3. Plain tf32 would miss the 1e-4 contract (1.6e-3)."""
+    terms, three tensor-core passes at twice TF32's rate, fp32-level accuracy: perf-notes
+    step 33), split-TF32 (``tf32x3``) in the interpreter, which has no bf16x3. Plain tf32
+    would miss the 1e-4 contract."""
     if cache_dtype != torch.float32:
         return "tf32"  # unused: 16-bit and fp8 dots
     return "tf32x3" if interpret else "bf16x3"
@@ -297,9 +297,6 @@ class AutoLauncher:
         # a plan's launcher owns one (reused by each run), and so does a one-unit launcher
         # (never touched); a shared split launcher (one-shot calls) takes one per launch
         self.workspace = self.new_workspace() if workspace or self.one_unit else None
-        self.part_ml, self.part_acc, self.seq_rows = (
-            self.workspace_parts(self.workspace) if self.workspace is not None
-            else (None, None, None))
         # recorded launches of this launcher, one per binding (see launch): every integer,
         # constexpr and launch option is fixed by the launcher, so the binding is the
         # tensors' dtypes, strides and 16-byte alignment and whether LSE is written; the
@@ -316,10 +313,15 @@ class AutoLauncher:
         every entry a merge reads (the ``seq_rows`` of an empty sequence included)."""
         return torch.empty(self._n_work, dtype=torch.float32, device=self.device)
 
+    @property
+    def seq_rows(self) -> torch.Tensor | None:
+        """The owned workspace's ``[batch, 2]`` int32 merge rows (flat), or ``None``."""
+        return None if self.workspace is None else self.workspace_parts(self.workspace)[2]
+
     def workspace_parts(self, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                              torch.Tensor]:
-        """``(part_ml, part_acc, seq_rows)``: views of a :meth:`new_workspace` (empty views
-        for a one-unit launcher, whose kernels never touch them)."""
+        """``(part_ml, part_acc, seq_rows)``: views of a :meth:`new_workspace` (for a one-unit
+        launcher, whose kernels never touch them, the whole 16 bytes each)."""
         if self.one_unit:
             return work, work, work.view(torch.int32)
         n_ml, n_acc = self._n_ml, self._n_acc
@@ -327,18 +329,16 @@ class AutoLauncher:
                 work[n_ml + n_acc:].view(torch.int32))
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
-               scale: float, k_scale=None, v_scale=None, calls=None,
-               workspace=None) -> dict[str, object]:
+               scale: float, k_scale=None, v_scale=None, calls=None) -> dict[str, object]:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
         ``query``/``out`` are ``[batch, q_len, num_q_heads, head_dim]`` when ``q_len > 1``.
         ``calls``: the per-call variants that are on (``pagedattn.options``: name ->
         contiguous ``[num_q_heads]`` float32, as the API makes them), or ``None``.
-        ``workspace``: a :meth:`new_workspace` for this launch, or ``None`` for the
-        launcher's own (a fresh one when it owns none). Returns the compiled kernels
-        launched, by name (compile metadata for the tools)."""
-        work = workspace if workspace is not None else (
-            self.workspace if self.workspace is not None else self.new_workspace())
+        The workspace is the launcher's own, or a fresh :meth:`new_workspace` when it owns
+        none. Returns the compiled kernels launched, by name (compile metadata for the
+        tools)."""
+        work = self.workspace if self.workspace is not None else self.new_workspace()
         tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
         key = None
         if self._direct and not tensor_scales:
