@@ -15,8 +15,9 @@ per-group merge on the ``b17-hkv8`` shape, whose batch x kv heads fills the H200
 ``append_kv`` (bf16 and fp8 caches, NHD and HND, padding slots); and CUDA-graph replay of
 ``auto`` (forced splits, LSE) and ``split_kv_v4`` at new lengths (a pass of its own, with
 PyTorch's caching allocator on: capture forbids ``cudaMalloc``); and ``auto``'s variant
-specializations (window, soft-cap, sinks, ALiBi, multi-token queries, batch invariance).
-The last line lists the kernels launched (from the launchers' compile records).
+specializations (window, soft-cap, sinks, ALiBi, multi-token queries, batch invariance);
+and a plan's folded merge (arrival counters in its workspace), run twice and replayed twice
+from a graph. The last line lists the kernels launched (from the launchers' compile records).
 
 Shapes (tiny, so the sanitizer finishes in a minute or two; all but the last fit ``auto``'s
 smallest chunk, so it runs them as one unit per sequence, ``ONE_UNIT``, and the last one with
@@ -168,6 +169,54 @@ def _variant_runs() -> int:
     return failures
 
 
+def _plan_runs(graph: bool = False) -> int:
+    """A plan's folded merge (``FOLD_MERGE``: the last unit of each (sequence, kv head) to
+    arrive merges the pair's split rows through an arrival counter in the plan's workspace):
+    17 sequences x 8 kv heads fill the H200's 132 SMs, so the merge is per group, with
+    forced splits, empty sequences, sinks and the LSE; run twice (the counters must be back
+    at 0 after each run), or (``graph``) captured at short lengths and replayed twice at
+    long ones."""
+    from pagedattn.bench.timing import capture_graph
+
+    lens = [0 if i % 5 == 2 else 9 + 23 * i for i in range(17)]
+    inputs = make_paged_inputs(lens, num_q_heads=16, num_kv_heads=8, head_dim=64,
+                               page_size=16, dtype=torch.bfloat16, seed=13, device=DEVICE)
+    sinks = torch.linspace(-1.0, 1.0, 16, device=DEVICE)
+    plan = pagedattn.plan_decode(inputs.block_tables, inputs.context_lens, num_q_heads=16,
+                                 num_kv_heads=8, head_dim=64, page_size=16,
+                                 q_dtype=torch.bfloat16, num_splits=3)
+    folded = plan._engine().fold_merge if DEVICE == "cuda" else True
+
+    def step():
+        return plan.run(*inputs[:3], sinks=sinks, return_lse=True)
+
+    failures = 0
+    if graph:
+        lens_long = inputs.context_lens.clone()
+        inputs.context_lens.copy_(lens_long.clamp(max=16))
+        g, (out, lse) = capture_graph(step)
+        inputs.context_lens.copy_(lens_long)
+        results = []
+        for _ in range(2):
+            out.fill_(float("nan"))
+            g.replay()
+            _sync()
+            results.append((out.clone(), lse.clone()))
+        del g
+    else:
+        results = [step() for _ in range(2)]
+        _sync()
+    ref = paged_decode_reference(*inputs, sinks=sinks)
+    counters_zero = bool((plan._engine().seq_rows == 0).all()) if folded else True
+    for i, (out, lse) in enumerate(results):
+        err = rel_l2_error(out, ref.out)
+        ok = err <= tolerance_for(torch.bfloat16) and counters_zero
+        ok &= bool(torch.allclose(lse.double().cpu(), ref.lse.cpu(), rtol=1e-3, atol=1e-3))
+        failures += _report("plan folded merge", "graph replay" if graph else "run",
+                            {"run": i, "folded": folded}, ok, err)
+    return failures
+
+
 #: names of the kernels the runs launched (the summary's last line)
 LAUNCHED: set[str] = set()
 
@@ -207,6 +256,7 @@ def main(argv: list[str]) -> int:
     no_caching = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1"
     if graphs_only:
         failures += _graph_runs()
+        failures += _plan_runs(graph=True)
         print(f"kernels launched: {', '.join(sorted(LAUNCHED))} (graph replays)")
         print(f"{failures} failure(s), {time.time() - t0:.1f} s")
         return failures
@@ -243,8 +293,11 @@ def main(argv: list[str]) -> int:
         failures += _report(name, "auto HND", "combined KV", ok, err)
     failures += _append_kv_runs()
     failures += _variant_runs()
+    if not cpu_smoke:  # 136 programs a launch: too slow for the interpreter's smoke
+        failures += _plan_runs()
     if not cpu_smoke and not no_caching:
         failures += _graph_runs()
+        failures += _plan_runs(graph=True)
     elif no_caching:
         print("graph runs skipped (PYTORCH_NO_CUDA_MEMORY_CACHING=1): run --graphs-only")
     print(f"kernels launched: {', '.join(sorted(LAUNCHED | {'append_kv'}))}")

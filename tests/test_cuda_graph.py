@@ -57,12 +57,22 @@ def test_paged_decode_graph_replays_new_lengths(dtype, cache_dtype):
     assert max_pages == 512
 
 
-def test_plan_graph_replays_per_group_merge_launched_as_dependent():
-    """A plan whose (sequence, kv head) pairs fill the SMs merges per group, and on sm_90+ the
-    merge is a programmatic dependent launch of the main kernel (it waits for the main grid
-    in griddepcontrol.wait). Captured at 16 tokens a row, replayed with a ragged batch (one
-    long sequence of many split rows, an empty one): the replay matches eager and the
-    oracle, with the output poisoned before the replay."""
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "dependent-launch"])
+def test_plan_graph_replays_per_group_merge(fold, monkeypatch):
+    """A plan whose (sequence, kv head) pairs fill the SMs merges per group: in the last unit
+    of each pair to arrive (a 16-bit cache's default: arrival counters in the workspace,
+    reset by that unit, so every replay finds them zeroed) or, with the fold off, in a merge
+    kernel that on sm_90+ is a programmatic dependent launch of the main kernel (it waits for
+    the main grid in griddepcontrol.wait). Captured at 16 tokens a row, replayed twice with
+    a ragged batch (one long sequence of many split rows, an empty one): each replay matches
+    eager and the oracle, with the output poisoned before it."""
+    from dataclasses import replace
+
+    from pagedattn.launch import policy
+
+    real = policy.heuristic_config
+    monkeypatch.setattr(policy, "heuristic_config",
+                        lambda *a: replace(real(*a), fold_merge=fold))
     lens = [16384, 0, 37] + [100 + 97 * i for i in range(21)]
     big = make_paged_inputs(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                             dtype=torch.bfloat16, device="cuda")
@@ -71,8 +81,9 @@ def test_plan_graph_replays_per_group_merge_launched_as_dependent():
                                  num_kv_heads=8, head_dim=128, page_size=16,
                                  q_dtype=torch.bfloat16)
     engine = plan._engine()
+    assert engine.fold_merge is fold and engine.launches_merge is not fold
     assert engine.merge_kernel is _merge_per_group_kernel
-    assert engine.pdl == (torch.cuda.get_device_capability()[0] >= 9)
+    assert engine.pdl == (not fold and torch.cuda.get_device_capability()[0] >= 9)
     query = big.query.clone()
 
     def step():
@@ -80,12 +91,15 @@ def test_plan_graph_replays_per_group_merge_launched_as_dependent():
 
     graph, out = capture_graph(step, warmup=1)
     context_lens.copy_(big.context_lens)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_l2_error(out, step()) <= 1e-6
     ref = paged_decode_reference(*big).out
-    assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_l2_error(out, step()) <= 1e-6
+        assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
+        if fold:  # every pair's last unit reset its counter
+            assert (engine.seq_rows == 0).all()
 
 
 def test_model_decode_step_graph_replays_a_growing_ragged_batch():

@@ -200,10 +200,12 @@ def test_both_merge_grids(per_group, device, monkeypatch):
                                rtol=1e-3, atol=1e-3)
 
 
-def test_pdl_only_for_the_per_group_merge(device):
-    """The merge is a programmatic dependent launch only for a per-group merge on a GPU of
-    sm_90+ (never under the interpreter, never for the per-head merge or a one-unit plan,
-    whose kernels then compile exactly as without the flag)."""
+def test_pdl_only_for_a_launched_per_group_merge(device):
+    """The merge is a programmatic dependent launch only for a per-group merge that is
+    launched (not folded) on a GPU of sm_90+: never under the interpreter, never for the
+    per-head merge, a one-unit plan or a folded merge (no merge kernel), whose kernels then
+    compile exactly as without the flag. A plan of a 16-bit cache folds its per-group merge;
+    the one-shot launcher of the same shapes (a fresh workspace per call) launches it."""
     from pagedattn.launch.decode import AutoLauncher
 
     kw = dict(max_pages=64, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
@@ -211,12 +213,75 @@ def test_pdl_only_for_the_per_group_merge(device):
               num_splits=None)
     gpu = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
     for batch, per_group in ((128, True), (1, False)):  # 256 or 2 pairs (H200: 132 SMs)
-        launcher = AutoLauncher(batch=batch, **kw)
+        plan_launcher = AutoLauncher(batch=batch, **kw)
+        assert plan_launcher.fold_merge is per_group
+        assert plan_launcher.launches_merge is not per_group
+        assert plan_launcher.pdl is False  # folded, or a per-head merge
+        launcher = AutoLauncher(batch=batch, workspace=False, **kw)  # a one-shot's
+        assert not launcher.fold_merge and launcher.launches_merge
         assert (launcher.merge_grid[1] == 2) is per_group
         assert launcher.pdl is (gpu and per_group)
         assert launcher.main_constexprs["PDL"] is launcher.pdl
         assert launcher.merge_constexprs.get("PDL", False) is launcher.pdl
-    assert AutoLauncher(batch=128, **dict(kw, max_pages=8)).pdl is False  # one unit: no merge
+    fp32 = AutoLauncher(batch=128, **dict(kw, q_dtype=torch.float32, kv_dtype=torch.float32))
+    assert not fp32.fold_merge and fp32.pdl is gpu  # fp32 and fp8 plans launch the merge
+    one_unit = AutoLauncher(batch=128, **dict(kw, max_pages=8))
+    assert one_unit.pdl is False and not one_unit.fold_merge and not one_unit.launches_merge
+
+
+def _check_folded_merge(lens, q_len, dtype, device, monkeypatch):
+    from _hardening import poison_scratch
+
+    batch = len(lens)
+    inputs = make_paged_inputs(lens, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                               dtype=dtype, seed=23, device=device)
+    query = inputs.query
+    if q_len > 1:  # [batch, q_len, heads, dim]
+        g = torch.Generator().manual_seed(5)
+        query = torch.randn(batch, q_len, 8, 64, generator=g).to(device, dtype)
+    sinks = torch.linspace(-1.0, 2.0, 8, device=device)
+    poison_scratch(monkeypatch)
+    plan = pagedattn.plan_decode(inputs.block_tables, inputs.context_lens, num_q_heads=8,
+                                 num_kv_heads=2, head_dim=64, page_size=16, q_dtype=dtype,
+                                 num_splits=3, q_len=q_len)
+    launcher = plan._engine()
+    assert launcher.fold_merge and not launcher.launches_merge
+    counters = launcher.seq_rows  # the arrival counters, in seq_rows' place
+    assert counters.numel() == batch * 2 and (counters == 0).all()
+    runs = [plan.run(query, inputs.key_cache, inputs.value_cache, sinks=sinks,
+                     return_lse=True) for _ in range(2)]
+    assert (counters == 0).all(), counters.tolist()
+    one_shot = pagedattn.paged_decode(query, *inputs[1:], num_splits=3, sinks=sinks,
+                                      return_lse=True)
+    for out, lse in runs:
+        assert torch.equal(out, one_shot.out) and torch.equal(lse, one_shot.lse)
+    ref = paged_decode_reference(query, *inputs[1:], sinks=sinks)
+    assert rel_l2_error(runs[0][0], ref.out) <= tolerance_for(dtype)
+    torch.testing.assert_close(runs[0][1].double(), ref.lse.to(device), rtol=1e-3, atol=1e-3)
+    empty = torch.tensor(lens, device=device) == 0
+    assert (runs[0][0][empty] == 0).all()
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_folded_merge_matches_the_merge_kernel_bit_for_bit(q_len, device, monkeypatch):
+    """A plan of a 16-bit cache merges a sequence's split rows in the last unit of each
+    (sequence, kv head) to arrive (``FOLD_MERGE``), the one-shot call of the same inputs in
+    the per-group merge kernel: both sum the rows in the same order through the same helper,
+    so out and LSE agree bit for bit, and both match the oracle. Empty sequences (no unit of
+    their own: out 0, LSE the sink), a sink per head, three forced splits, NaN-poisoned
+    scratch; every arrival counter is back at 0 after each run (a graph replay finds them
+    zeroed), and a second run gives the same bits."""
+    _check_folded_merge([70, 0, 45, 130, 0, 3], q_len, torch.float16, device, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_folded_merge_bit_for_bit_on_the_gpu(q_len, monkeypatch):
+    """The check above on the GPU, where units arrive concurrently (the acq_rel counters'
+    ordering is real) and bf16 dots run on tensor cores: 72 sequences x 2 kv heads fill the
+    H200's 132 SMs (the merge per group), every fourth one empty."""
+    lens = [0 if i % 4 == 1 else 17 + 53 * i for i in range(72)]
+    _check_folded_merge(lens, q_len, torch.bfloat16, "cuda", monkeypatch)
 
 
 @pytest.mark.gpu

@@ -172,7 +172,8 @@ class DecodePlan:
     references to ``block_tables`` and ``context_lens`` and reads them on the device at every
     run, so a CUDA graph captured around :meth:`run` replays correctly after the caller updates
     them in place (same shapes, lengths within ``max_pages * page_size``). One plan serves one
-    stream at a time (its workspace is reused by each run).
+    stream at a time (its workspace is reused by each run, and so are the arrival counters
+    in it through which a 16-bit cache's plan merges split rows inside its main kernel).
     """
 
     def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,

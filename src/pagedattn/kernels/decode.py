@@ -42,15 +42,29 @@ and its even and odd dims accumulate in two half-width P·V dots (:func:`_fp8_di
 Token tiles are software-pipelined by Triton (``num_stages``).
 
 A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
-writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and a merge kernel
-combines the rows with log-sum-exp rescaling: ``_merge_per_group_kernel`` (one program per
-sequence and kv head) when those programs fill the SMs, else ``_merge_per_head_kernel`` (one
-per sequence and query head, split rows vectorized; the launcher decides from shapes); on
-sm_90+ the per-group merge is a programmatic dependent launch (``PDL``:
-``_pdl_launch_dependents`` at the main kernel's start, ``_pdl_wait`` before the merge's first
-read of the workspace). A merge fused into the main kernel's last unit (an arrival counter
-per sequence and kv head) was tried and measured slower (``docs/perf-notes.md``, step 5); a
-per-group merge of several split rows per load round did not pay either (step 32). Rows are
+writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and the rows are
+combined with log-sum-exp rescaling, in one of three places (the launcher decides from
+shapes, dtypes and whether it owns its workspace):
+
+* **folded** (``FOLD_MERGE``: a plan's per-group merge, 16-bit caches): after storing its
+  partial, a unit passes a CTA barrier and increments the (sequence, kv head)'s arrival
+  counter with one ``acq_rel`` atomic at GPU scope (``_arrive``); the unit that arrives last
+  merges the pair's rows (``_merge_group_rows``, L2 loads: ``.cg``), writes the result and
+  resets the counter to 0, so the counters (in ``seq_rows``' place in the plan's workspace,
+  zeroed once when the plan is built) are zero again for the next launch or graph replay and
+  no merge kernel is launched. An empty sequence has no unit: program ``u < batch ·
+  num_kv_heads`` writes pair ``u``'s zeros (``_empty_seq_result``). In session 2 a fused
+  merge measured slower (``docs/perf-notes.md``, step 5: batch 1, 64 rows merged by one
+  unit, on a kernel of its day); step 34 measures this one, where the merge is per group;
+* ``_merge_per_group_kernel`` (one program per sequence and kv head, the same
+  ``_merge_group_rows``, so a folded merge's bits are the kernel's) when those programs fill
+  the SMs and the merge is not folded (a one-shot call's fresh workspace holds no zeroed
+  counters; fp8 and fp32 plans), on sm_90+ as a programmatic dependent launch (``PDL``:
+  ``_pdl_launch_dependents`` at the main kernel's start, ``_pdl_wait`` before the merge's
+  first read of the workspace);
+* else ``_merge_per_head_kernel`` (one per sequence and query head, split rows vectorized).
+
+A per-group merge of several split rows per load round did not pay (step 32). Rows are
 exactly the non-empty splits, so no empty split is ever formed or read. Lengths are clamped
 to the table's capacity; block-table entries past ``ceil(len / page_size)`` are never read.
 
@@ -70,7 +84,7 @@ their flag only):
 * ``HAS_ALIBI`` (``alibi_ptr``): ``+ slope_h·(p - i)`` (times ``log2 e``) after the soft-cap.
 * ``HAS_SINKS`` (``sinks_ptr``): the sink joins the denominator exactly once, in the final
   normalization: by the unit itself when the sequence has one split row (it writes the
-  result), else by the merge kernel after it has combined the rows (and by the merge for an
+  result), else by the merge (folded or a kernel) after it has combined the rows (and for an
   empty sequence: out 0, LSE = sink). Partials in the workspace never hold it.
 * ``Q_LEN`` > 1 (multi-token queries): the tile's rows are ``Q_LEN × group`` (token-major,
   ``BLOCK_H = next_pow2(Q_LEN·group)``), so K/V are read once for every query token; row
@@ -94,9 +108,11 @@ of :mod:`pagedattn.kernels.common` that Triton inlines (constexpr flags stay con
 arguments, so an unused branch leaves no code): ``_plan_unit`` (which sequence and rows a
 program owns), ``_unit_tokens`` (its token range), ``_tile_rows`` / ``_tile_ptrs`` /
 ``_load_query``, the token loop (``_score_and_mask``, ``_online_softmax_step``), then
-``_store_result`` or ``_store_partial``; the merges use ``_seq_rows``, ``_merge_row`` and
-``_add_sink``. The helpers named above (``_fp8_dim_pairs``, ``_visible_tokens``, ...) live
-there too. The K/V loads stay in the token loop's body (see the loop).
+``_store_result`` or ``_store_partial`` (and, folded, ``_arrive``, ``_merge_group_rows``,
+``_store_merged``); the per-group merge kernel uses ``_seq_rows``, ``_merge_group_rows``,
+``_store_merged`` and ``_store_empty``. The helpers named above (``_fp8_dim_pairs``,
+``_visible_tokens``, ...) live there too. The K/V loads stay in the token loop's body (see
+the loop).
 """
 
 import triton
@@ -104,15 +120,16 @@ import triton.language as tl
 
 from pagedattn.kernels.common import (
     LOG2E,
-    _add_sink,
+    _arrive,
     _clamped_context_len,
     _dim_mask,
+    _empty_seq_result,
     _empty_seq_rows,
     _fold_sink,
     _kv_scales,
     _load_query,
     _lse_ptrs,
-    _merge_row,
+    _merge_group_rows,
     _natural_lse,
     _online_softmax_step,
     _online_softmax_step_pairs,
@@ -124,6 +141,8 @@ from pagedattn.kernels.common import (
     _rescale,
     _score_and_mask,
     _seq_rows,
+    _store_empty,
+    _store_merged,
     _store_partial,
     _store_result,
     _tile_ptrs,
@@ -144,7 +163,9 @@ def _paged_decode_kernel(
     out_ptr, lse_ptr,
     part_ml_ptr,  # [rows_max, num_q_heads, 2] fp32 (m, l), exp2 domain
     part_acc_ptr,  # [rows_max, num_q_heads, BLOCK_D] fp32, unnormalized
-    seq_rows_ptr,  # [batch, 2] int32 (start_b, n_b): the unit (b, s=0, kv head 0), or (0, 0)
+    # [batch, 2] int32 (start_b, n_b): the unit (b, s=0, kv head 0), or (0, 0); FOLD_MERGE:
+    # the [batch, num_kv_heads] int32 arrival counters instead, zero between launches
+    seq_rows_ptr,
     k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # [num_kv_heads] or 0-d
     k_scale_val, v_scale_val,  # Python-float scales (used when not SCALE_FROM_PTR)
     scale_log2,
@@ -177,6 +198,7 @@ def _paged_decode_kernel(
     FP8_V_PAIRS: tl.constexpr = 0,  # fp8 V read as 16-bit dim pairs: 1 e4m3, 2 e5m2 (0: off)
     FP8_ASM: tl.constexpr = False,  # FP8_V_PAIRS: the packed cvt in inline PTX (GPU only)
     PDL: tl.constexpr = False,  # the merge is launched as a programmatic dependent (sm_90+)
+    FOLD_MERGE: tl.constexpr = False,  # the last unit of a (sequence, kv head) merges its rows
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
@@ -190,7 +212,12 @@ def _paged_decode_kernel(
                                    num_kv_heads, min_chunk, target_units, target_units_ragged,
                                    forced_splits, window_left, BLOCK_B, BLOCK_N, Q_LEN,
                                    HAS_WINDOW, BATCH_INVARIANT, ONE_UNIT)
-    if not ONE_UNIT:  # no unit writes an empty sequence's merge entry: program b does
+    if FOLD_MERGE:  # no merge kernel: an empty sequence's result comes from program (b, kv)
+        _empty_seq_result(out_ptr, lse_ptr, sinks_ptr, context_lens_ptr, u, batch,
+                          num_kv_heads, group, num_q_heads, stride_ctx, capacity, stride_o_b,
+                          stride_o_t, stride_o_h, stride_o_d, HEAD_DIM, BLOCK_H, BLOCK_D,
+                          Q_LEN, HAS_SINKS, HAS_LSE)
+    elif not ONE_UNIT:  # no unit writes an empty sequence's merge entry: program b does
         _empty_seq_rows(seq_rows_ptr, context_lens_ptr, u, batch, stride_ctx, capacity)
     if b >= batch:  # past the last real row: the grid is sized from shapes, not lengths
         return
@@ -284,9 +311,21 @@ def _paged_decode_kernel(
         else:
             _store_partial(part_ml_ptr, part_acc_ptr, r, q_tok, heads, mask_h, offs_d, m, l,
                            acc, v_scale, num_q_heads, BLOCK_D, Q_LEN)
-        if (r == start_b) & (kv_head == 0):  # the merge's rows of b (an empty b's: above)
-            tl.store(seq_rows_ptr + b * 2, start_b)
-            tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
+            if FOLD_MERGE:  # noqa: SIM102 (the pair's last unit to arrive merges its rows,
+                # in the merge kernel's order)
+                if _arrive(seq_rows_ptr, b, kv_head, num_kv_heads, n_rows):
+                    m, l, acc = _merge_group_rows(part_ml_ptr, part_acc_ptr, start_b, n_rows,
+                                                  q_tok, heads, mask_h, offs_d, num_q_heads,
+                                                  BLOCK_H, BLOCK_D, Q_LEN, ".cg")
+                    _store_merged(_tile_ptrs(out_ptr, b, q_tok, heads, offs_d, stride_o_b,
+                                             stride_o_t, stride_o_h, stride_o_d, Q_LEN),
+                                  _lse_ptrs(lse_ptr, b, q_tok, heads, num_q_heads, Q_LEN),
+                                  sinks_ptr, heads, mask_h, mask_hd, m, l, acc, Q_LEN,
+                                  HAS_SINKS, HAS_LSE)
+        if not FOLD_MERGE:  # noqa: SIM102 (constexpr)
+            if (r == start_b) & (kv_head == 0):  # the merge's rows of b (an empty b's: above)
+                tl.store(seq_rows_ptr + b * 2, start_b)
+                tl.store(seq_rows_ptr + b * 2 + 1, n_rows)
 
 
 @triton.jit(do_not_specialize=["max_pages", "stride_o_b", "stride_o_t"])
@@ -325,36 +364,13 @@ def _merge_per_group_kernel(
     lse_ptrs = _lse_ptrs(lse_ptr, b, q_tok, heads, num_q_heads, Q_LEN)
     mask_hd = mask_h[:, None] & _dim_mask(offs_d, HEAD_DIM, BLOCK_D)[None, :]
     if ctx == 0:  # no key: zeros (seq_rows holds (0, 0) here)
-        tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
-                 mask=mask_hd)
-        if HAS_LSE:
-            if HAS_SINKS:  # no key at all: the denominator is the sink alone
-                tl.store(lse_ptrs, tl.load(sinks_ptr + heads, mask=mask_h, other=0.0),
-                         mask=mask_h)
-            else:
-                tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+        _store_empty(out_ptrs, lse_ptrs, sinks_ptr, heads, mask_h, mask_hd, BLOCK_H, BLOCK_D,
+                     HAS_SINKS, HAS_LSE)
     elif n_rows > 1:
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for r in range(start, start + n_rows):
-            if Q_LEN > 1:
-                row = (q_tok + r * Q_LEN).to(tl.int64) * num_q_heads + heads
-            else:
-                row = r * num_q_heads + heads.to(tl.int64)  # [BLOCK_H], 64-bit
-            m_r = tl.load(part_ml_ptr + row * 2, mask=mask_h, other=0.0)
-            l_r = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_h, other=0.0)
-            acc_r = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-                            mask=mask_h[:, None], other=0.0)  # [BLOCK_H, BLOCK_D]
-            # several tokens: a row may have seen no key of this split (m_r = -inf)
-            m, l, acc = _merge_row(m, l, acc, m_r, l_r, acc_r, Q_LEN > 1)
-        if HAS_SINKS:  # the sequence's rows are merged: the sink is added here, once
-            m, l, acc = _add_sink(m, l, acc, sinks_ptr, heads, mask_h)
-        # padding rows of the tile stay finite (never stored); a token that saw no key: 0
-        l = tl.where(mask_h & (l > 0), l, 1.0) if Q_LEN > 1 else tl.where(mask_h, l, 1.0)
-        tl.store(out_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd)
-        if HAS_LSE:
-            tl.store(lse_ptrs, _natural_lse(m, l), mask=mask_h)
+        m, l, acc = _merge_group_rows(part_ml_ptr, part_acc_ptr, start, n_rows, q_tok, heads,
+                                      mask_h, offs_d, num_q_heads, BLOCK_H, BLOCK_D, Q_LEN, "")
+        _store_merged(out_ptrs, lse_ptrs, sinks_ptr, heads, mask_h, mask_hd, m, l, acc, Q_LEN,
+                      HAS_SINKS, HAS_LSE)
 
 
 @triton.jit(do_not_specialize=["max_pages", "stride_o_b", "stride_o_t"])

@@ -21,6 +21,14 @@ capacity ``max_pages · page_size`` is at most the smallest chunk), the grid is 
 num_kv_heads`` programs, one per (sequence, kv head), the kernel skips its scans of
 ``context_lens`` (``ONE_UNIT``) and no merge is launched.
 
+The merge. A launcher that owns its workspace (a plan's) and merges per group (the policy's
+``fold_merge``: 16-bit caches) folds the merge into the main kernel (``FOLD_MERGE``): the
+workspace's ``seq_rows`` part holds one int32 arrival counter per (sequence, kv head) instead,
+zeroed once by :meth:`AutoLauncher.new_workspace` and left at zero by every launch (the last
+unit of each pair resets its own), so a launch is the main kernel alone. Otherwise the merge
+kernel follows the main one (the one-shot launcher: a fresh workspace per launch, whose
+counters would need a fill).
+
 Launching. The first launch of a binding (the tensors' dtypes, strides and 16-byte alignment,
 LSE on or off) goes through Triton's own ``kernel[grid](...)``, which compiles or finds the
 binary. On Triton 3.6, where the call signature of a compiled kernel's ``run`` is known, the
@@ -273,10 +281,18 @@ class AutoLauncher:
         # the main kernel's tail and wait in griddepcontrol.wait; the per-head merge (b1, b8)
         # lost in graph replays with it, so it launches as before (perf-notes step 32). Off
         # without a merge, under the interpreter and before sm_90: the code is unchanged
+        # a folded merge: the last unit of each (sequence, kv head) to arrive merges the
+        # pair's rows (FOLD_MERGE), counted in the owned workspace, which a launcher that
+        # takes a fresh workspace per launch (one-shot calls) cannot keep zeroed without a
+        # fill: those launch the merge kernel
+        self.fold_merge = (bool(cfg.fold_merge) and per_group and workspace
+                           and not self.one_unit)
+        #: whether a launch runs a merge kernel after the main one
+        self.launches_merge = not (self.one_unit or self.fold_merge)
         self.pdl = bool(cfg.pdl) and per_group and on_gpu and not interpret and (
-            not self.one_unit) and pdl_supported(device.index if device.index is not None
-                                                 else torch.cuda.current_device())
-        self.main_constexprs["PDL"] = self.pdl
+            self.launches_merge) and pdl_supported(device.index if device.index is not None
+                                                   else torch.cuda.current_device())
+        self.main_constexprs.update(PDL=self.pdl, FOLD_MERGE=self.fold_merge)
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
@@ -286,12 +302,14 @@ class AutoLauncher:
         else:
             self.merge_constexprs["BLOCK_R"] = plan.merge_block
         # the workspace, one fp32 tensor: per split row and query head and query token
-        # (m, l) then acc (fp32), then the [batch, 2] int32 (start_b, n_b); one unit per
-        # sequence: 16 bytes that no kernel touches
+        # (m, l) then acc (fp32), then the [batch, 2] int32 (start_b, n_b) or, for a folded
+        # merge, the [batch, num_kv_heads] int32 arrival counters in their place (the
+        # kernel's seq_rows_ptr); one unit per sequence: 16 bytes that no kernel touches
         part_rows = plan.part_rows
         self._n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
         self._n_acc = part_rows * bd
-        self._n_work = 4 if self.one_unit else self._n_ml + self._n_acc + 2 * batch
+        self._n_rows = batch * num_kv_heads if self.fold_merge else 2 * batch
+        self._n_work = 4 if self.one_unit else self._n_ml + self._n_acc + self._n_rows
         # byte offsets of acc and seq_rows from the base (multiples of 16)
         self._acc_offset, self._rows_offset = 4 * self._n_ml, 4 * (self._n_ml + self._n_acc)
         # a plan's launcher owns one (reused by each run), and so does a one-unit launcher
@@ -310,8 +328,12 @@ class AutoLauncher:
         """A fresh workspace for this launcher's shapes (:meth:`workspace_parts` names its
         parts): one allocation on the current stream (the caching allocator's, so a CUDA
         graph captured around the launch keeps its own), no fill: the main kernel writes
-        every entry a merge reads (the ``seq_rows`` of an empty sequence included)."""
-        return torch.empty(self._n_work, dtype=torch.float32, device=self.device)
+        every entry a merge reads (the ``seq_rows`` of an empty sequence included). A folded
+        merge's arrival counters are zeroed here, once."""
+        work = torch.empty(self._n_work, dtype=torch.float32, device=self.device)
+        if self.fold_merge:  # the counters start at 0, and each launch leaves them at 0
+            work[self._n_work - self._n_rows:].view(torch.int32).zero_()
+        return work
 
     @property
     def seq_rows(self) -> torch.Tensor | None:
@@ -321,7 +343,8 @@ class AutoLauncher:
     def workspace_parts(self, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                              torch.Tensor]:
         """``(part_ml, part_acc, seq_rows)``: views of a :meth:`new_workspace` (for a one-unit
-        launcher, whose kernels never touch them, the whole 16 bytes each)."""
+        launcher, whose kernels never touch them, the whole 16 bytes each). A folded
+        merge's ``seq_rows`` are its ``[batch, num_kv_heads]`` arrival counters (flat)."""
         if self.one_unit:
             return work, work, work.view(torch.int32)
         n_ml, n_acc = self._n_ml, self._n_acc
@@ -451,7 +474,7 @@ class AutoLauncher:
                                                num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
         compiled = {"paged_decode": main}
         merge = None
-        if not self.one_unit:
+        if self.launches_merge:
             merge = self.merge_kernel[self.merge_grid](
                 **merge_args, num_warps=4, **({"launch_pdl": True} if self.pdl else {}))
             compiled["paged_decode_merge"] = merge

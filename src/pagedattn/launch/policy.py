@@ -48,6 +48,10 @@ class DecodeConfig:
     # launch a per-group merge as a programmatic dependent of the main kernel where the GPU
     # has it (sm_90+): its launch overlaps the main kernel's tail (perf-notes step 32)
     pdl: bool = True
+    # a plan owning its workspace merges a sequence's split rows in the last unit of each
+    # (sequence, kv head) to arrive, where the merge is per group: no merge launch
+    # (perf-notes step 34: 16-bit caches; fp8's kernel lost 58 µs on b64-c8k with it)
+    fold_merge: bool = False
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -81,7 +85,8 @@ def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> Dec
     fp32 caches 64-token tiles 2 deep at head_dim ≤ 128 (step 33, with bf16x3 dots), 16-token
     tiles 3 deep at 256. Splits target about one wave of four resident programs per SM (three
     for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight for ragged
-    batches."""
+    batches. A per-group merge of a plan is folded into the main kernel for 16-bit caches
+    (step 34)."""
     bd = block_d(head_dim)
     if cache_dtype == torch.float32:
         # 64-token tiles 2 deep with bf16x3 dots (perf-notes step 33's sweep: 323 µs on
@@ -101,7 +106,8 @@ def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> Dec
     else:
         block_n, stages, ctas = 32, 3, 4
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=ctas,
-                        min_chunk=256)
+                        min_chunk=256,
+                        fold_merge=cache_dtype in (torch.float16, torch.bfloat16))
 
 
 def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size: int,
