@@ -4,7 +4,8 @@
 # Phases:
 #   tests     every gpu/gpu2-marked test (xdist when present), then tests/test_engine.py on the
 #             GPU -> $OUT/pytest-gpu.log, pytest-engine.log (docs/results/gpu-tests-h200.log
-#             holds them one after the other)
+#             holds them one after the other); with $PEERS carried, the compat layer's
+#             comparisons with FlashInfer and FA3 run too (FlashInfer's JIT: TESTS_S=420)
 #   bench     `pagedattn bench` of auto beside every peer found (the floor and FA3 peer files,
 #             FlashInfer 0.7.4 TC and XQA), eager and graph, roofline in the run; host time and
 #             the variant rows; appends the run to bench-runs.csv and regenerates the GPU's page
@@ -70,6 +71,7 @@ peer_files() {  # the --peer-file arguments of the peers present in $PEERS
 }
 phase_tests() {
   env_info
+  setup_flashinfer  # the compat layer's comparisons with FlashInfer (FA3: found in $PEERS)
   local xdist
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadfile")
   stamp "every gpu / gpu2 test"

@@ -208,25 +208,83 @@ def test_pdl_only_for_a_launched_per_group_merge(device):
     the one-shot launcher of the same shapes (a fresh workspace per call) launches it."""
     from pagedattn.launch.decode import AutoLauncher
 
-    kw = dict(max_pages=64, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
-              q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=torch.device(device),
-              num_splits=None)
+    kw = dict(max_pages=1024, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+              q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=torch.device(device))
     gpu = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    for batch, per_group in ((128, True), (1, False)):  # 256 or 2 pairs (H200: 132 SMs)
-        plan_launcher = AutoLauncher(batch=batch, **kw)
+    # 256 or 2 pairs (H200: 132 SMs); the two pairs split 40 ways (the table holds 256 tiles
+    # or more): more rows than a per-head plan folds
+    for batch, per_group, splits in ((128, True, None), (1, False, 40)):
+        plan_launcher = AutoLauncher(batch=batch, num_splits=splits, **kw)
         assert plan_launcher.fold_merge is per_group
         assert plan_launcher.launches_merge is not per_group
         assert plan_launcher.pdl is False  # folded, or a per-head merge
-        launcher = AutoLauncher(batch=batch, workspace=False, **kw)  # a one-shot's
+        launcher = AutoLauncher(batch=batch, workspace=False, num_splits=splits, **kw)
         assert not launcher.fold_merge and launcher.launches_merge
         assert (launcher.merge_grid[1] == 2) is per_group
         assert launcher.pdl is (gpu and per_group)
         assert launcher.main_constexprs["PDL"] is launcher.pdl
         assert launcher.merge_constexprs.get("PDL", False) is launcher.pdl
-    fp32 = AutoLauncher(batch=128, **dict(kw, q_dtype=torch.float32, kv_dtype=torch.float32))
+    fp32 = AutoLauncher(batch=128, num_splits=None,
+                        **dict(kw, q_dtype=torch.float32, kv_dtype=torch.float32))
     assert not fp32.fold_merge and fp32.pdl is gpu  # fp32 and fp8 plans launch the merge
-    one_unit = AutoLauncher(batch=128, **dict(kw, max_pages=8))
+    one_unit = AutoLauncher(batch=128, num_splits=None, **dict(kw, max_pages=8))
     assert one_unit.pdl is False and not one_unit.fold_merge and not one_unit.launches_merge
+
+
+def test_few_pairs_fold_their_merge_when_their_rows_are_few(device):
+    """Where the (sequence, kv head) pairs do not fill the SMs the merge is per query head,
+    unless the plan can fold it: a 16-bit plan whose sequences hold at most
+    ``fold_max_rows`` split rows (from shapes: the table's capacity over ``min_chunk``, the
+    grid's rows, or the forced count) merges per group in its last units, so it launches
+    one kernel; more rows (on the H200 a 16,384-token table at batch 1: 64) and a one-shot
+    call (a fresh workspace per call) launch the per-head merge."""
+    from pagedattn.launch.decode import AutoLauncher
+
+    kw = dict(batch=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+              q_dtype=torch.float16, kv_dtype=torch.float16, device=torch.device(device))
+    short = AutoLauncher(max_pages=19, num_splits=None, **kw)  # 304 tokens
+    assert short.config.fold_max_rows == 32
+    assert short.fold_merge and not short.launches_merge and not short.pdl
+    assert short.plan.per_group_merge and short.merge_grid == (1, 2, 1)
+    wide = AutoLauncher(max_pages=1024, num_splits=None, **kw)
+    # the interpreter plans 4 SMs' units: five rows at most, folded
+    assert wide.fold_merge is (device == "cpu")
+    if device != "cpu":
+        assert not wide.fold_merge and wide.launches_merge and wide.merge_grid == (1, 8, 1)
+    many = AutoLauncher(max_pages=1024, num_splits=33, **kw)  # 33 rows, forced
+    assert not many.fold_merge and many.launches_merge and many.merge_grid == (1, 8, 1)
+    forced = AutoLauncher(max_pages=1024, num_splits=3, **kw)  # three rows, whatever the table
+    assert forced.fold_merge and not forced.launches_merge
+    one_shot = AutoLauncher(max_pages=19, num_splits=None, workspace=False, **kw)
+    assert not one_shot.fold_merge and one_shot.merge_grid == (1, 8, 1)
+    fp8 = AutoLauncher(max_pages=19, num_splits=None,
+                       **dict(kw, kv_dtype=torch.float8_e4m3fn))
+    assert not fp8.fold_merge and fp8.merge_grid == (1, 8, 1)
+
+
+def test_few_pairs_folded_merge_matches_the_oracle(device, monkeypatch):
+    """A batch of two sequences x 2 kv heads (fewer pairs than SMs, a short table) folds
+    its merge: out and LSE (a sink per head, NaN-poisoned scratch, an empty sequence) match
+    the oracle, every arrival counter is back at 0 after each run, and a second run gives
+    the same bits."""
+    from _hardening import poison_scratch
+
+    inputs = make_paged_inputs([300, 0], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                               page_size=16, dtype=torch.float16, seed=29, device=device)
+    sinks = torch.linspace(-1.0, 2.0, 8, device=device)
+    poison_scratch(monkeypatch)
+    plan = pagedattn.plan_decode(inputs.block_tables, inputs.context_lens, num_q_heads=8,
+                                 num_kv_heads=2, head_dim=64, page_size=16,
+                                 q_dtype=torch.float16)
+    launcher = plan._engine()
+    assert launcher.fold_merge and launcher.plan.per_group_merge
+    runs = [plan.run(*inputs[:3], sinks=sinks, return_lse=True) for _ in range(2)]
+    assert (launcher.seq_rows == 0).all(), launcher.seq_rows.tolist()
+    assert torch.equal(runs[0].out, runs[1].out) and torch.equal(runs[0].lse, runs[1].lse)
+    ref = paged_decode_reference(*inputs, sinks=sinks)
+    assert rel_l2_error(runs[0].out, ref.out) <= tolerance_for(torch.float16)
+    torch.testing.assert_close(runs[0].lse.double(), ref.lse.to(device), rtol=1e-3, atol=1e-3)
+    assert (runs[0].out[1] == 0).all()
 
 
 def _check_folded_merge(lens, q_len, dtype, device, monkeypatch):

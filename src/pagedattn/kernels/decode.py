@@ -46,7 +46,9 @@ writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and the ro
 combined with log-sum-exp rescaling, in one of three places (the launcher decides from
 shapes, dtypes and whether it owns its workspace):
 
-* **folded** (``FOLD_MERGE``: a plan's per-group merge, 16-bit caches): after storing its
+* **folded** (``FOLD_MERGE``: a plan's per-group merge, 16-bit caches; also a plan whose
+  merge would be per head when its sequences hold few split rows: it merges per group here,
+  ``DecodeConfig.fold_max_rows``): after storing its
   partial, a unit passes a CTA barrier and increments the (sequence, kv head)'s arrival
   counter with one ``acq_rel`` atomic at GPU scope (``_arrive``); the unit that arrives last
   merges the pair's rows (``_merge_group_rows``, L2 loads: ``.cg``), writes the result and

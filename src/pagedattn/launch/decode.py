@@ -249,7 +249,8 @@ class AutoLauncher:
             kv_dtype=kv_dtype, num_splits=num_splits, config=config, ragged=ragged,
             q_len=q_len, window_left=window_left, batch_invariant=batch_invariant,
             interpret=interpret, sms=sms,
-            device_name=device_name_for(device) if on_gpu and config is None else None)
+            device_name=device_name_for(device) if on_gpu and config is None else None,
+            owns_workspace=workspace)
         self.config = cfg = plan.config
         group = num_q_heads // num_kv_heads
         bd = block_d(head_dim)
@@ -281,12 +282,11 @@ class AutoLauncher:
         # the main kernel's tail and wait in griddepcontrol.wait; the per-head merge (b1, b8)
         # lost in graph replays with it, so it launches as before (perf-notes step 32). Off
         # without a merge, under the interpreter and before sm_90: the code is unchanged
-        # a folded merge: the last unit of each (sequence, kv head) to arrive merges the
-        # pair's rows (FOLD_MERGE), counted in the owned workspace, which a launcher that
-        # takes a fresh workspace per launch (one-shot calls) cannot keep zeroed without a
-        # fill: those launch the merge kernel
-        self.fold_merge = (bool(cfg.fold_merge) and per_group and workspace
-                           and not self.one_unit)
+        # a folded merge (policy.plan_launch decides): the last unit of each (sequence, kv
+        # head) to arrive merges the pair's rows (FOLD_MERGE), counted in the owned
+        # workspace, which a launcher that takes a fresh workspace per launch (one-shot
+        # calls) cannot keep zeroed without a fill: those launch the merge kernel
+        self.fold_merge = plan.fold_merge
         #: whether a launch runs a merge kernel after the main one
         self.launches_merge = not (self.one_unit or self.fold_merge)
         self.pdl = bool(cfg.pdl) and per_group and on_gpu and not interpret and (

@@ -52,6 +52,11 @@ class DecodeConfig:
     # (sequence, kv head) to arrive, where the merge is per group: no merge launch
     # (perf-notes step 34: 16-bit caches; fp8's kernel lost 58 µs on b64-c8k with it)
     fold_merge: bool = False
+    # ... and where the merge would be per query head (the pairs do not fill the SMs) when a
+    # sequence holds at most this many split rows, known from shapes (the table's capacity
+    # over min_chunk, or the forced count): the last unit's row loop stays short, and the
+    # call launches one kernel (perf-notes step 35)
+    fold_max_rows: int = 32
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -85,8 +90,10 @@ def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> Dec
     fp32 caches 64-token tiles 2 deep at head_dim ≤ 128 (step 33, with bf16x3 dots), 16-token
     tiles 3 deep at 256. Splits target about one wave of four resident programs per SM (three
     for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight for ragged
-    batches. A per-group merge of a plan is folded into the main kernel for 16-bit caches
-    (step 34)."""
+    batches. A plan's merge is folded into the main kernel for 16-bit caches where it is per
+    group (step 34), or where it would be per head and a sequence holds at most 32 split rows
+    (step 35: b1-c1k 1.7 µs eager and b8-c300's host path 3.9 µs faster; a 128-row fold at
+    b1-c32k cost 16 µs)."""
     bd = block_d(head_dim)
     if cache_dtype == torch.float32:
         # 64-token tiles 2 deep with bf16x3 dots (perf-notes step 33's sweep: 323 µs on
@@ -227,6 +234,7 @@ class LaunchPlan:
     rows_max: int  # split rows the grid and the workspace hold
     block_h: int  # the main kernel's tile rows (q_len x group, at least 16)
     per_group_merge: bool  # the merge: one program per (sequence, kv head), else per head
+    fold_merge: bool  # the per-group merge runs in the main kernel's last unit per pair
     merge_block: int  # the per-group merge's BLOCK_H, or the per-head merge's BLOCK_R
     part_rows: int  # workspace rows of partials (split row x query token x query head)
 
@@ -235,11 +243,12 @@ def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: i
                 head_dim: int, page_size: int, kv_dtype: torch.dtype, num_splits: int | None,
                 config: DecodeConfig | None, ragged: bool, q_len: int, window_left: int,
                 batch_invariant: bool, interpret: bool, sms: int,
-                device_name: str | None) -> LaunchPlan:
+                device_name: str | None, owns_workspace: bool = True) -> LaunchPlan:
     """The launch plan of an :class:`~pagedattn.launch.decode.AutoLauncher` (its keywords,
     plus the device facts: ``interpret``, ``sms`` and ``device_name``, the GPU's name for
     its tuned table or ``None``). ``config`` replaces :func:`choose_config` (tuning) and
-    turns off the plan's own tile adjustments.
+    turns off the plan's own tile adjustments. ``owns_workspace``: the launcher keeps one
+    workspace for every launch (a plan's), so a merge may be folded (``fold_merge``).
 
     Raises:
         ValueError: ``num_splits`` past the partial rows the kernels index in int32.
@@ -305,10 +314,18 @@ def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: i
     # multi-token rows merge per group only; batch invariance needs one merge whatever
     # the batch size (the per-group row loop: a fixed order per sequence)
     per_group = merge_per_group(batch, num_kv_heads, sms) or q_len > 1 or batch_invariant
+    # a sequence has at most ceil(capacity / min_chunk) rows (or the forced count)
+    most_rows = forced_splits or min(rows_max, cdiv(capacity, min_chunk))
+    # the merge folded into the main kernel (FOLD_MERGE): a plan that owns its workspace
+    # (its arrival counters stay zeroed between launches), 16-bit caches (cfg.fold_merge),
+    # split rows to merge; a per-head merge's plan folds (per group) when its sequences
+    # hold few rows
+    fold_merge = bool(cfg.fold_merge) and owns_workspace and not one_unit and (
+        per_group or most_rows <= cfg.fold_max_rows)
+    per_group = per_group or fold_merge
     if per_group:
         merge_block = max(2, next_power_of_2(q_len * group))
-    else:  # a sequence has at most ceil(capacity / min_chunk) rows (or the forced count)
-        most_rows = forced_splits or min(rows_max, cdiv(capacity, min_chunk))
+    else:
         merge_block = min(_MERGE_MAX_BLOCK_R, max(2, next_power_of_2(most_rows)))
     # the workspace: per split row and query head and query token (m, l) then acc
     part_rows = 0 if one_unit else rows_max * q_len * num_q_heads
@@ -325,4 +342,5 @@ def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: i
         # the query group (x q_len tokens) is the tile's rows: tl.dot needs >= 16 (padding
         # rows masked)
         block_h=max(16, next_power_of_2(q_len * group)),
-        per_group_merge=per_group, merge_block=merge_block, part_rows=part_rows)
+        per_group_merge=per_group, fold_merge=fold_merge, merge_block=merge_block,
+        part_rows=part_rows)
