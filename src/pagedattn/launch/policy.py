@@ -56,7 +56,7 @@ class DecodeConfig:
     # sequence holds at most this many split rows, known from shapes (the table's capacity
     # over min_chunk, or the forced count): the last unit's row loop stays short, and the
     # call launches one kernel (perf-notes step 35)
-    fold_max_rows: int = 32
+    fold_max_rows: int = 4
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -91,9 +91,9 @@ def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> Dec
     tiles 3 deep at 256. Splits target about one wave of four resident programs per SM (three
     for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight for ragged
     batches. A plan's merge is folded into the main kernel for 16-bit caches where it is per
-    group (step 34), or where it would be per head and a sequence holds at most 32 split rows
-    (step 35: b1-c1k 1.7 µs eager and b8-c300's host path 3.9 µs faster; a 128-row fold at
-    b1-c32k cost 16 µs)."""
+    group (step 34), or where it would be per head and a sequence holds at most 4 split rows
+    (step 35: b1-c1k 1.8 µs eager and b8-c300's host path 3.9 µs faster; 8 rows even, 16 rows
+    at b1-c4k and b4-c4k 1-4 µs slower, 128 at b1-c32k 16 µs)."""
     bd = block_d(head_dim)
     if cache_dtype == torch.float32:
         # 64-token tiles 2 deep with bf16x3 dots (perf-notes step 33's sweep: 323 µs on
