@@ -55,7 +55,9 @@ CASES = {
     "plain-bf16": ({}, (), torch.bfloat16, None, 64, 8),
     "plain-fp32": ({}, (), torch.float32, None, 64, 8),
     "plain-fp8": ({}, (), torch.bfloat16, torch.float8_e4m3fn, 64, 8),
-    "plain-per-head-merge": ({}, (), torch.bfloat16, None, 1, 2),
+    # two (sequence, kv head) pairs: the per-head merge, which a plan of so few rows folds
+    # (launch.policy: fold_max_rows), so compiled as a one-shot call launches it
+    "plain-per-head-merge": (dict(one_shot=True), (), torch.bfloat16, None, 1, 2),
     "window": (dict(window_left=2100, max_pages=256), (), torch.bfloat16, None, 2, 8),  # split
     # as plan.run serves it (no LSE), where a window's load mask once cost 160 registers
     # (three programs per SM instead of four: perf-notes step 23)
@@ -69,7 +71,7 @@ CASES = {
                                torch.bfloat16, None, 64, 8),
     "softcap": (dict(logits_soft_cap=30.0), (), torch.bfloat16, None, 2, 8),
     "sinks": ({}, ("sinks",), torch.bfloat16, None, 2, 8),
-    "sinks-per-head-merge": ({}, ("sinks",), torch.bfloat16, None, 1, 2),
+    "sinks-per-head-merge": (dict(one_shot=True), ("sinks",), torch.bfloat16, None, 1, 2),
     "alibi": ({}, ("alibi_slopes",), torch.bfloat16, None, 2, 8),
     "invariant": (dict(batch_invariant=True), (), torch.bfloat16, None, 2, 8),
     "q_len4": (dict(q_len=4), (), torch.bfloat16, None, 2, 8),
@@ -135,13 +137,14 @@ def compile_case(name: str) -> dict:
     options = dict(options)
     max_pages = options.pop("max_pages", 64)  # 1,024 tokens: splits and a merge
     with_lse = options.pop("lse", True)
+    one_shot = options.pop("one_shot", False)  # paged_decode's launcher: a fresh workspace
     kv_dtype = kv_dtype or dtype
     q_len = options.pop("q_len", 1)
     launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=32,
                               num_kv_heads=kv_heads,
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
                               device=torch.device("cpu"), num_splits=None, q_len=q_len,
-                              options=plan_options(options))
+                              options=plan_options(options), workspace=not one_shot)
     query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
