@@ -108,7 +108,10 @@ phase_bench() {
     timeout "${VARIANTS_S:-200}" python3 scripts/bench_variants.py \
       --json "$RES/variants-$GPU.json" 2>&1 | cut -c1-300
   fi
-  [ -f "$RES/bench-$GPU.json" ] && python3 scripts/results.py page --gpu "$GPU" --dir "$RES"
+  # the page needs the harness's run; a call of the host or variant steps alone exits 0
+  if [ -f "$RES/bench-$GPU.json" ]; then
+    python3 scripts/results.py page --gpu "$GPU" --dir "$RES"
+  fi
 }
 
 phase_serving() {
