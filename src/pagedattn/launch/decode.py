@@ -21,8 +21,10 @@ capacity ``max_pages · page_size`` is at most the smallest chunk), the grid is 
 num_kv_heads`` programs, one per (sequence, kv head), the kernel skips its scans of
 ``context_lens`` (``ONE_UNIT``) and no merge is launched.
 
-The merge. A launcher that owns its workspace (a plan's) and merges per group (the policy's
-``fold_merge``: 16-bit caches) folds the merge into the main kernel (``FOLD_MERGE``): the
+The merge. A launcher that owns its workspace (a plan's) folds the merge into the main kernel
+where the policy says so (``LaunchPlan.fold_merge``: 16-bit caches, a per-group merge or a
+per-head one of at most ``fold_max_rows`` rows per sequence, then merged per group)
+(``FOLD_MERGE``): the
 workspace's ``seq_rows`` part holds one int32 arrival counter per (sequence, kv head) instead,
 zeroed once by :meth:`AutoLauncher.new_workspace` and left at zero by every launch (the last
 unit of each pair resets its own), so a launch is the main kernel alone. Otherwise the merge
@@ -456,25 +458,25 @@ class AutoLauncher:
             **{flag: bool(calls) and name in calls for name, _, flag in _MAIN_CALLS},
             **self.main_constexprs,
         )
-        merge_args = dict(
-            context_lens_ptr=context_lens, part_ml_ptr=part_ml,
-            part_acc_ptr=part_acc, seq_rows_ptr=seq_rows, out_ptr=out,
-            lse_ptr=main_args["lse_ptr"],
-            **{arg: main_args[arg] for _, arg, _ in _MERGE_CALLS}, **self.merge_variant_args,
-            num_q_heads=self.num_q_heads, group=self.group,
-            page_size=self.page_size, max_pages=self.max_pages,
-            stride_ctx=context_lens.stride(0), stride_o_b=out.stride(0),
-            stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
-            stride_o_t=main_args["stride_o_t"],
-            HAS_LSE=lse is not None, **{flag: main_args[flag] for _, _, flag in _MERGE_CALLS},
-            **self.merge_constexprs,
-        )
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
                                                num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
         compiled = {"paged_decode": main}
         merge = None
-        if self.launches_merge:
+        if self.launches_merge:  # (a folded or one-unit launch binds no merge)
+            merge_args = dict(
+                context_lens_ptr=context_lens, part_ml_ptr=part_ml,
+                part_acc_ptr=part_acc, seq_rows_ptr=seq_rows, out_ptr=out,
+                lse_ptr=main_args["lse_ptr"],
+                **{arg: main_args[arg] for _, arg, _ in _MERGE_CALLS}, **self.merge_variant_args,
+                num_q_heads=self.num_q_heads, group=self.group,
+                page_size=self.page_size, max_pages=self.max_pages,
+                stride_ctx=context_lens.stride(0), stride_o_b=out.stride(0),
+                stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
+                stride_o_t=main_args["stride_o_t"],
+                HAS_LSE=lse is not None, **{flag: main_args[flag] for _, _, flag in _MERGE_CALLS},
+                **self.merge_constexprs,
+            )
             merge = self.merge_kernel[self.merge_grid](
                 **merge_args, num_warps=4, **({"launch_pdl": True} if self.pdl else {}))
             compiled["paged_decode_merge"] = merge
