@@ -419,3 +419,95 @@ def test_fp8_split_target_by_pairs(batch, kv_heads, dtype, few):
     assert launch.fp8_few_pairs(batch=batch, num_kv_heads=kv_heads, sms=132, kv_dtype=dtype,
                                 head_dim=128) is few
     assert launch.heuristic_config(128, 4, torch.float8_e4m3fn).ctas_per_sm == 3
+
+
+def test_lean_loop_and_int32_slot_offsets_where_they_apply(device):
+    """The token loop's lean online softmax (``LEAN_SOFTMAX``, perf-notes step 38) needs
+    every row of every tile to see a key and scores that end in the exact product: one query
+    token without a window or soft-cap takes it (16-bit and fp8 caches); several query
+    tokens (causal rows), a window and a soft-cap do not, nor fp32 caches (their kernel ran
+    slower with it). A token's in-page offset is int32 where ``(page_size - 1)·stride_tok +
+    (num_kv_heads - 1)·stride_head`` fits below 2^31, for both caches."""
+    from pagedattn.launch import policy
+    from pagedattn.launch.decode import AutoLauncher, slot_offsets_fit_int32
+    from pagedattn.options import plan_options
+
+    kw = dict(batch=4, max_pages=64, num_q_heads=8, num_kv_heads=2, head_dim=128,
+              page_size=16, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+              device=torch.device(device), num_splits=None)
+
+    def lean(**over):
+        options = over.pop("options", {})
+        return AutoLauncher(**{**kw, **over}, options=plan_options(options)).main_constexprs[
+            "LEAN_SOFTMAX"]
+
+    assert lean() and lean(kv_dtype=torch.float8_e4m3fn) and lean(kv_dtype=torch.float16)
+    assert lean(options=dict(batch_invariant=True))
+    assert not lean(q_len=2)
+    assert not lean(options=dict(window_left=100))
+    assert not lean(options=dict(logits_soft_cap=30.0))
+    assert not lean(q_dtype=torch.float32, kv_dtype=torch.float32)
+    assert lean(options=dict(window_left=64 * 16))  # a window the table fits in: none
+    for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+        cfg = policy.heuristic_config(128, 4, dtype)
+        assert cfg.lean_softmax is cfg.slot_offsets_i32 is (dtype != torch.float32)
+
+    class View:  # strides of an NHD-shaped view
+        def __init__(self, *strides):
+            self._s = strides
+
+        def stride(self, dim):
+            return self._s[dim]
+
+    assert slot_offsets_fit_int32(View(16 * 1024, 1024, 128, 1), 16, 8)
+    # (16 - 1) * 2^27 + 7 * 2^20 = 2^31 - 2^27 + 7 * 2^20 < 2^31; one head more does not fit
+    assert slot_offsets_fit_int32(View(1 << 32, 1 << 27, 1 << 20, 1), 16, 8)
+    assert not slot_offsets_fit_int32(View(1 << 32, 1 << 27, 1 << 20, 1), 16, 129)
+    assert not slot_offsets_fit_int32(View(1 << 33, 1 << 28, 1, 1), 16, 1)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_lean_loop_gives_the_bits_of_the_full_loop(cache_dtype, device, monkeypatch):
+    """The lean online softmax and int32 slot offsets change no result: with exactly
+    rounded scores ``s - max`` is 0 at the max and below it elsewhere, and a masked score
+    (-inf) still weighs 0, so the clamp and the selects they drop were no-ops; the offsets
+    address the same elements. In the interpreter (no FMA contraction) a plan gives the same
+    bits with both flags off; on a GPU, where the full loop's product may be contracted into
+    the subtraction, both stay within rounding of each other and match the oracle. Split
+    and unsplit sequences, an empty one, a one-token page tail, NaN-poisoned cache slots and
+    scratch, LSE."""
+    from dataclasses import replace
+
+    from _hardening import poison_scratch
+
+    from pagedattn.launch import policy
+
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    x = make_paged_inputs([0, 1, 17, 200, 333], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                          page_size=16, dtype=torch.bfloat16 if fp8 else cache_dtype,
+                          cache_dtype=cache_dtype, seed=38, device=device)
+    scales = dict(k_scale=0.7, v_scale=1.3) if fp8 else {}
+    poison_scratch(monkeypatch)
+
+    def run():
+        plan = pagedattn.plan_decode(x.block_tables, x.context_lens, num_q_heads=8,
+                                     num_kv_heads=2, head_dim=64, page_size=16,
+                                     q_dtype=x.query.dtype, kv_dtype=cache_dtype)
+        constexprs = plan._engine().main_constexprs
+        return plan.run(*x[:3], return_lse=True, **scales), constexprs["LEAN_SOFTMAX"]
+
+    (lean_out, lean_lse), lean_on = run()
+    heuristic = policy.heuristic_config
+    monkeypatch.setattr(policy, "heuristic_config", lambda *a, **k: replace(
+        heuristic(*a, **k), lean_softmax=False, slot_offsets_i32=False))
+    (full_out, full_lse), full_on = run()
+    assert lean_on and not full_on
+    ref = paged_decode_reference(*x, **scales)
+    tol = 1e-2 if fp8 else tolerance_for(cache_dtype)
+    assert rel_l2_error(lean_out, ref.out) <= tol
+    assert (lean_out[0] == 0).all() and torch.isneginf(lean_lse[0]).all()
+    if device == "cpu":
+        assert torch.equal(lean_out, full_out) and torch.equal(lean_lse, full_lse)
+    else:
+        assert rel_l2_error(lean_out, full_out) <= 1e-3
+        torch.testing.assert_close(lean_lse, full_lse, rtol=1e-5, atol=1e-5)

@@ -140,6 +140,30 @@ def _softmax_block_step(m, l, s):
 
 
 @triton.jit
+def _softmax_block_step_lean(m, l, s):
+    """:func:`_softmax_block_step` for a tile whose every row holds at least one seen key
+    and whose scores are exactly rounded products (:func:`_exact_mul`): the new max is
+    finite, ``s - m_new`` is exactly 0 at the max and negative elsewhere, and a masked
+    score (``-inf``) gives ``exp2(-inf) = 0``, so neither clamp nor select is needed."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _exact_mul(x, y, ASM: tl.constexpr):
+    """``x · y`` rounded once and never contracted into a later subtraction (``mul.rn``:
+    ptxas fuses a plain ``mul`` into an FMA, which leaves the rounding error of the product
+    where ``s - max(s)`` should be 0; case N15). The interpreter never contracts."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return x * y
+
+
+@triton.jit
 def _merge_partials(m, l, acc, m_s, l_s, acc_s):
     """Fold the partial state of one split (``m_s`` finite: the split held tokens) into the
     running ``(m, l, acc)``: both are rescaled to the common max ``2^(m_* - M)``."""
@@ -517,15 +541,18 @@ def _v_tile_view(value_cache_ptr, offs_d, mask_d, HEAD_DIM: tl.constexpr,
 def _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
                     window_left, softcap, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr):
+                    HAS_ALIBI: tl.constexpr, LEAN: tl.constexpr = False,
+                    ASM: tl.constexpr = False):
     """A tile's exp2-domain scores ``[BLOCK_H, BLOCK_N]``: ``q·kᵀ · qk_scale``, then the
     soft-cap (Gemma 2, on the natural-domain logit, before any bias), ALiBi's ``+ slope·(p -
     i)`` (``alibi2``: slopes times log2 e, per row), and -inf where a key is not seen: past
     the unit's range, after the row's own position (``Q_LEN > 1``: causal, bottom-right
     aligned) or before its window (each row's with several tokens; one token: the first
-    tile's keys before ``win_first``)."""
-    s = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)),
-               input_precision=DOT_PRECISION) * qk_scale[:, None]
+    tile's keys before ``win_first``). ``LEAN``: the product is exactly rounded
+    (:func:`_exact_mul`, inline PTX with ``ASM``), as :func:`_softmax_block_step_lean`
+    needs."""
+    dot = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    s = _exact_mul(dot, qk_scale[:, None], ASM) if LEAN else dot * qk_scale[:, None]
     if HAS_SOFTCAP:
         s = _soft_cap(s, softcap)
     if HAS_ALIBI:
@@ -547,10 +574,13 @@ def _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_fir
 
 @triton.jit
 def _online_softmax_step(m, l, acc, s, v, DOT_DTYPE: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, LEAN: tl.constexpr = False):
     """Fold a tile of scores ``s`` and values ``v`` ``[BLOCK_N, BLOCK_D]`` into the state
     ``(m, l, acc)``: :func:`_softmax_block_step`, then ``acc · alpha + P·V`` (``tl.dot``)."""
-    m, alpha, p, l = _softmax_block_step(m, l, s)
+    if LEAN:
+        m, alpha, p, l = _softmax_block_step_lean(m, l, s)
+    else:
+        m, alpha, p, l = _softmax_block_step(m, l, s)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                         input_precision=DOT_PRECISION)
     return m, l, acc
@@ -558,11 +588,14 @@ def _online_softmax_step(m, l, acc, s, v, DOT_DTYPE: tl.constexpr,
 
 @triton.jit
 def _online_softmax_step_pairs(m, l, acc_even, acc_odd, s, v, FP8: tl.constexpr,
-                               ASM: tl.constexpr):
+                               ASM: tl.constexpr, LEAN: tl.constexpr = False):
     """:func:`_online_softmax_step` for fp8 values read as 16-bit dim pairs ``v``
     (:func:`_fp8_dim_pairs`): the even and odd dims accumulate apart, in two half-width
     fp16 P·V dots."""
-    m, alpha, p, l = _softmax_block_step(m, l, s)
+    if LEAN:
+        m, alpha, p, l = _softmax_block_step_lean(m, l, s)
+    else:
+        m, alpha, p, l = _softmax_block_step(m, l, s)
     v_even, v_odd = _fp8_dim_pairs(v, FP8, ASM)
     p16 = p.to(tl.float16)
     acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)

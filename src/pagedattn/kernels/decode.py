@@ -105,6 +105,21 @@ their flag only):
   sequence: 0, LSE ``-inf`` or the sink) and no merge is launched. The arithmetic of a
   non-empty sequence is the one-row path's, bit for bit.
 
+**The token loop's fast forms** (``docs/perf-notes.md`` step 38), two more flags the launcher
+sets where they are exact, each instruction for instruction the old loop when off:
+
+* ``LEAN_SOFTMAX`` (one query token, no window, no soft-cap: every row of every tile sees a
+  key, so the running max is finite from the first tile on): the scores are exactly rounded
+  products (``mul.rn``, which ptxas never contracts into the subtraction that follows), so
+  ``exp2(s - max)`` is 1 at the max and at most 1 elsewhere, and a masked score still gives
+  0: the step drops :func:`~pagedattn.kernels.common._probs`' clamp and selects and
+  :func:`~pagedattn.kernels.common._rescale`'s select (fp8's loop is issue-bound: 571 → 537
+  instructions a tile). fp32 caches keep the full step (slower with it).
+* ``SLOT_OFFSETS_I32``: a token's offset within its page (``slot · stride_tok + kv_head ·
+  stride_head``) in int32 where it fits for both caches (the launcher checks the strides),
+  and only the page's ``page_id · stride_page`` in 64-bit: one 64-bit product a token row
+  instead of three.
+
 **Structure.** The kernels here are their steps in order, each a named ``@triton.jit`` helper
 of :mod:`pagedattn.kernels.common` that Triton inlines (constexpr flags stay constexpr
 arguments, so an unused branch leaves no code): ``_plan_unit`` (which sequence and rows a
@@ -198,9 +213,11 @@ def _paged_decode_kernel(
     BATCH_INVARIANT: tl.constexpr = False,  # chunk = min_chunk, whatever the batch
     ONE_UNIT: tl.constexpr = False,  # one unit per sequence (row r = sequence b): no merge
     FP8_V_PAIRS: tl.constexpr = 0,  # fp8 V read as 16-bit dim pairs: 1 e4m3, 2 e5m2 (0: off)
-    FP8_ASM: tl.constexpr = False,  # FP8_V_PAIRS: the packed cvt in inline PTX (GPU only)
+    ASM: tl.constexpr = False,  # inline PTX (GPU only): FP8_V_PAIRS' cvt, the exact products
     PDL: tl.constexpr = False,  # the merge is launched as a programmatic dependent (sm_90+)
     FOLD_MERGE: tl.constexpr = False,  # the last unit of a (sequence, kv head) merges its rows
+    LEAN_SOFTMAX: tl.constexpr = False,  # every row sees a key in every tile: no clamp, no select
+    SLOT_OFFSETS_I32: tl.constexpr = False,  # a token's offset within its page in int32
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
@@ -264,40 +281,59 @@ def _paged_decode_kernel(
         tok = tl.maximum(tok, win_first)
     page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // PAGE_SIZE,
                         tok < tok_end)
+    if SLOT_OFFSETS_I32:  # the launcher checked (page_size - 1)·stride_tok + this < 2^31
+        k_head32 = kv_head * stride_k_head
+        v_head32 = kv_head * stride_v_head
     for n0 in range(tok_start, tok_end, BLOCK_N):
         tok = n0 + offs_n
         mask_n = tok < tok_end
         # the K/V loads stand here, not in a helper: an inlined helper's debug-scope labels
         # split ptxas's blocks, and in the loop that cost the ALiBi kernel 162 registers
-        # against 128, the soft-cap one 12 spilled bytes (perf-notes step 31)
-        if HAS_WINDOW:  # keys before the window read win_first's row (see above)
+        # against 128, the soft-cap one 12 spilled bytes (perf-notes step 31). A token's
+        # offset is page_id · stride_page (64-bit: pages pass 2^31 elements on large caches)
+        # plus its slot's and head's offsets, in int32 where they fit (SLOT_OFFSETS_I32: one
+        # 64-bit product a row, not three; perf-notes step 38)
+        if SLOT_OFFSETS_I32:  # with a window, keys before it read win_first's row (above)
+            slot32 = (tl.maximum(tok, win_first) if HAS_WINDOW else tok) % PAGE_SIZE
+        elif HAS_WINDOW:  # keys before the window read win_first's row (see above)
             slot = (tl.maximum(tok, win_first) % PAGE_SIZE).to(tl.int64)
         else:
             slot = (tok % PAGE_SIZE).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(key_cache_ptr + (page_id * stride_k_page + slot * stride_k_tok
-                                     + k_head)[:, None] + offs_d[None, :] * stride_k_d,
+        if SLOT_OFFSETS_I32:
+            k_off = page_id * stride_k_page + (slot32 * stride_k_tok + k_head32)
+        else:
+            k_off = page_id * stride_k_page + slot * stride_k_tok + k_head
+        k = tl.load(key_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_k_d,
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         if FP8_V_PAIRS:  # [BLOCK_N, BLOCK_D // 2] 16-bit words, two fp8 dims each
-            w_row = tl.multiple_of((page_id * stride_v_page + slot * stride_v_tok + v_head) // 2,
-                                   8)  # the launcher's strides are multiples of 16 bytes
+            if SLOT_OFFSETS_I32:
+                v_off = page_id * stride_v_page + (slot32 * stride_v_tok + v_head32)
+            else:
+                v_off = page_id * stride_v_page + slot * stride_v_tok + v_head
+            w_row = tl.multiple_of(v_off // 2, 8)  # the launcher's strides: 16-byte multiples
             v = tl.load(v_base + w_row[:, None] + offs_v[None, :],
                         mask=mask_n[:, None] & v_mask_d[None, :], other=0)
         else:
-            v = tl.load(value_cache_ptr + (page_id * stride_v_page + slot * stride_v_tok
-                                           + v_head)[:, None] + offs_d[None, :] * stride_v_d,
+            if SLOT_OFFSETS_I32:
+                v_off = page_id * stride_v_page + (slot32 * stride_v_tok + v_head32)
+            else:
+                v_off = page_id * stride_v_page + slot * stride_v_tok + v_head
+            v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
                         mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
         page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p,
                             tok_next // PAGE_SIZE, tok_next < tok_end)
         s = _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
                             window_left, softcap, DOT_DTYPE, DOT_PRECISION, Q_LEN, HAS_WINDOW,
-                            HAS_SOFTCAP, HAS_ALIBI)
+                            HAS_SOFTCAP, HAS_ALIBI, LEAN_SOFTMAX, ASM)
         if FP8_V_PAIRS:
             m, l, acc_even, acc_odd = _online_softmax_step_pairs(m, l, acc_even, acc_odd, s, v,
-                                                                 FP8_V_PAIRS, FP8_ASM)
+                                                                 FP8_V_PAIRS, ASM,
+                                                                 LEAN_SOFTMAX)
         else:
-            m, l, acc = _online_softmax_step(m, l, acc, s, v, DOT_DTYPE, DOT_PRECISION)
+            m, l, acc = _online_softmax_step(m, l, acc, s, v, DOT_DTYPE, DOT_PRECISION,
+                                             LEAN_SOFTMAX)
     if FP8_V_PAIRS:  # dims 2j, 2j + 1 back in place: [BLOCK_H, BLOCK_D]
         acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_H, BLOCK_D])
 

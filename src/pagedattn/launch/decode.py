@@ -109,6 +109,14 @@ def fp8_v_pairs(value_cache: torch.Tensor, head_dim: int) -> int:
     return 1 if value_cache.dtype == torch.float8_e4m3fn else 2
 
 
+def slot_offsets_fit_int32(cache: torch.Tensor, page_size: int, num_kv_heads: int) -> bool:
+    """The ``SLOT_OFFSETS_I32`` test of one NHD-shaped cache view (HND is a stride
+    permutation): every token's offset within its page, ``slot · stride_tok + kv_head ·
+    stride_head``, is below 2^31 elements, so the kernel forms it in int32 and only the
+    page's ``page_id · stride_page`` in 64-bit. Strides are part of a launch's binding."""
+    return (page_size - 1) * cache.stride(1) + (num_kv_heads - 1) * cache.stride(2) < 2**31
+
+
 def _direct_launch_supported() -> bool:
     """``CompiledKernel[grid](*args)`` takes every argument of the kernel in order (constexpr
     slots included) on Triton 3.6 (checked by the GPU tests against ``kernel[grid]``);
@@ -295,6 +303,13 @@ class AutoLauncher:
             self.launches_merge) and pdl_supported(device.index if device.index is not None
                                                    else torch.cuda.current_device())
         self.main_constexprs.update(PDL=self.pdl, FOLD_MERGE=self.fold_merge)
+        # the lean online softmax (LEAN_SOFTMAX) needs every row of every tile to see a key
+        # (so the running max is finite from the first tile on) and a score whose last
+        # operation is the exact product: one query token (no causal rows), no window (no
+        # masked first keys) and no soft-cap (its tanh follows the product)
+        self.main_constexprs["LEAN_SOFTMAX"] = (
+            cfg.lean_softmax and q_len == 1 and plan.window_left < 0
+            and options.logits_soft_cap is None)
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
@@ -454,7 +469,10 @@ class AutoLauncher:
             stride_ctx=context_lens.stride(0),
             stride_o_b=out.stride(0), stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
             SCALE_FROM_PTR=tensor_scales, HAS_LSE=lse is not None,
-            FP8_V_PAIRS=fp8_v_pairs(value_cache, self.head_dim), FP8_ASM=not is_interpreter(),
+            SLOT_OFFSETS_I32=self.config.slot_offsets_i32 and all(
+                slot_offsets_fit_int32(c, self.page_size, self.num_kv_heads)
+                for c in (key_cache, value_cache)),
+            FP8_V_PAIRS=fp8_v_pairs(value_cache, self.head_dim), ASM=not is_interpreter(),
             **{flag: bool(calls) and name in calls for name, _, flag in _MAIN_CALLS},
             **self.main_constexprs,
         )

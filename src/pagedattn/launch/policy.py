@@ -57,6 +57,14 @@ class DecodeConfig:
     # over min_chunk, or the forced count): the last unit's row loop stays short, and the
     # call launches one kernel (perf-notes step 35)
     fold_max_rows: int = 4
+    # the token loop's online softmax without its clamp and selects, where every row of
+    # every tile sees a key (one query token, no window, no soft-cap; the launcher checks):
+    # scores as exactly rounded products (perf-notes step 38: fewer loop instructions a
+    # tile; the issue-bound fp8 kernel gains most)
+    lean_softmax: bool = True
+    # a token's offset within its page (slot and kv head) in int32 where every such offset
+    # of both caches fits (the launcher checks the strides), the page's own in 64-bit
+    slot_offsets_i32: bool = True
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -112,9 +120,13 @@ def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> Dec
         block_n, stages, ctas = 64, 2, 4
     else:
         block_n, stages, ctas = 32, 3, 4
+    # the lean softmax and int32 slot offsets (perf-notes step 38): faster on every 16-bit
+    # and fp8 row or even; the fp32 kernel (bf16x3 dots) ran 1-1.6 % slower with them
+    fast_loop = cache_dtype != torch.float32
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=ctas,
                         min_chunk=256,
-                        fold_merge=cache_dtype in (torch.float16, torch.bfloat16))
+                        fold_merge=cache_dtype in (torch.float16, torch.bfloat16),
+                        lean_softmax=fast_loop, slot_offsets_i32=fast_loop)
 
 
 def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size: int,
