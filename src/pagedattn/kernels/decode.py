@@ -113,8 +113,8 @@ sets where they are exact, each instruction for instruction the old loop when of
   products (``mul.rn``, which ptxas never contracts into the subtraction that follows), so
   ``exp2(s - max)`` is 1 at the max and at most 1 elsewhere, and a masked score still gives
   0: the step drops :func:`~pagedattn.kernels.common._probs`' clamp and selects and
-  :func:`~pagedattn.kernels.common._rescale`'s select (fp8's loop is issue-bound: 571 → 537
-  instructions a tile). fp32 caches keep the full step (slower with it).
+  :func:`~pagedattn.kernels.common._rescale`'s select (fp8's issue-bound loop gains most).
+  fp32 caches keep the full step (slower with it).
 * ``SLOT_OFFSETS_I32``: a token's offset within its page (``slot · stride_tok + kv_head ·
   stride_head``) in int32 where it fits for both caches (the launcher checks the strides),
   and only the page's ``page_id · stride_page`` in 64-bit: one 64-bit product a token row
@@ -281,9 +281,9 @@ def _paged_decode_kernel(
         tok = tl.maximum(tok, win_first)
     page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // PAGE_SIZE,
                         tok < tok_end)
-    if SLOT_OFFSETS_I32:  # the launcher checked (page_size - 1)·stride_tok + this < 2^31
-        k_head32 = kv_head * stride_k_head
-        v_head32 = kv_head * stride_v_head
+    if SLOT_OFFSETS_I32:  # int32 instead (the launcher checked that every in-page offset fits)
+        k_head = kv_head * stride_k_head
+        v_head = kv_head * stride_v_head
     for n0 in range(tok_start, tok_end, BLOCK_N):
         tok = n0 + offs_n
         mask_n = tok < tok_end
@@ -292,33 +292,27 @@ def _paged_decode_kernel(
         # against 128, the soft-cap one 12 spilled bytes (perf-notes step 31). A token's
         # offset is page_id · stride_page (64-bit: pages pass 2^31 elements on large caches)
         # plus its slot's and head's offsets, in int32 where they fit (SLOT_OFFSETS_I32: one
-        # 64-bit product a row, not three; perf-notes step 38)
-        if SLOT_OFFSETS_I32:  # with a window, keys before it read win_first's row (above)
-            slot32 = (tl.maximum(tok, win_first) if HAS_WINDOW else tok) % PAGE_SIZE
-        elif HAS_WINDOW:  # keys before the window read win_first's row (see above)
-            slot = (tl.maximum(tok, win_first) % PAGE_SIZE).to(tl.int64)
-        else:
-            slot = (tok % PAGE_SIZE).to(tl.int64)
+        # 64-bit product a row, not three; perf-notes step 38). With a window, keys before it
+        # read win_first's row (see above)
+        slot = (tl.maximum(tok, win_first) if HAS_WINDOW else tok) % PAGE_SIZE
+        if not SLOT_OFFSETS_I32:
+            slot = slot.to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         if SLOT_OFFSETS_I32:
-            k_off = page_id * stride_k_page + (slot32 * stride_k_tok + k_head32)
+            k_off = page_id * stride_k_page + (slot * stride_k_tok + k_head)
         else:
             k_off = page_id * stride_k_page + slot * stride_k_tok + k_head
         k = tl.load(key_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_k_d,
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if SLOT_OFFSETS_I32:
+            v_off = page_id * stride_v_page + (slot * stride_v_tok + v_head)
+        else:
+            v_off = page_id * stride_v_page + slot * stride_v_tok + v_head
         if FP8_V_PAIRS:  # [BLOCK_N, BLOCK_D // 2] 16-bit words, two fp8 dims each
-            if SLOT_OFFSETS_I32:
-                v_off = page_id * stride_v_page + (slot32 * stride_v_tok + v_head32)
-            else:
-                v_off = page_id * stride_v_page + slot * stride_v_tok + v_head
             w_row = tl.multiple_of(v_off // 2, 8)  # the launcher's strides: 16-byte multiples
             v = tl.load(v_base + w_row[:, None] + offs_v[None, :],
                         mask=mask_n[:, None] & v_mask_d[None, :], other=0)
         else:
-            if SLOT_OFFSETS_I32:
-                v_off = page_id * stride_v_page + (slot32 * stride_v_tok + v_head32)
-            else:
-                v_off = page_id * stride_v_page + slot * stride_v_tok + v_head
             v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
                         mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
