@@ -90,11 +90,14 @@ phase_bench() {
   local steps=${BENCH_STEPS:-harness host variants}
   if [[ " $steps " == *" harness "* ]]; then
     stamp "benchmark: auto beside $FI_PEERS and the peer files, eager and graph"
+    rm -rf /tmp/pagedattn-bench  # a warm machine's last run
     timeout "${BENCH_S:-420}" python3 -m pagedattn.cli bench --shapes "${SHAPES:-peers}" \
       --impls auto --peers "$FI_PEERS" "${PEER_FILES[@]}" --graph --reps 40 ${BENCH_ARGS:-} \
-      --out-dir "$OUT/bench" > "$OUT/bench.log" 2>&1; tail -n 70 "$OUT/bench.log" | cut -c1-200
-    for ext in csv json md; do cp "$OUT/bench/bench.$ext" "$RES/bench-$GPU.$ext"; done
-    cp "$OUT/bench/bench_roofline.png" "$RES/bench-$GPU-roofline.png" 2>/dev/null  # none untimed
+      --out-dir /tmp/pagedattn-bench > "$OUT/bench.log" 2>&1; tail -n 70 "$OUT/bench.log" | cut -c1-200
+    # the harness writes outside $OUT and only $RES's copies come back: a call returns at most
+    # 8 files, and two copies of each left the page and the runs CSV behind
+    for ext in csv json md; do cp /tmp/pagedattn-bench/bench.$ext "$RES/bench-$GPU.$ext"; done
+    cp /tmp/pagedattn-bench/bench_roofline.png "$RES/bench-$GPU-roofline.png" 2>/dev/null  # none untimed
     cp docs/results/bench-runs.csv "$RES/"
     python3 scripts/results.py append "$RES/bench-$GPU.json" --runs "$RES/bench-runs.csv" \
       --commit "${PAGEDATTN_GIT_SHA:-}" --source "docs/results/bench-$GPU.{csv,json,md}"
