@@ -129,25 +129,20 @@ def _softmax_token_step(m, l, acc, s, v):
 
 
 @triton.jit
-def _softmax_block_step(m, l, s):
+def _softmax_block_step(m, l, s, LEAN: tl.constexpr = False):
     """A tile of scores ``s`` ``[rows, BLOCK_N]`` (masked tokens at -inf) against the state
     ``m``, ``l`` ``[rows]``. Returns ``(m_new, alpha, p, l_new)``; the caller updates its
-    accumulator as ``acc * alpha[:, None] + P·V``."""
+    accumulator as ``acc * alpha[:, None] + P·V``. ``LEAN``: every row of the tile holds at
+    least one seen key and the scores are exactly rounded products (:func:`_exact_mul`), so
+    the new max is finite, ``s - m_new`` is exactly 0 at the max and negative elsewhere, and
+    a masked score (``-inf``) gives ``exp2(-inf) = 0``: neither clamp nor select is needed."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = _rescale(m, m_new)
-    p = _probs(s, m_new[:, None])
-    return m_new, alpha, p, l * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
-def _softmax_block_step_lean(m, l, s):
-    """:func:`_softmax_block_step` for a tile whose every row holds at least one seen key
-    and whose scores are exactly rounded products (:func:`_exact_mul`): the new max is
-    finite, ``s - m_new`` is exactly 0 at the max and negative elsewhere, and a masked
-    score (``-inf``) gives ``exp2(-inf) = 0``, so neither clamp nor select is needed."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if LEAN:
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        alpha = _rescale(m, m_new)
+        p = _probs(s, m_new[:, None])
     return m_new, alpha, p, l * alpha + tl.sum(p, axis=1)
 
 
@@ -549,8 +544,8 @@ def _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_fir
     the unit's range, after the row's own position (``Q_LEN > 1``: causal, bottom-right
     aligned) or before its window (each row's with several tokens; one token: the first
     tile's keys before ``win_first``). ``LEAN``: the product is exactly rounded
-    (:func:`_exact_mul`, inline PTX with ``ASM``), as :func:`_softmax_block_step_lean`
-    needs."""
+    (:func:`_exact_mul`, inline PTX with ``ASM``), as :func:`_softmax_block_step`'s
+    ``LEAN`` form needs."""
     dot = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     s = _exact_mul(dot, qk_scale[:, None], ASM) if LEAN else dot * qk_scale[:, None]
     if HAS_SOFTCAP:
@@ -577,10 +572,7 @@ def _online_softmax_step(m, l, acc, s, v, DOT_DTYPE: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, LEAN: tl.constexpr = False):
     """Fold a tile of scores ``s`` and values ``v`` ``[BLOCK_N, BLOCK_D]`` into the state
     ``(m, l, acc)``: :func:`_softmax_block_step`, then ``acc · alpha + P·V`` (``tl.dot``)."""
-    if LEAN:
-        m, alpha, p, l = _softmax_block_step_lean(m, l, s)
-    else:
-        m, alpha, p, l = _softmax_block_step(m, l, s)
+    m, alpha, p, l = _softmax_block_step(m, l, s, LEAN)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                         input_precision=DOT_PRECISION)
     return m, l, acc
@@ -592,10 +584,7 @@ def _online_softmax_step_pairs(m, l, acc_even, acc_odd, s, v, FP8: tl.constexpr,
     """:func:`_online_softmax_step` for fp8 values read as 16-bit dim pairs ``v``
     (:func:`_fp8_dim_pairs`): the even and odd dims accumulate apart, in two half-width
     fp16 P·V dots."""
-    if LEAN:
-        m, alpha, p, l = _softmax_block_step_lean(m, l, s)
-    else:
-        m, alpha, p, l = _softmax_block_step(m, l, s)
+    m, alpha, p, l = _softmax_block_step(m, l, s, LEAN)
     v_even, v_odd = _fp8_dim_pairs(v, FP8, ASM)
     p16 = p.to(tl.float16)
     acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
