@@ -83,6 +83,18 @@ CASES = {
     "one-unit-everything": (dict(max_pages=8, q_len=3, window_left=50, logits_soft_cap=5.0),
                             ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
     "one-unit-fp8": (dict(max_pages=8), (), torch.bfloat16, torch.float8_e4m3fn, 1, 8),
+    # the persistent schedule (kernels/persistent.py): the same token loop, its own scans,
+    # pieces and merge; one kernel, no merge launch
+    "persistent-bf16": (dict(schedule="persistent"), (), torch.bfloat16, None, 64, 8),
+    "persistent-fp32": (dict(schedule="persistent"), (), torch.float32, None, 64, 8),
+    "persistent-fp8": (dict(schedule="persistent"), (), torch.bfloat16, torch.float8_e4m3fn,
+                       64, 8),
+    "persistent-window-no-lse": (dict(schedule="persistent", window_left=4096, lse=False,
+                                      max_pages=512), (), torch.bfloat16, None, 64, 8),
+    "persistent-q_len4": (dict(schedule="persistent", q_len=4), (), torch.bfloat16, None, 2, 8),
+    "persistent-everything": (dict(schedule="persistent", q_len=3, window_left=50,
+                                   logits_soft_cap=5.0), ("sinks", "alibi_slopes"),
+                              torch.bfloat16, None, 2, 8),
 }
 
 #: an option that no case above switches on gets a case of its own, ``option-<name>`` (its
@@ -140,11 +152,13 @@ def compile_case(name: str) -> dict:
     one_shot = options.pop("one_shot", False)  # paged_decode's launcher: a fresh workspace
     kv_dtype = kv_dtype or dtype
     q_len = options.pop("q_len", 1)
+    schedule = options.pop("schedule", "split")
     launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=32,
                               num_kv_heads=kv_heads,
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
                               device=torch.device("cpu"), num_splits=None, q_len=q_len,
-                              options=plan_options(options), workspace=not one_shot)
+                              options=plan_options(options), workspace=not one_shot,
+                              schedule=schedule)
     query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
@@ -194,6 +208,46 @@ def resources(ptx: str) -> tuple[int, int, int] | None:
         r"Used (\d+) registers", r"(\d+) bytes spill stores", r"(\d+) bytes spill loads"))
 
 
+NVDISASM = PTXAS.with_name("nvdisasm")
+_SASS_INST = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_SASS_LABEL = re.compile(r"\s*\.(L_x_\d+):")
+
+
+def loop_spills(cubin: bytes) -> int | None:
+    """Spill instructions (``STL``/``LDL``) inside the token loop of a compiled kernel: the
+    smallest backward-branch loop that holds tensor-core instructions (``HMMA``), read off
+    the bundled ``nvdisasm``'s SASS; ``None`` where none is bundled or no such loop exists.
+    A spill outside the loop costs an L1 round trip a piece; one inside costs it every tile
+    (docs/perf-notes.md, step 40)."""
+    if not NVDISASM.is_file():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "k.cubin")
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(NVDISASM), "-c", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    insts, labels, pending = [], {}, None
+    for line in sass.splitlines():
+        if m := _SASS_LABEL.match(line):
+            pending = m.group(1)
+        elif m := _SASS_INST.search(line):
+            addr = int(m.group(1), 16)
+            insts.append((addr, m.group(2)))
+            if pending:
+                labels[pending], pending = addr, None
+    loops = []
+    for addr, inst in insts:
+        target = re.search(r"BRA `\(\.(L_x_\d+)\)", inst)
+        if target and labels.get(target.group(1), addr) < addr:
+            lo = labels[target.group(1)]
+            if any("HMMA" in i for a, i in insts if lo <= a <= addr):
+                loops.append((addr - lo, lo, addr))
+    if not loops:
+        return None
+    _, lo, hi = min(loops)
+    return sum(1 for a, i in insts if lo <= a <= hi and re.match(r"(@!?P\d\s+)?(STL|LDL)", i))
+
+
 def _resources_text(res: tuple[int, int, int] | None) -> str:
     return "" if res is None else f", {res[0]} registers, {res[1]}/{res[2]} bytes spilled"
 
@@ -216,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         compiled = compile_case(case)
         for kind, c in compiled.items():
             res = resources(c.asm["ptx"])
+            spills = loop_spills(c.asm["cubin"]) if res is not None else None
             print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines"
-                  f"{_resources_text(res)}", flush=True)
+                  f"{_resources_text(res)}"
+                  + ("" if spills is None else f", {spills} spill instructions in the token loop"),
+                  flush=True)
             if args.ptx_dir:
                 Path(args.ptx_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.ptx_dir, f"{case}.{kind}.ptx").write_text(c.asm["ptx"])

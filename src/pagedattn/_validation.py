@@ -31,6 +31,10 @@ KV_LAYOUTS = ("NHD", "HND")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 #: most forced splits per sequence (a split holds at least one token; more only allocate)
 MAX_SPLITS = 1 << 16
+#: the most programs a persistent launch takes (``num_programs``)
+MAX_PROGRAMS = 1 << 16
+#: the production kernel's schedules (``schedule=``; ``None`` picks the split one)
+SCHEDULES = ("split", "persistent")
 #: the largest finite float32: a Python float past it is inf in the kernels
 FLOAT32_MAX = 3.4028234663852886e38
 #: the largest magnitude of a scalar that the kernels multiply by log2(e) (their softmax runs
@@ -610,6 +614,34 @@ def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
         _fail(ValueError, "slot_mapping",
               f"slots < num_pages * page_size = {num_slots} or negative (entry {i})",
               int(slot_mapping[i]))
+
+
+def check_schedule(schedule: Any, num_programs: Any, *, num_splits: Any = None,
+                   batch_invariant: bool = False, impl: str = "auto") -> None:
+    """``schedule`` (``None``, ``"split"`` or ``"persistent"``) and ``num_programs`` (``None``
+    or an int in ``[1, MAX_PROGRAMS]``, persistent only), and what a persistent launch cannot
+    honour: forced ``num_splits`` (it balances bytes, not splits) and ``batch_invariant``
+    (its shares depend on the whole batch). Only ``impl="auto"`` has schedules."""
+    if schedule is not None:
+        if not isinstance(schedule, str):
+            _fail(TypeError, "schedule", "None, 'split' or 'persistent'", _type_name(schedule))
+        if schedule not in SCHEDULES:
+            _fail(ValueError, "schedule", "None, 'split' or 'persistent'", repr(schedule))
+        if impl != "auto":
+            _fail(ValueError, "schedule", f"None for impl={impl!r} (only impl='auto' has "
+                  "schedules)", repr(schedule))
+    if num_programs is not None:
+        _check_int("num_programs", num_programs, 1, MAX_PROGRAMS)
+        if schedule != "persistent":
+            _fail(ValueError, "num_programs", "None unless schedule='persistent' (the split "
+                  "schedule launches a program per split unit)", num_programs)
+    if schedule == "persistent":
+        if num_splits is not None:
+            _fail(ValueError, "num_splits", "None with schedule='persistent' (it shares the "
+                  "step's bytes equally, not per sequence)", num_splits)
+        if batch_invariant:
+            _fail(ValueError, "batch_invariant", "False with schedule='persistent' (each "
+                  "program's share depends on the whole batch); use schedule='split'", True)
 
 
 def check_host_context_lens(lens: Any, batch: int) -> list[int]:

@@ -87,6 +87,7 @@ _SMAX = V.KERNEL_SCALAR_MAX
 _STRIDED = torch.strided  # the dense layout, tested by identity on the fast path
 _CALL_NAMES = frozenset(O.CALL)  # the per-call options' keywords of DecodePlan.run
 _NO_GUARD = contextlib.nullcontext()  # stateless: one for every launch without a device guard
+_SCHEDULE_KEYS = (None, *V.SCHEDULES)  # the one-shot fast path's schedules (exact strings)
 
 
 class DecodeOutput(NamedTuple):
@@ -179,7 +180,7 @@ class DecodePlan:
     def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,
                  page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
                  options: DecodeOptions = O.DEFAULT, one_shot=False, table_shape=None,
-                 device=None):
+                 device=None, schedule="split", num_programs=None):
         # a one-shot template (_ONE_SHOT_TEMPLATES) holds no tensor: it is built from the
         # table's ``table_shape`` and ``device``, and each call passes its own tables
         self.block_tables, self.context_lens = block_tables, context_lens
@@ -195,6 +196,9 @@ class DecodePlan:
         self.head_dim, self.page_size = int(head_dim), int(page_size)
         self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
         self.num_splits = None if num_splits is None else int(num_splits)
+        # the kernel's schedule ("split" or "persistent") and a persistent launch's programs
+        self.schedule = schedule
+        self.num_programs = None if num_programs is None else int(num_programs)
         self.batch, self.max_pages = (block_tables.shape if table_shape is None
                                       else table_shape)
         self.device = block_tables.device if device is None else device
@@ -220,7 +224,8 @@ class DecodePlan:
                 self._launcher = _one_shot_launcher()(
                     self.batch, self.max_pages, self.num_q_heads,
                     self.num_kv_heads, self.head_dim, self.page_size, self.q_dtype,
-                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.options)
+                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.options,
+                    self.schedule, self.num_programs)
         elif self._launcher is None:
             with _on_device(self.device):
                 self._launcher = _auto_launcher_class()(
@@ -228,7 +233,8 @@ class DecodePlan:
                     num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
                     kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
-                    ragged=self.ragged, q_len=self.q_len, options=self.options)
+                    ragged=self.ragged, q_len=self.q_len, options=self.options,
+                    schedule=self.schedule, num_programs=self.num_programs)
         return self._launcher
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
@@ -362,7 +368,8 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                 num_kv_heads: int, head_dim: int, page_size: int, q_dtype: torch.dtype,
                 kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD",
                 num_splits: int | None = None,
-                host_context_lens=None, q_len: int = 1, **variants) -> DecodePlan:
+                host_context_lens=None, q_len: int = 1, schedule: str | None = None,
+                num_programs: int | None = None, **variants) -> DecodePlan:
     """Plan one decode step of the production kernel (``impl="auto"``) for every layer.
 
     Args:
@@ -380,6 +387,17 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
             ``context_lens`` on the device, so a later in-place update stays correct.
         q_len: query tokens per sequence (≥ 1); with ``q_len > 1`` :meth:`DecodePlan.run`
             takes ``[batch, q_len, num_q_heads, head_dim]`` queries (speculative decoding).
+        schedule: how the kernel cuts the work. ``"split"``: one program per (split of a
+            sequence, kv head), token-balanced splits, then a merge. ``"persistent"``: a
+            fixed number of programs, each taking an equal share (within one tile) of the
+            step's K/V bytes across sequence and kv-head boundaries; a (sequence, kv head)
+            shared by several programs is merged by the last of them to finish, in the same
+            launch (stream-K, as LeanAttention and FlashMLA's tile scheduler). ``None``:
+            ``"split"`` (until the H200 measures where the persistent one is faster).
+            ``"persistent"`` refuses ``num_splits`` and ``batch_invariant=True``.
+        num_programs: ``schedule="persistent"`` only: the program count (an int in [1,
+            65536]); default a few per SM on a GPU (the programs that stay resident at
+            once), 4 on the CPU.
         variants: the plan-time options of :mod:`pagedattn.options`, as in
             :func:`paged_decode`: compile-time specializations of the plan's kernel (the
             per-call ones are per layer: pass them to :meth:`DecodePlan.run`):
@@ -398,6 +416,8 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                  num_splits=num_splits)
     V._check_int("q_len", q_len, 1)
     options = O.plan_options(variants)
+    V.check_schedule(schedule, num_programs, num_splits=num_splits,
+                     batch_invariant=options.batch_invariant)
     ragged = False
     if host_context_lens is not None:
         lens = V.check_host_context_lens(host_context_lens, block_tables.shape[0])
@@ -406,7 +426,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                       num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                       q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,
                       kv_layout=kv_layout, num_splits=num_splits, ragged=ragged, q_len=q_len,
-                      options=options)
+                      options=options, schedule=schedule or "split", num_programs=num_programs)
 
 
 def paged_decode(
@@ -419,6 +439,8 @@ def paged_decode(
     scale: float | None = None,
     impl: str = "auto",
     num_splits: int | None = None,
+    schedule: str | None = None,
+    num_programs: int | None = None,
     out: torch.Tensor | None = None,
     kv_layout: str = "NHD",
     k_scale: float | torch.Tensor | None = None,
@@ -459,6 +481,8 @@ def paged_decode(
         num_splits: ``None`` lets the impl decide; an int forces the number of context splits
             per sequence for the impls that split (``split_kv_v4``, ``auto``); the others
             ignore it.
+        schedule, num_programs: ``impl="auto"`` only: ``"split"`` or ``"persistent"`` and the
+            latter's program count, as in :func:`plan_decode` (``None``: the split schedule).
         out: optional ``[batch, num_q_heads, head_dim]`` output in the query's dtype, any
             strides.
         kv_layout: ``"NHD"`` (default) or ``"HND"``.
@@ -504,7 +528,8 @@ def paged_decode(
     2023); sinks from gpt-oss (OpenAI, 2025); ALiBi from Press et al. (ICLR 2022).
     """
     result, _ = _decode(query, key_cache, value_cache, block_tables, context_lens, scale=scale,
-                        impl=impl, num_splits=num_splits, out=out, kv_layout=kv_layout,
+                        impl=impl, num_splits=num_splits, schedule=schedule,
+                        num_programs=num_programs, out=out, kv_layout=kv_layout,
                         k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
                         validate=validate, **variants)
     return result
@@ -519,7 +544,7 @@ _TEMPLATES_LOCK = threading.Lock()
 
 
 def _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                options_key) -> tuple | None:
+                options_key, schedule=None, num_programs=None) -> tuple | None:
     """What :func:`check_metadata` reads of a one-shot call apart from the per-call checks of
     the fast path: the shapes, dtypes and device of the tensors, the layout and the
     plan-time variants (``options_key``: :func:`pagedattn.options.fast_key`, exact types: a
@@ -529,14 +554,16 @@ def _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_spl
             and type(key_cache) is torch.Tensor
             and type(block_tables) is torch.Tensor and type(context_lens) is torch.Tensor
             and block_tables.layout is _STRIDED and context_lens.layout is _STRIDED
-            and (num_splits is None or type(num_splits) is int) and type(kv_layout) is str):
+            and (num_splits is None or type(num_splits) is int) and type(kv_layout) is str
+            and schedule in _SCHEDULE_KEYS
+            and (num_programs is None or type(num_programs) is int)):
         return None
     rank, shape = query.dim(), query.shape
     if key_cache.dim() != 4 or not (rank == 3 or rank == 4 and shape[1] > 1):
         return None
     return (shape, query.dtype, query.device, key_cache.shape[1:], key_cache.dtype, kv_layout,
             block_tables.shape, block_tables.dtype, context_lens.shape, context_lens.dtype,
-            num_splits, options_key)
+            num_splits, options_key, schedule, num_programs)
 
 
 def _new_template(key: tuple, plan: DecodePlan) -> DecodePlan:
@@ -567,26 +594,31 @@ def compiled_kernels(query, key_cache, value_cache, block_tables, context_lens, 
 
 def check_decode(query, key_cache, value_cache, block_tables, context_lens, *, scale, impl,
                  num_splits, out, kv_layout, k_scale, v_scale, return_lse, validate,
-                 variants: dict, where: str = "paged_decode") -> tuple[DecodeOptions, dict]:
-    """Every metadata check of a decode call (``_validation.check_metadata``, then the
-    variants through :func:`pagedattn.options.split`); returns ``(plan-time options,
-    per-call tensors that are on)``. Shared by :func:`paged_decode` and the custom ops'
-    fake kernels (``serving/ops.py``)."""
+                 variants: dict, where: str = "paged_decode", schedule=None,
+                 num_programs=None) -> tuple[DecodeOptions, dict]:
+    """Every metadata check of a decode call (``_validation.check_metadata``, the variants
+    through :func:`pagedattn.options.split`, then the schedule); returns ``(plan-time
+    options, per-call tensors that are on)``. Shared by :func:`paged_decode` and the custom
+    ops' fake kernels (``serving/ops.py``)."""
     V.check_metadata(
         query, key_cache, value_cache, block_tables, context_lens, scale=scale, impl=impl,
         impls=tuple(IMPLS), num_splits=num_splits, out=out, kv_layout=kv_layout,
         k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, validate=validate)
-    return O.split(variants, query.shape[-2], query.device, where)
+    options, calls = O.split(variants, query.shape[-2], query.device, where)
+    V.check_schedule(schedule, num_programs, num_splits=num_splits,
+                     batch_invariant=options.batch_invariant, impl=impl)
+    return options, calls
 
 
 def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
-            impl="auto", num_splits=None, out=None, kv_layout="NHD", k_scale=None, v_scale=None,
-            return_lse=False, validate=None, **variants):
+            impl="auto", num_splits=None, schedule=None, num_programs=None, out=None,
+            kv_layout="NHD", k_scale=None, v_scale=None, return_lse=False, validate=None,
+            **variants):
     # the fast path: a plain call of a static key that an earlier call passed check_metadata
     # with (everything check_metadata reads is the key or checked here per call)
     if type(impl) is str and impl == "auto":
         key = _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                          O.fast_key(variants))
+                          O.fast_key(variants), schedule, num_programs)
         plan = _ONE_SHOT_TEMPLATES.get(key) if key is not None else None
         if plan is not None and plan._common_call(query, key_cache, value_cache, scale,
                                                   k_scale, v_scale, out, return_lse, validate) \
@@ -603,8 +635,10 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
     options, calls = check_decode(
         query, key_cache, value_cache, block_tables, context_lens, scale=scale, impl=impl,
         num_splits=num_splits, out=out, kv_layout=kv_layout, k_scale=k_scale,
-        v_scale=v_scale, return_lse=return_lse, validate=validate, variants=variants)
+        v_scale=v_scale, return_lse=return_lse, validate=validate, variants=variants,
+        schedule=schedule, num_programs=num_programs)
     num_splits = None if num_splits is None else int(num_splits)  # numpy ints pass the check
+    num_programs = None if num_programs is None else int(num_programs)
     spec = IMPLS[impl]
     _check_capabilities(spec, key_cache, kv_layout, k_scale, v_scale, return_lse, query,
                         variants)
@@ -623,12 +657,13 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
         statics = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        page_size=page_size, q_dtype=query.dtype, kv_dtype=key_cache.dtype,
                        kv_layout=kv_layout, num_splits=num_splits, q_len=q_len,
-                       options=options, one_shot=True)
+                       options=options, one_shot=True, schedule=schedule or "split",
+                       num_programs=num_programs)
         # validated: a call of this static key may take the fast path from now on (a call
         # with per-call variants never does: its template serves the plain calls of the key)
         plan_kw = {n: v for n, v in variants.items() if n not in O.CALL}
         key = _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                          O.fast_key(plan_kw) or options.key())
+                          O.fast_key(plan_kw) or options.key(), schedule, num_programs)
         if key is None:  # a 4-D query of one token, a str subclass...: a plan of its own
             plan = DecodePlan(block_tables, context_lens, **statics)
         else:

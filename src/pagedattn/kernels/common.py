@@ -593,6 +593,96 @@ def _online_softmax_step_pairs(m, l, acc_even, acc_odd, s, v, FP8: tl.constexpr,
 
 
 @triton.jit
+def _attend_tiles(q_dot, qk_scale, alibi2, key_cache_ptr, value_cache_ptr, block_tables_ptr, b,
+                  kv_head, k_head, v_head, tok_start, tok_end, ctx, q_pos, win_first,
+                  window_left, softcap, offs_n, offs_d, mask_d,
+                  stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
+                  stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
+                  stride_bt_b, stride_bt_p, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_LEN: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  FP8_V_PAIRS: tl.constexpr, ASM: tl.constexpr, LEAN_SOFTMAX: tl.constexpr,
+                  SLOT_OFFSETS_I32: tl.constexpr):
+    """The token loop: the online softmax of the tile's rows (``q_dot``, ``qk_scale``,
+    ``alibi2``: :func:`_load_query` and the ALiBi slopes) over tokens ``[tok_start,
+    tok_end)`` of sequence ``b``, kv head ``kv_head`` (``k_head``/``v_head``: its 64-bit
+    offsets in the caches), ``BLOCK_N`` tokens a tile that may span pages. Returns the
+    unnormalized state ``(m, l, acc)``: ``[BLOCK_H]``, ``[BLOCK_H]``, ``[BLOCK_H, BLOCK_D]``
+    (``-inf``, 0, 0 for an empty range). Both schedules run it: a split unit's range, or one
+    piece of a persistent program's share (:mod:`pagedattn.kernels.persistent`). The next
+    tile's page ids are loaded one iteration ahead, so the K/V loads never wait on a
+    block-table load of their own iteration and the pipeliner keeps several tiles in
+    flight."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if FP8_V_PAIRS:  # even and odd dims accumulate apart (see _fp8_dim_pairs)
+        acc_even = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
+    v_base, offs_v, v_mask_d = _v_tile_view(value_cache_ptr, offs_d, mask_d, HEAD_DIM, BLOCK_D,
+                                            FP8_V_PAIRS)
+    # page ids of the first tile; inside the loop the next tile's ids are fetched one
+    # iteration ahead, so the K/V loads never wait on a block-table load of their own
+    # iteration and the pipeliner can keep several tiles in flight
+    tok = tok_start + offs_n
+    if HAS_WINDOW:  # the first tile's keys before the window read win_first's row
+        tok = tl.maximum(tok, win_first)
+    page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // PAGE_SIZE,
+                        tok < tok_end)
+    if SLOT_OFFSETS_I32:  # int32 instead (the launcher checked that every in-page offset fits)
+        k_head = kv_head * stride_k_head
+        v_head = kv_head * stride_v_head
+    for n0 in range(tok_start, tok_end, BLOCK_N):
+        tok = n0 + offs_n
+        mask_n = tok < tok_end
+        # the K/V loads stand here, in the loop's own body, not in a helper of their own: an
+        # inlined helper's debug-scope labels split ptxas's blocks, and inside the loop that
+        # cost the ALiBi kernel 162 registers against 128, the soft-cap one 12 spilled bytes
+        # (perf-notes step 31). A token's offset is page_id · stride_page (64-bit: pages pass
+        # 2^31 elements on large caches) plus its slot's and head's offsets, in int32 where
+        # they fit (SLOT_OFFSETS_I32: one 64-bit product a row, not three; perf-notes step
+        # 38). With a window, keys before it read win_first's row (see above)
+        slot = (tl.maximum(tok, win_first) if HAS_WINDOW else tok) % PAGE_SIZE
+        if not SLOT_OFFSETS_I32:
+            slot = slot.to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        if SLOT_OFFSETS_I32:
+            k_off = page_id * stride_k_page + (slot * stride_k_tok + k_head)
+        else:
+            k_off = page_id * stride_k_page + slot * stride_k_tok + k_head
+        k = tl.load(key_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_k_d,
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if SLOT_OFFSETS_I32:
+            v_off = page_id * stride_v_page + (slot * stride_v_tok + v_head)
+        else:
+            v_off = page_id * stride_v_page + slot * stride_v_tok + v_head
+        if FP8_V_PAIRS:  # [BLOCK_N, BLOCK_D // 2] 16-bit words, two fp8 dims each
+            w_row = tl.multiple_of(v_off // 2, 8)  # the launcher's strides: 16-byte multiples
+            v = tl.load(v_base + w_row[:, None] + offs_v[None, :],
+                        mask=mask_n[:, None] & v_mask_d[None, :], other=0)
+        else:
+            v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
+        page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p,
+                            tok_next // PAGE_SIZE, tok_next < tok_end)
+        s = _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
+                            window_left, softcap, DOT_DTYPE, DOT_PRECISION, Q_LEN, HAS_WINDOW,
+                            HAS_SOFTCAP, HAS_ALIBI, LEAN_SOFTMAX, ASM)
+        if FP8_V_PAIRS:
+            m, l, acc_even, acc_odd = _online_softmax_step_pairs(m, l, acc_even, acc_odd, s, v,
+                                                                 FP8_V_PAIRS, ASM,
+                                                                 LEAN_SOFTMAX)
+        else:
+            m, l, acc = _online_softmax_step(m, l, acc, s, v, DOT_DTYPE, DOT_PRECISION,
+                                             LEAN_SOFTMAX)
+    if FP8_V_PAIRS:  # dims 2j, 2j + 1 back in place: [BLOCK_H, BLOCK_D]
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_H, BLOCK_D])
+    return m, l, acc
+
+
+@triton.jit
 def _add_sink(m, l, acc, sinks_ptr, heads, mask_h):
     """The sink logits of the tile's rows (``[num_q_heads]`` natural-domain) folded into a
     final state (:func:`_fold_sink`), once: ``(m, l, acc)``."""

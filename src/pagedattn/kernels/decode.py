@@ -138,6 +138,7 @@ import triton.language as tl
 from pagedattn.kernels.common import (
     LOG2E,
     _arrive,
+    _attend_tiles,
     _clamped_context_len,
     _dim_mask,
     _empty_seq_result,
@@ -148,15 +149,11 @@ from pagedattn.kernels.common import (
     _lse_ptrs,
     _merge_group_rows,
     _natural_lse,
-    _online_softmax_step,
-    _online_softmax_step_pairs,
-    _page_ids,
     _pdl_launch_dependents,
     _pdl_wait,
     _plan_unit,
     _program_sequence,
     _rescale,
-    _score_and_mask,
     _seq_rows,
     _store_empty,
     _store_merged,
@@ -165,8 +162,8 @@ from pagedattn.kernels.common import (
     _tile_ptrs,
     _tile_rows,
     _unit_tokens,
-    _v_tile_view,
 )
+from pagedattn.kernels.persistent import _persistent_program
 
 # runtime values that change from call to call: never specialized (no recompiles for a new
 # batch size, table width or split policy)
@@ -218,10 +215,27 @@ def _paged_decode_kernel(
     FOLD_MERGE: tl.constexpr = False,  # the last unit of a (sequence, kv head) merges its rows
     LEAN_SOFTMAX: tl.constexpr = False,  # every row sees a key in every tile: no clamp, no select
     SLOT_OFFSETS_I32: tl.constexpr = False,  # a token's offset within its page in int32
+    PERSISTENT: tl.constexpr = False,  # the persistent schedule (kernels/persistent.py)
+    BLOCK_R: tl.constexpr = 1,  # PERSISTENT: slots a merge round
+    BLOCK_HM: tl.constexpr = 1,  # PERSISTENT: the merge's rows (Q_LEN x group, padded)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
     _pdl_launch_dependents(PDL)  # the merge's programs may launch once all of ours run
+    if PERSISTENT:  # a program per equal share of the step's tiles, merges in this launch
+        _persistent_program(
+            query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
+            out_ptr, lse_ptr, part_ml_ptr, part_acc_ptr, seq_rows_ptr, k_scale_ptr,
+            v_scale_ptr, stride_k_scale, stride_v_scale, k_scale_val, v_scale_val, scale_log2,
+            sinks_ptr, alibi_ptr, window_left, softcap, stride_q_t, stride_o_t, batch,
+            num_kv_heads, group, max_pages, stride_q_b, stride_q_h, stride_q_d, stride_k_page,
+            stride_k_tok, stride_k_head, stride_k_d, stride_v_page, stride_v_tok,
+            stride_v_head, stride_v_d, stride_bt_b, stride_bt_p, stride_ctx, stride_o_b,
+            stride_o_h, stride_o_d, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N, BLOCK_B, PAGE_SIZE,
+            DOT_DTYPE, DOT_PRECISION, Q_POW2_SCALE, SCALE_FROM_PTR, HAS_LSE, Q_LEN, HAS_WINDOW,
+            HAS_SOFTCAP, HAS_SINKS, HAS_ALIBI, FP8_V_PAIRS, ASM, LEAN_SOFTMAX,
+            SLOT_OFFSETS_I32, BLOCK_R, BLOCK_HM)
+        return
     u = tl.program_id(0)  # one split unit per program: (row r, kv head)
     r = u // num_kv_heads
     kv_head = u % num_kv_heads
@@ -265,71 +279,15 @@ def _paged_decode_kernel(
     if HAS_ALIBI:  # slopes in the exp2 domain, per row
         alibi2 = tl.load(alibi_ptr + heads, mask=mask_h, other=0.0) * LOG2E
 
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if FP8_V_PAIRS:  # even and odd dims accumulate apart (see _fp8_dim_pairs)
-        acc_even = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
-        acc_odd = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
-    v_base, offs_v, v_mask_d = _v_tile_view(value_cache_ptr, offs_d, mask_d, HEAD_DIM, BLOCK_D,
-                                            FP8_V_PAIRS)
-    # page ids of the first tile; inside the loop the next tile's ids are fetched one
-    # iteration ahead, so the K/V loads never wait on a block-table load of their own
-    # iteration and the pipeliner can keep several tiles in flight
-    tok = tok_start + offs_n
-    if HAS_WINDOW:  # the first tile's keys before the window read win_first's row
-        tok = tl.maximum(tok, win_first)
-    page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // PAGE_SIZE,
-                        tok < tok_end)
-    if SLOT_OFFSETS_I32:  # int32 instead (the launcher checked that every in-page offset fits)
-        k_head = kv_head * stride_k_head
-        v_head = kv_head * stride_v_head
-    for n0 in range(tok_start, tok_end, BLOCK_N):
-        tok = n0 + offs_n
-        mask_n = tok < tok_end
-        # the K/V loads stand here, not in a helper: an inlined helper's debug-scope labels
-        # split ptxas's blocks, and in the loop that cost the ALiBi kernel 162 registers
-        # against 128, the soft-cap one 12 spilled bytes (perf-notes step 31). A token's
-        # offset is page_id · stride_page (64-bit: pages pass 2^31 elements on large caches)
-        # plus its slot's and head's offsets, in int32 where they fit (SLOT_OFFSETS_I32: one
-        # 64-bit product a row, not three; perf-notes step 38). With a window, keys before it
-        # read win_first's row (see above)
-        slot = (tl.maximum(tok, win_first) if HAS_WINDOW else tok) % PAGE_SIZE
-        if not SLOT_OFFSETS_I32:
-            slot = slot.to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        if SLOT_OFFSETS_I32:
-            k_off = page_id * stride_k_page + (slot * stride_k_tok + k_head)
-        else:
-            k_off = page_id * stride_k_page + slot * stride_k_tok + k_head
-        k = tl.load(key_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_k_d,
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if SLOT_OFFSETS_I32:
-            v_off = page_id * stride_v_page + (slot * stride_v_tok + v_head)
-        else:
-            v_off = page_id * stride_v_page + slot * stride_v_tok + v_head
-        if FP8_V_PAIRS:  # [BLOCK_N, BLOCK_D // 2] 16-bit words, two fp8 dims each
-            w_row = tl.multiple_of(v_off // 2, 8)  # the launcher's strides: 16-byte multiples
-            v = tl.load(v_base + w_row[:, None] + offs_v[None, :],
-                        mask=mask_n[:, None] & v_mask_d[None, :], other=0)
-        else:
-            v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
-        page_id = _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p,
-                            tok_next // PAGE_SIZE, tok_next < tok_end)
-        s = _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
-                            window_left, softcap, DOT_DTYPE, DOT_PRECISION, Q_LEN, HAS_WINDOW,
-                            HAS_SOFTCAP, HAS_ALIBI, LEAN_SOFTMAX, ASM)
-        if FP8_V_PAIRS:
-            m, l, acc_even, acc_odd = _online_softmax_step_pairs(m, l, acc_even, acc_odd, s, v,
-                                                                 FP8_V_PAIRS, ASM,
-                                                                 LEAN_SOFTMAX)
-        else:
-            m, l, acc = _online_softmax_step(m, l, acc, s, v, DOT_DTYPE, DOT_PRECISION,
-                                             LEAN_SOFTMAX)
-    if FP8_V_PAIRS:  # dims 2j, 2j + 1 back in place: [BLOCK_H, BLOCK_D]
-        acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_H, BLOCK_D])
+    m, l, acc = _attend_tiles(q_dot, qk_scale, alibi2, key_cache_ptr, value_cache_ptr,
+                              block_tables_ptr, b, kv_head, k_head, v_head, tok_start, tok_end,
+                              ctx, q_pos, win_first, window_left, softcap, offs_n, offs_d,
+                              mask_d, stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
+                              stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
+                              stride_bt_b, stride_bt_p, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N,
+                              PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, HAS_WINDOW,
+                              HAS_SOFTCAP, HAS_ALIBI, FP8_V_PAIRS, ASM, LEAN_SOFTMAX,
+                              SLOT_OFFSETS_I32)
 
     if ONE_UNIT:  # the sequence's only unit (an empty one too: out 0)
         _store_result(out_ptr, lse_ptr, sinks_ptr, b, q_tok, heads, mask_h, offs_d, mask_hd,

@@ -245,7 +245,8 @@ class AutoLauncher:
                  device: torch.device, num_splits: int | None,
                  config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
                  options: DecodeOptions = DEFAULT, record: bool = True,
-                 workspace: bool = True):
+                 workspace: bool = True, schedule: str = "split",
+                 num_programs: int | None = None):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         window_left, batch_invariant = options.window_left, options.batch_invariant
@@ -260,7 +261,7 @@ class AutoLauncher:
             q_len=q_len, window_left=window_left, batch_invariant=batch_invariant,
             interpret=interpret, sms=sms,
             device_name=device_name_for(device) if on_gpu and config is None else None,
-            owns_workspace=workspace)
+            owns_workspace=workspace, schedule=schedule, num_programs=num_programs)
         self.config = cfg = plan.config
         group = num_q_heads // num_kv_heads
         bd = block_d(head_dim)
@@ -276,7 +277,10 @@ class AutoLauncher:
         self.forced_splits, self.window_unit = plan.forced_splits, plan.window_unit
         self.target_units, self.target_units_ragged = plan.target_units, plan.target_units_ragged
         self.min_chunk, self.one_unit, self.rows_max = plan.min_chunk, plan.one_unit, plan.rows_max
-        self.grid = (self.rows_max * num_kv_heads, 1, 1)
+        #: the persistent schedule (kernels/persistent.py): a program per equal share
+        self.persistent = plan.num_programs > 0
+        self.grid = ((plan.num_programs, 1, 1) if self.persistent
+                     else (self.rows_max * num_kv_heads, 1, 1))
         self.main_constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n, BLOCK_B=_BLOCK_B,
             BLOCK_H=plan.block_h, PAGE_SIZE=page_size, DOT_DTYPE=_dot_dtype(kv_dtype, interpret),
@@ -298,11 +302,15 @@ class AutoLauncher:
         # calls) cannot keep zeroed without a fill: those launch the merge kernel
         self.fold_merge = plan.fold_merge
         #: whether a launch runs a merge kernel after the main one
-        self.launches_merge = not (self.one_unit or self.fold_merge)
+        self.launches_merge = not (self.one_unit or self.fold_merge or self.persistent)
         self.pdl = bool(cfg.pdl) and per_group and on_gpu and not interpret and (
             self.launches_merge) and pdl_supported(device.index if device.index is not None
                                                    else torch.cuda.current_device())
         self.main_constexprs.update(PDL=self.pdl, FOLD_MERGE=self.fold_merge)
+        # the persistent schedule's flag and merge tile ((1, 1), unused, for the split one)
+        self.main_constexprs.update(PERSISTENT=self.persistent,
+                                    BLOCK_R=plan.persistent_merge[0],
+                                    BLOCK_HM=plan.persistent_merge[1])
         # the lean online softmax (LEAN_SOFTMAX) needs every row of every tile to see a key
         # (so the running max is finite from the first tile on) and a score whose last
         # operation is the exact product: one query token (no causal rows), no window (no
@@ -325,7 +333,9 @@ class AutoLauncher:
         part_rows = plan.part_rows
         self._n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
         self._n_acc = part_rows * bd
-        self._n_rows = batch * num_kv_heads if self.fold_merge else 2 * batch
+        # the arrival counters of a folded merge or of the persistent schedule's merges
+        self._counters = self.fold_merge or self.persistent
+        self._n_rows = batch * num_kv_heads if self._counters else 2 * batch
         self._n_work = 4 if self.one_unit else self._n_ml + self._n_acc + self._n_rows
         # byte offsets of acc and seq_rows from the base (multiples of 16)
         self._acc_offset, self._rows_offset = 4 * self._n_ml, 4 * (self._n_ml + self._n_acc)
@@ -348,7 +358,7 @@ class AutoLauncher:
         every entry a merge reads (the ``seq_rows`` of an empty sequence included). A folded
         merge's arrival counters are zeroed here, once."""
         work = torch.empty(self._n_work, dtype=torch.float32, device=self.device)
-        if self.fold_merge:  # the counters start at 0, and each launch leaves them at 0
+        if self._counters:  # the counters start at 0, and each launch leaves them at 0
             work[self._n_work - self._n_rows:].view(torch.int32).zero_()
         return work
 
@@ -521,7 +531,8 @@ ONE_SHOT_CACHE_SIZE = 64
 def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
                       head_dim: int, page_size: int, q_dtype: torch.dtype,
                       kv_dtype: torch.dtype, device: torch.device, num_splits: int | None,
-                      q_len: int, options: DecodeOptions = DEFAULT) -> AutoLauncher:
+                      q_len: int, options: DecodeOptions = DEFAULT,
+                      schedule: str = "split", num_programs: int | None = None) -> AutoLauncher:
     """The launcher that every one-shot ``paged_decode`` of these shapes, dtypes, device and
     plan-time variants (``options``, per-call fields off) shares (its arguments are the key;
     ``ragged`` is off, as a one-shot call has no host copy of the lengths).
@@ -537,4 +548,5 @@ def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads
     return AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                         q_dtype=q_dtype, kv_dtype=kv_dtype, device=device,
-                        num_splits=num_splits, q_len=q_len, options=options, workspace=False)
+                        num_splits=num_splits, q_len=q_len, options=options, workspace=False,
+                        schedule=schedule, num_programs=num_programs)

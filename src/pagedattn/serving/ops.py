@@ -32,6 +32,7 @@ _DECODE_ARGS = (("query", "Tensor", _EMPTY), ("key_cache", "Tensor", _EMPTY),
                 ("value_cache", "Tensor", _EMPTY), ("block_tables", "Tensor", _EMPTY),
                 ("context_lens", "Tensor", _EMPTY), ("scale", "float?", None),
                 ("impl", "str", "auto"), ("num_splits", "int?", None),
+                ("schedule", "str?", None), ("num_programs", "int?", None),
                 ("kv_layout", "str", "NHD"), ("k_scale", "Tensor?", None),
                 ("v_scale", "Tensor?", None))
 
@@ -122,8 +123,8 @@ def _scale_tensor(s, device: torch.device) -> torch.Tensor | None:
 
 
 def paged_decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
-                 impl="auto", num_splits=None, kv_layout="NHD", k_scale=None, v_scale=None,
-                 return_lse=False, **variants):
+                 impl="auto", num_splits=None, schedule=None, num_programs=None,
+                 kv_layout="NHD", k_scale=None, v_scale=None, return_lse=False, **variants):
     """:func:`pagedattn.paged_decode` through the custom op (traceable by ``torch.compile``).
 
     Same arguments, shapes, dtypes and errors as the eager API (the variants of
@@ -137,9 +138,9 @@ def paged_decode(query, key_cache, value_cache, block_tables, context_lens, *, s
     api.check_decode(query, key_cache, value_cache, block_tables, context_lens, scale=scale,
                      impl=impl, num_splits=num_splits, out=None, kv_layout=kv_layout,
                      k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, validate=None,
-                     variants=variants)
+                     variants=variants, schedule=schedule, num_programs=num_programs)
     args = (query, key_cache, value_cache, block_tables, context_lens, scale, impl,
-            num_splits, kv_layout, _scale_tensor(k_scale, query.device),
+            num_splits, schedule, num_programs, kv_layout, _scale_tensor(k_scale, query.device),
             _scale_tensor(v_scale, query.device))
     op = torch.ops.pagedattn.paged_decode_lse if return_lse else torch.ops.pagedattn.paged_decode
     return op(*args, **variants)
