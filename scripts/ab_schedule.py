@@ -8,8 +8,10 @@ flush leaves dirty lines whose write-back the next kernel pays), the median over
 * ``limit``: a contiguous streaming read of exactly the row's minimal bytes (``kernels/readbw``,
   the fastest of its tile shapes), the size-matched limit;
 * ``split``: ``plan.run`` of ``schedule="split"`` (today's plan);
-* ``persist kN``: ``plan.run`` of ``schedule="persistent"`` with ``num_programs = N x SMs``
-  for each ``--ks`` (``k0``: the policy's default count);
+* ``persistent``: ``plan.run`` of ``schedule="persistent"`` as the policy plans it, and one
+  row per ``--variants`` entry ``label:key=value,...``: the policy's config with those
+  :class:`~pagedattn.launch.policy.DecodeConfig` fields replaced (``persistent_ctas_per_sm``
+  sets the program count and the register cap that keeps them resident);
 * ``floor``: with ``--floor PATH`` (``plain_floor.py``'s ``best_floor_runner``), the floor peer.
 
 Each output is compared with the split schedule's (relative L2) and, for rows under
@@ -18,22 +20,25 @@ ragged row ``N`` times and checks that every replay's output is bitwise the firs
 last-arriving program merges in a fixed order, so any difference is a race). Usage (repo
 root, GPU machine)::
 
-    PYTHONPATH=src python3 scripts/ab_schedule.py [--rows a,b] [--ks 0,2,3,4] [--json out.json]
+    PYTHONPATH=src python3 scripts/ab_schedule.py [--rows a,b] [--variants ...] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 import pagedattn
 from pagedattn.bench.shapes import build_batch, get_shape
 from pagedattn.bench.timing import READ_CONFIGS, l2_cache_bytes, stream_read
+from pagedattn.launch import policy
 from pagedattn.testing import rel_l2_error
 
 ROWS = ("llama8b-b1-c32k,llama8b-b8-c8k,azure-conv-b64-llama8b,ragged-b64-llama8b,"
@@ -100,16 +105,34 @@ def limit_us(nbytes, flush, reps, device):
     return best
 
 
+VARIANTS = ("k2:persistent_ctas_per_sm=2;k4:persistent_ctas_per_sm=4;"
+            "32x4:block_n=32,num_stages=4;k2-64x3:persistent_ctas_per_sm=2,num_stages=3")
+
+
+@contextlib.contextmanager
+def patched_config(fields: dict):
+    """The policy's configs with ``fields`` replaced, while the block runs."""
+    if not fields:
+        yield
+        return
+    base = policy.choose_config
+    policy.choose_config = lambda *a, **k: replace(base(*a, **k), **fields)
+    try:
+        yield
+    finally:
+        policy.choose_config = base
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=ROWS)
-    ap.add_argument("--ks", default="0,2,3,4", help="persistent programs per SM (0: default)")
+    ap.add_argument("--variants", default=VARIANTS,
+                    help="persistent variants, label:field=value,...;label:...")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--eager", action="store_true", help="also time eager plan.run")
     ap.add_argument("--floor", help="plain_floor.py (best_floor_runner)")
     ap.add_argument("--oracle-mb", type=float, default=150.0)
     ap.add_argument("--stress", type=int, default=0)
-    ap.add_argument("--config", default="", help="persistent DecodeConfig overrides, k=v,...")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -121,19 +144,13 @@ def main(argv=None) -> int:
         spec = importlib.util.spec_from_file_location("plain_floor", args.floor)
         floor = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(floor)
-    config = None
-    if args.config:
-        from dataclasses import replace
-
-        from pagedattn.launch import policy
-        kv = dict(item.split("=") for item in args.config.split(","))
-        config = {k: int(v) for k, v in kv.items()}
-        base_choose = policy.choose_config
-        policy.choose_config = lambda *a, **k: replace(base_choose(*a, **k), **config)
+    variants = {"persistent": {}}
+    for spec in filter(None, args.variants.split(";")):
+        label, _, fields = spec.partition(":")
+        variants[label] = {k: int(v) for k, v in (f.split("=") for f in fields.split(",") if f)}
     print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs, torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__}, config {config}", flush=True)
+          f"triton {__import__('triton').__version__}, variants {variants}", flush=True)
     results = []
-    ks = [int(k) for k in args.ks.split(",")]
     for name in args.rows.split(","):
         shape = get_shape(name)
         b = build_batch(shape, dev)
@@ -144,20 +161,20 @@ def main(argv=None) -> int:
                       head_dim=m.head_dim, page_size=shape.page_size, q_dtype=shape.dtype,
                       kv_dtype=shape.cache_dtype)
         outs = {}
-        plans = {"split": pagedattn.plan_decode(b.block_tables, b.context_lens,
-                                                schedule="split", **common)}
-        for k in ks:
-            plans[f"persist k{k}"] = pagedattn.plan_decode(
-                b.block_tables, b.context_lens, schedule="persistent",
-                num_programs=k * sms if k else None, **common)
-        for label, plan in plans.items():
+        plans = {"split": (pagedattn.plan_decode(b.block_tables, b.context_lens,
+                                                 schedule="split", **common), {})}
+        for label, fields in variants.items():
+            plans[label] = (pagedattn.plan_decode(b.block_tables, b.context_lens,
+                                                  schedule="persistent", **common), fields)
+        for label, (plan, fields) in plans.items():
             out = torch.empty_like(b.query)
 
-            def call(plan=plan, out=out):
+            def call(plan=plan, out=out, b=b):
                 return plan.run(*b.tensors[:3], out=out, **b.scales)
 
             try:
-                g = graph_of(call)
+                with patched_config(fields):  # the plan's launcher is built at its first run
+                    g = graph_of(call)
                 row[label] = timed(g.replay, flush, args.reps)
                 if args.eager:
                     row[label + " eager"] = timed(call, flush, args.reps)
