@@ -92,6 +92,10 @@ CASES = {
     "persistent-window-no-lse": (dict(schedule="persistent", window_left=4096, lse=False,
                                       max_pages=512), (), torch.bfloat16, None, 64, 8),
     "persistent-q_len4": (dict(schedule="persistent", q_len=4), (), torch.bfloat16, None, 2, 8),
+    # a table of 2^23 tokens a sequence and 65,536 programs: tiles x programs may pass
+    # 2^31, so tile indices are int64
+    "persistent-int64": (dict(schedule="persistent", max_pages=1 << 19, num_programs=1 << 16),
+                         (), torch.bfloat16, None, 8, 8),
     "persistent-everything": (dict(schedule="persistent", q_len=3, window_left=50,
                                    logits_soft_cap=5.0), ("sinks", "alibi_slopes"),
                               torch.bfloat16, None, 2, 8),
@@ -153,12 +157,13 @@ def compile_case(name: str) -> dict:
     kv_dtype = kv_dtype or dtype
     q_len = options.pop("q_len", 1)
     schedule = options.pop("schedule", "split")
+    num_programs = options.pop("num_programs", None)
     launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=32,
                               num_kv_heads=kv_heads,
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
                               device=torch.device("cpu"), num_splits=None, q_len=q_len,
                               options=plan_options(options), workspace=not one_shot,
-                              schedule=schedule)
+                              schedule=schedule, num_programs=num_programs)
     query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)

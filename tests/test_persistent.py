@@ -10,6 +10,7 @@ from 1 (one program walks the whole step) to more than the step's tiles (program
 share), so shares start and end inside sequences, at their boundaries and across empty ones.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -207,6 +208,34 @@ def test_shares_are_equal_within_a_tile_and_the_kernel_keeps_them(device, lens, 
         assert expected
 
 
+def test_int64_tile_indices(device, monkeypatch):
+    """A step whose tiles times programs may pass 2^31 (from shapes: a table of 2^26 tokens)
+    indexes tiles in int64 (``TILES_I64``); forced on for a small batch, that path matches the
+    oracle as the int32 one does."""
+    from pagedattn.launch import policy
+
+    big = policy.plan_launch(batch=8, max_pages=1 << 22, num_q_heads=32, num_kv_heads=8,
+                             head_dim=128, page_size=16, kv_dtype=torch.bfloat16,
+                             num_splits=None, config=None, ragged=False, q_len=1,
+                             window_left=-1, batch_invariant=False, interpret=False, sms=132,
+                             device_name=None, schedule="persistent")
+    small = policy.plan_launch(batch=64, max_pages=512, num_q_heads=32, num_kv_heads=8,
+                               head_dim=128, page_size=16, kv_dtype=torch.bfloat16,
+                               num_splits=None, config=None, ragged=False, q_len=1,
+                               window_left=-1, batch_invariant=False, interpret=False,
+                               sms=132, device_name=None, schedule="persistent")
+    assert big.tiles_i64 and not small.tiles_i64
+    real = policy.plan_launch
+    monkeypatch.setattr(policy, "plan_launch",
+                        lambda **kw: dataclasses.replace(real(**kw), tiles_i64=True))
+    inputs = _inputs(RAGGED, device, seed=50)
+    plan = plan_decode(inputs.block_tables, inputs.context_lens, q_dtype=torch.float32,
+                       schedule="persistent", num_programs=6, **SHAPE)
+    assert plan._engine().main_constexprs["TILES_I64"]
+    out = plan.run(*inputs[:3])
+    assert rel_l2_error(out, paged_decode_reference(*inputs).out) <= tolerance_for(torch.float32)
+
+
 def test_one_plan_across_layers_and_steps(device):
     """One persistent plan serves several layers (their own caches and queries) and a next
     step whose lengths and pages are written in place; the counters stay at 0."""
@@ -294,7 +323,8 @@ def test_persistent_kernels_compile_for_sm90():
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
-    cases = ("persistent-bf16", "persistent-fp8", "persistent-fp32", "persistent-everything")
+    cases = ("persistent-bf16", "persistent-fp8", "persistent-fp32", "persistent-everything",
+             "persistent-int64")
     run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"), "--cases",
                           ",".join(cases)], env=env, capture_output=True, text=True,
                          timeout=600)

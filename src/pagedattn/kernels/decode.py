@@ -218,6 +218,7 @@ def _paged_decode_kernel(
     PERSISTENT: tl.constexpr = False,  # the persistent schedule (kernels/persistent.py)
     BLOCK_R: tl.constexpr = 1,  # PERSISTENT: slots a merge round
     BLOCK_HM: tl.constexpr = 1,  # PERSISTENT: the merge's rows (Q_LEN x group, padded)
+    TILES_I64: tl.constexpr = False,  # PERSISTENT: tile indices in int64 (T x P past 2^31)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
@@ -234,7 +235,7 @@ def _paged_decode_kernel(
             stride_o_h, stride_o_d, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N, BLOCK_B, PAGE_SIZE,
             DOT_DTYPE, DOT_PRECISION, Q_POW2_SCALE, SCALE_FROM_PTR, HAS_LSE, Q_LEN, HAS_WINDOW,
             HAS_SOFTCAP, HAS_SINKS, HAS_ALIBI, FP8_V_PAIRS, ASM, LEAN_SOFTMAX,
-            SLOT_OFFSETS_I32, BLOCK_R, BLOCK_HM)
+            SLOT_OFFSETS_I32, BLOCK_R, BLOCK_HM, TILES_I64)
         return
     u = tl.program_id(0)  # one split unit per program: (row r, kv head)
     r = u // num_kv_heads

@@ -60,6 +60,18 @@ from pagedattn.kernels.common import (
 
 
 @triton.jit
+def _tile_int(x, TILES_I64: tl.constexpr):
+    """``x`` in the dtype of tile indices: int32, or int64 where the launcher found that
+    ``T · P`` may pass 2^31 (``TILES_I64``). int32 keeps 64-bit divisions (a subroutine call
+    on the GPU) out of the piece loop, which took 7 registers more and 33 spill instructions
+    in the token loop at four programs per SM (perf-notes step 40)."""
+    if TILES_I64:
+        return x.to(tl.int64)
+    else:
+        return x.to(tl.int32)
+
+
+@triton.jit
 def _seq_tiles(n, window_left, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_WINDOW: tl.constexpr):
     """Tiles of a segment of ``n`` clamped keys (vector or scalar): the visible keys' with a
@@ -84,15 +96,16 @@ def _total_tiles(context_lens_ptr, out_ptr, lse_ptr, sinks_ptr, p, num_programs,
                  stride_o_t, stride_o_h, stride_o_d, HEAD_DIM: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
                  BLOCK_N: tl.constexpr, Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr):
-    """``T``, the step's tiles over every (sequence, kv head) (64-bit), from one scan of
+                 HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, TILES_I64: tl.constexpr):
+    """``T``, the step's tiles over every (sequence, kv head) (:func:`_tile_int`), from one scan of
     ``context_lens``; on the way, program ``p`` writes the result of each empty sequence ``b``
     with ``b % num_programs == p`` (it holds no tile, so no piece writes it)."""
-    total = tl.full([], 0, tl.int64)
+    total = _tile_int(tl.full([], 0, tl.int32), TILES_I64)
     for b0 in range(0, batch, BLOCK_B):
         offs_b, valid, n = _scan_lengths(context_lens_ptr, b0, batch, stride_ctx, capacity,
                                          BLOCK_B)
-        total += tl.sum(_seq_tiles(n, window_left, Q_LEN, BLOCK_N, HAS_WINDOW).to(tl.int64))
+        total += tl.sum(_tile_int(_seq_tiles(n, window_left, Q_LEN, BLOCK_N, HAS_WINDOW),
+                                  TILES_I64))
         mine = valid & (n == 0) & (offs_b % num_programs == p)
         while tl.sum(mine.to(tl.int32)) > 0:  # rare: padding rows of a batch bucket
             b = tl.min(tl.where(mine, offs_b, batch))
@@ -109,17 +122,17 @@ def _total_tiles(context_lens_ptr, out_ptr, lse_ptr, sinks_ptr, p, num_programs,
 @triton.jit
 def _locate_tile(context_lens_ptr, t, batch, num_kv_heads, stride_ctx, capacity, window_left,
                  BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, Q_LEN: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr):
+                 HAS_WINDOW: tl.constexpr, TILES_I64: tl.constexpr):
     """The sequence ``b`` whose segments hold linear tile ``t`` and the line's first tile of
-    that sequence, ``base = num_kv_heads · Σ_{b' < b} n_b'`` (64-bit); empty sequences
+    that sequence, ``base = num_kv_heads · Σ_{b' < b} n_b'`` (:func:`_tile_int`); empty sequences
     before it are passed over (they end where they start)."""
     b = tl.full([], 0, tl.int32)
-    base = tl.full([], 0, tl.int64)
-    running = tl.full([], 0, tl.int64)
+    base = _tile_int(tl.full([], 0, tl.int32), TILES_I64)
+    running = _tile_int(tl.full([], 0, tl.int32), TILES_I64)
     for b0 in range(0, batch, BLOCK_B):
         _, valid, n = _scan_lengths(context_lens_ptr, b0, batch, stride_ctx, capacity, BLOCK_B)
-        tiles = _seq_tiles(n, window_left, Q_LEN, BLOCK_N, HAS_WINDOW).to(tl.int64) \
-            * num_kv_heads
+        tiles = _tile_int(_seq_tiles(n, window_left, Q_LEN, BLOCK_N, HAS_WINDOW),
+                          TILES_I64) * num_kv_heads
         ends = running + tl.cumsum(tiles, axis=0)
         before = (ends <= t) & valid
         b += tl.sum(before.to(tl.int32))
@@ -200,7 +213,7 @@ def _persistent_program(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, FP8_V_PAIRS: tl.constexpr, ASM: tl.constexpr,
     LEAN_SOFTMAX: tl.constexpr, SLOT_OFFSETS_I32: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_HM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HM: tl.constexpr, TILES_I64: tl.constexpr,
 ):
     """One program of the persistent schedule (see the module docstring): its share of the
     step's tiles, piece by piece, each piece's result or partial, and the merges of the
@@ -212,13 +225,14 @@ def _persistent_program(
     total = _total_tiles(context_lens_ptr, out_ptr, lse_ptr, sinks_ptr, p, num_programs, batch,
                          num_kv_heads, group, stride_ctx, capacity, window_left, stride_o_b,
                          stride_o_t, stride_o_h, stride_o_d, HEAD_DIM, BLOCK_H, BLOCK_D,
-                         BLOCK_B, BLOCK_N, Q_LEN, HAS_WINDOW, HAS_SINKS, HAS_LSE)
-    programs = tl.minimum(total, num_programs)  # P' = min(P, T): every share holds a tile
+                         BLOCK_B, BLOCK_N, Q_LEN, HAS_WINDOW, HAS_SINKS, HAS_LSE, TILES_I64)
+    # P' = min(P, T): every share holds a tile
+    programs = tl.minimum(total, _tile_int(num_programs, TILES_I64))
     if p < programs:
         t0 = p * total // programs
         t1 = (p + 1) * total // programs
         b, base = _locate_tile(context_lens_ptr, t0, batch, num_kv_heads, stride_ctx, capacity,
-                               window_left, BLOCK_B, BLOCK_N, Q_LEN, HAS_WINDOW)
+                               window_left, BLOCK_B, BLOCK_N, Q_LEN, HAS_WINDOW, TILES_I64)
         ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
         n_tiles = _seq_tiles(ctx, window_left, Q_LEN, BLOCK_N, HAS_WINDOW)
         kv_head = ((t0 - base) // n_tiles).to(tl.int32)
@@ -294,7 +308,7 @@ def _persistent_program(
             kv_head += 1
             if (kv_head == num_kv_heads) & (t < t1):
                 kv_head = tl.full([], 0, tl.int32)
-                base += n_tiles.to(tl.int64) * num_kv_heads
+                base += _tile_int(n_tiles, TILES_I64) * num_kv_heads
                 b += 1
                 ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
                 n_tiles = _seq_tiles(ctx, window_left, Q_LEN, BLOCK_N, HAS_WINDOW)

@@ -310,7 +310,8 @@ class AutoLauncher:
         # the persistent schedule's flag and merge tile ((1, 1), unused, for the split one)
         self.main_constexprs.update(PERSISTENT=self.persistent,
                                     BLOCK_R=plan.persistent_merge[0],
-                                    BLOCK_HM=plan.persistent_merge[1])
+                                    BLOCK_HM=plan.persistent_merge[1],
+                                    TILES_I64=plan.tiles_i64)
         # the lean online softmax (LEAN_SOFTMAX) needs every row of every tile to see a key
         # (so the running max is finite from the first tile on) and a score whose last
         # operation is the exact product: one query token (no causal rows), no window (no

@@ -287,6 +287,9 @@ class LaunchPlan:
     # the persistent schedule: its program count (the grid) and merge tile, or 0 (split)
     num_programs: int = 0
     persistent_merge: tuple[int, int] = (1, 1)  # (BLOCK_R, BLOCK_HM)
+    # the persistent kernel's tile indices in int64: the step may hold so many tiles T that
+    # T x num_programs passes 2^31 (from shapes: every sequence at the table's capacity)
+    tiles_i64: bool = False
 
 
 def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
@@ -435,4 +438,6 @@ def _persistent_plan(*, batch: int, max_pages: int, num_q_heads: int, group: int
         one_unit=False, rows_max=2 * programs,
         block_h=max(16, next_power_of_2(q_len * group)), per_group_merge=True,
         fold_merge=False, merge_block=0, part_rows=part_rows, num_programs=programs,
-        persistent_merge=persistent_merge_tile(q_len, group, head_dim))
+        persistent_merge=persistent_merge_tile(q_len, group, head_dim),
+        tiles_i64=(batch * cdiv(max_pages * page_size, cfg.block_n) * (num_q_heads // group)
+                   + 1) * (programs + 1) >= 1 << 31)
