@@ -42,6 +42,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import pagedattn.launch.decode as L  # noqa: E402
+from pagedattn.launch.policy import varlen_block_m  # noqa: E402
 from pagedattn.options import OPTIONS, plan_options  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -96,6 +97,12 @@ CASES = {
     # 2^31, so tile indices are int64
     "persistent-int64": (dict(schedule="persistent", max_pages=1 << 19, num_programs=1 << 16),
                          (), torch.bfloat16, None, 8, 8),
+    # varlen queries (paged prefill, VARLEN): blocks of new tokens x the group, one unit
+    # per (block, kv head), causal per row; 512 query rows
+    "prefill-bf16": (dict(num_tokens=512), (), torch.bfloat16, None, 8, 8),
+    "prefill-fp8": (dict(num_tokens=512), (), torch.bfloat16, torch.float8_e4m3fn, 8, 8),
+    "prefill-everything": (dict(num_tokens=512, window_left=100, logits_soft_cap=5.0),
+                           ("sinks", "alibi_slopes"), torch.bfloat16, None, 8, 8),
     "persistent-everything": (dict(schedule="persistent", q_len=3, window_left=50,
                                    logits_soft_cap=5.0), ("sinks", "alibi_slopes"),
                               torch.bfloat16, None, 2, 8),
@@ -158,13 +165,18 @@ def compile_case(name: str) -> dict:
     q_len = options.pop("q_len", 1)
     schedule = options.pop("schedule", "split")
     num_programs = options.pop("num_programs", None)
+    num_tokens = options.pop("num_tokens", None)  # varlen queries (paged prefill)
+    if num_tokens is not None:  # the block of new tokens the GPU's plan takes
+        q_len = varlen_block_m(32 // kv_heads, interpret=False)
     launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=32,
                               num_kv_heads=kv_heads,
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
                               device=torch.device("cpu"), num_splits=None, q_len=q_len,
                               options=plan_options(options), workspace=not one_shot,
-                              schedule=schedule, num_programs=num_programs)
-    query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
+                              schedule=schedule, num_programs=num_programs,
+                              num_tokens=num_tokens, record=num_tokens is None)
+    query = torch.zeros((num_tokens, 32, 128) if num_tokens is not None else
+                        (batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
     tables = torch.zeros(batch, max_pages, dtype=torch.int32)
@@ -172,7 +184,9 @@ def compile_case(name: str) -> dict:
     tensors = {k: torch.zeros(32) for k in per_call}
     return launcher.launch(query, cache, cache, tables, lens, torch.empty_like(query),
                            torch.empty(query.shape[:-1]) if with_lse else None, scale=0.1,
-                           calls=tensors)
+                           calls=tensors, query_start_loc=torch.zeros(batch + 1,
+                                                                      dtype=torch.int32)
+                           if num_tokens is not None else None)
 
 
 _SCOPE_LABEL = re.compile(r"\$L__tmp\d+:")
@@ -245,7 +259,7 @@ def loop_spills(cubin: bytes) -> int | None:
         target = re.search(r"BRA `\(\.(L_x_\d+)\)", inst)
         if target and labels.get(target.group(1), addr) < addr:
             lo = labels[target.group(1)]
-            if any("HMMA" in i for a, i in insts if lo <= a <= addr):
+            if any("MMA" in i for a, i in insts if lo <= a <= addr):  # HMMA, HGMMA
                 loops.append((addr - lo, lo, addr))
     if not loops:
         return None

@@ -148,3 +148,10 @@ def fp8_quantize(x: torch.Tensor, scale, dtype=torch.float8_e4m3fn) -> torch.Ten
     if s.dim() == 1:  # per kv head: the cache's dim 2 (NHD)
         s = s[None, None, :, None]
     return (x.float() / s).to(dtype)
+
+
+def head_values(device, seed: int, low: float, high: float, n: int) -> torch.Tensor:
+    """``[n]`` float32 values uniform in ``[low, high)`` on ``device`` (per-head sinks or
+    ALiBi slopes), from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, generator=g) * (high - low) + low).to(device)

@@ -55,7 +55,8 @@ def _layer(module: str) -> str:
     for prefix in ("kernels", "launch", "bench", "serving", "compat"):
         if module.startswith(f"pagedattn.{prefix}"):
             return prefix
-    return {"pagedattn.api": "api", "pagedattn": "api", "pagedattn.cli": "cli"}.get(module, "leaf")
+    return {"pagedattn.api": "api", "pagedattn.attention": "api", "pagedattn": "api",
+            "pagedattn.cli": "cli"}.get(module, "leaf")
 
 
 #: what each layer may import (leaves are checked on their own)

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from _hardening import head_values
 
 from pagedattn import paged_decode, paged_decode_reference, plan_decode
 from pagedattn.serving import ops
@@ -105,9 +106,8 @@ def test_groups(device, num_q_heads, num_kv_heads):
                    num_kv_heads=num_kv_heads), num_programs=9)
 
 
-def _heads(device, seed, low, high, n=SHAPE["num_q_heads"]):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.rand(n, generator=g) * (high - low) + low).to(device)
+def _heads(device, seed, low, high):
+    return head_values(device, seed, low, high, SHAPE["num_q_heads"])
 
 
 @pytest.mark.parametrize("kw", [dict(window_left=5), dict(window_left=0),

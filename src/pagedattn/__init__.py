@@ -1,6 +1,8 @@
 """pagedattn: paged-attention decode kernels for LLM serving, written in Triton.
 
 ``paged_decode`` is the entry point, ``plan_decode`` its plan/run form for serving;
+``paged_attention`` / ``plan_attention`` take any number of new tokens per sequence (paged
+prefill, mixed batches);
 ``merge_states`` merges attention states (cascade serving); ``paged_decode_reference`` is
 the float64 oracle.
 Importing this package does not import Triton (the launchers load on first use).
@@ -18,9 +20,11 @@ from pagedattn.api import (
     paged_decode,
     plan_decode,
 )
-from pagedattn.reference import paged_decode_reference
+from pagedattn.attention import AttentionPlan, paged_attention, plan_attention
+from pagedattn.reference import paged_attention_reference, paged_decode_reference
 
-__all__ = ["IMPLS", "STAGES", "DecodeOutput", "DecodePlan", "ImplSpec", "append_kv",
-           "compiled_kernels", "merge_states", "paged_decode", "paged_decode_reference",
-           "plan_decode"]
+__all__ = ["IMPLS", "STAGES", "AttentionPlan", "DecodeOutput", "DecodePlan", "ImplSpec",
+           "append_kv", "compiled_kernels", "merge_states", "paged_attention",
+           "paged_attention_reference", "paged_decode", "paged_decode_reference",
+           "plan_attention", "plan_decode"]
 __version__ = "0.1.0"

@@ -497,16 +497,17 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
 
 
 def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim, page_size,
-               q_dtype, kv_dtype, kv_layout, num_splits) -> None:
-    """:func:`pagedattn.plan_decode`'s checks: metadata only (no host sync)."""
+               q_dtype, kv_dtype, kv_layout, num_splits, lens_name="context_lens") -> None:
+    """:func:`pagedattn.plan_decode`'s checks (and :func:`pagedattn.plan_attention`'s, whose
+    lengths are ``seq_lens``: ``lens_name``): metadata only (no host sync)."""
     _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
     check_device_runnable("block_tables", block_tables)
-    _check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, "int32 or int64")
+    _check_tensor(lens_name, context_lens, 1, INDEX_DTYPES, "int32 or int64")
     if context_lens.shape[0] != block_tables.shape[0]:
-        _fail(ValueError, "context_lens", f"{block_tables.shape[0]} entries (block_tables rows)",
+        _fail(ValueError, lens_name, f"{block_tables.shape[0]} entries (block_tables rows)",
               context_lens.shape[0])
     if context_lens.device != block_tables.device:
-        _fail(ValueError, "context_lens", f"a tensor on block_tables' device "
+        _fail(ValueError, lens_name, f"a tensor on block_tables' device "
               f"{block_tables.device}", context_lens.device)
     _check_int("num_kv_heads", num_kv_heads, 1)
     _check_int("num_q_heads", num_q_heads, 1)
@@ -527,16 +528,9 @@ def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_di
         _check_int("num_splits", num_splits, 1, MAX_SPLITS)
 
 
-def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, out,
-              return_lse, validate) -> None:
-    """:meth:`DecodePlan.run`'s checks: the tensors match the plan (metadata only)."""
-    q_shape = tuple(plan._q_shape)
-    _check_tensor("query", query, len(q_shape), (plan.q_dtype,),
-                  f"{plan.q_dtype} (the plan's q_dtype)")
-    if tuple(query.shape) != q_shape:
-        _fail(ValueError, "query", f"shape {q_shape} (the plan's batch, "
-              f"{'q_len, ' if len(q_shape) == 4 else ''}num_q_heads, head_dim)",
-              tuple(query.shape))
+def _check_plan_caches(plan, query, key_cache, value_cache) -> int:
+    """The caches of a plan's run: the plan's dtype, layout, page size, kv heads and
+    head_dim, and every tensor on the plan's device; returns ``num_kv_heads``."""
     words = f"{plan.kv_dtype} (the plan's kv_dtype)"
     _check_tensor("key_cache", key_cache, 4, (plan.kv_dtype,), words)
     _check_tensor("value_cache", value_cache, 4, (plan.kv_dtype,), words)
@@ -550,6 +544,20 @@ def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, o
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.device != plan.device:
             _fail(ValueError, name, f"a tensor on the plan's device {plan.device}", t.device)
+    return num_kv_heads
+
+
+def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, out,
+              return_lse, validate) -> None:
+    """:meth:`DecodePlan.run`'s checks: the tensors match the plan (metadata only)."""
+    q_shape = tuple(plan._q_shape)
+    _check_tensor("query", query, len(q_shape), (plan.q_dtype,),
+                  f"{plan.q_dtype} (the plan's q_dtype)")
+    if tuple(query.shape) != q_shape:
+        _fail(ValueError, "query", f"shape {q_shape} (the plan's batch, "
+              f"{'q_len, ' if len(q_shape) == 4 else ''}num_q_heads, head_dim)",
+              tuple(query.shape))
+    num_kv_heads = _check_plan_caches(plan, query, key_cache, value_cache)
     check_softmax_scale(scale)
     if out is not None:
         check_out(out, query, key_cache, value_cache)
@@ -691,3 +699,95 @@ def check_merge_states(outs: Any, lses: Any) -> None:
     if outs.shape[0] < 1:
         _fail(ValueError, "outs", "at least one state (S >= 1 along dim 0)", outs.shape[0])
     check_same_device("outs", outs.device, (("lses", lses),))
+
+
+# --- varlen queries (pagedattn.attention: paged prefill) ---------------------------------
+
+
+def check_query_start_loc(query_start_loc: Any, block_tables: torch.Tensor) -> None:
+    """``query_start_loc``: an int32 ``[batch + 1]`` tensor on ``block_tables``' device."""
+    _check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), "int32")
+    batch = block_tables.shape[0]
+    if query_start_loc.shape[0] != batch + 1:
+        _fail(ValueError, "query_start_loc", f"{batch + 1} entries (batch + 1)",
+              query_start_loc.shape[0])
+    if query_start_loc.device != block_tables.device:
+        _fail(ValueError, "query_start_loc", f"a tensor on block_tables' device "
+              f"{block_tables.device}", query_start_loc.device)
+
+
+def check_attention_call(query, key_cache, value_cache, block_tables, seq_lens,
+                         query_start_loc, *, kv_layout) -> None:
+    """:func:`pagedattn.paged_attention`'s own checks before it plans: the tensors' types,
+    ranks and dtypes, the layout and the heads (the plan and its run check the rest)."""
+    if kv_layout not in KV_LAYOUTS:
+        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    _check_tensor("query", query, 3, FLOAT_DTYPES, "float32, float16 or bfloat16")
+    words = "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"
+    _check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES + FP8_DTYPES, words)
+    _check_tensor("value_cache", value_cache, 4, FLOAT_DTYPES + FP8_DTYPES, words)
+    check_cache_pair(key_cache, value_cache)
+    if key_cache.dtype in FLOAT_DTYPES and key_cache.dtype != query.dtype:
+        _fail(TypeError, "key_cache", f"the query's dtype {query.dtype} (or an fp8 dtype)",
+              key_cache.dtype)
+    _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
+    _check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, "int32 or int64")
+    _, _, num_kv_heads, head_dim = cache_dims(key_cache, kv_layout)
+    if num_kv_heads < 1 or query.shape[1] % num_kv_heads:
+        _fail(ValueError, "query", f"num_q_heads a multiple of num_kv_heads={num_kv_heads} "
+              f"(key_cache's dim {1 if kv_layout == 'HND' else 2} in layout {kv_layout})",
+              query.shape[1])
+    if query.shape[2] != head_dim:
+        _fail(ValueError, "key_cache", f"head_dim {query.shape[2]} (the query's) in the last "
+              "dim", head_dim)
+
+
+def check_attention_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, out,
+                        return_lse, validate) -> None:
+    """:meth:`pagedattn.attention.AttentionPlan.run`'s checks: the tensors match the plan
+    (metadata only; any number of query rows)."""
+    _check_tensor("query", query, 3, (plan.q_dtype,), f"{plan.q_dtype} (the plan's q_dtype)")
+    if tuple(query.shape[1:]) != (plan.num_q_heads, plan.head_dim):
+        _fail(ValueError, "query", f"shape [num_tokens, {plan.num_q_heads}, {plan.head_dim}] "
+              "(the plan's num_q_heads, head_dim)", tuple(query.shape))
+    num_kv_heads = _check_plan_caches(plan, query, key_cache, value_cache)
+    check_device_runnable("query", query)
+    check_softmax_scale(scale)
+    if out is not None:
+        check_out(out, query, key_cache, value_cache)
+    _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
+                       scale=scale)
+    if validate and query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _fail(ValueError, "validate", "None or False under CUDA-graph capture (True needs a "
+              "device-to-host sync)", True)
+
+
+def check_attention_values(plan, num_tokens: int, num_pages: int) -> None:
+    """The plan's metadata values against ``num_tokens`` query rows and a cache of
+    ``num_pages`` pages (reads the data: a host sync on CUDA): ``query_start_loc`` from 0,
+    non-decreasing, at most ``num_tokens``; each sequence's new tokens at most its
+    ``seq_lens`` (and ``max_query_len``); lengths and the used page ids as
+    :func:`check_values` checks them (the window counted from each sequence's first new
+    token)."""
+    qsl = plan.query_start_loc.long().cpu()
+    if int(qsl[0]) != 0:
+        _fail(ValueError, "query_start_loc", "0 in entry 0", int(qsl[0]))
+    q_lens = qsl[1:] - qsl[:-1]
+    if bool((q_lens < 0).any()):
+        b = int((q_lens < 0).nonzero()[0, 0])
+        _fail(ValueError, "query_start_loc", f"non-decreasing entries (entries {b} and "
+              f"{b + 1})", (int(qsl[b]), int(qsl[b + 1])))
+    if int(qsl[-1]) > num_tokens:
+        _fail(ValueError, "query_start_loc", f"a last entry of at most the query's "
+              f"{num_tokens} rows", int(qsl[-1]))
+    lens = plan.seq_lens.long().cpu()
+    if bool((q_lens > lens).any()):
+        b = int((q_lens > lens).nonzero()[0, 0])
+        _fail(ValueError, "seq_lens", f"at least each sequence's new tokens (sequence {b} has "
+              f"{int(q_lens[b])})", int(lens[b]))
+    if plan.max_query_len is not None and bool((q_lens > plan.max_query_len).any()):
+        _fail(ValueError, "max_query_len", "at least every sequence's new tokens",
+              f"{plan.max_query_len} (a sequence has {int(q_lens.max())})")
+    check_values(plan.block_tables, plan.seq_lens, num_pages, plan.page_size,
+                 window_left=min(int(plan.options.window_left), MAX_CONTEXT_LEN),
+                 q_len=q_lens.to(plan.seq_lens.device))

@@ -129,3 +129,28 @@ def paged_decode_reference(
         lse[b] = torch.logsumexp(scores, dim=-1)
         out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
     return ReferenceOutput(out, lse)
+
+
+def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, block_tables: torch.Tensor,
+                              seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                              **kwargs) -> ReferenceOutput:
+    """Float64 paged attention over varlen queries (``pagedattn.paged_attention``):
+    sequence ``b``'s new tokens are query rows ``query_start_loc[b] : query_start_loc[b +
+    1]``, token ``j`` of ``q_len`` at position ``seq_lens[b] - q_len + j``; each is the
+    multi-token query of :func:`paged_decode_reference` at its sequence (``kwargs``: its
+    keywords). Returns ``out`` ``[num_tokens, num_q_heads, head_dim]`` and ``lse``
+    ``[num_tokens, num_q_heads]``, float64; rows past ``query_start_loc[-1]`` hold 0 and
+    ``-inf`` (they are no token)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float64,
+                      device=query.device)
+    lse = torch.full((num_tokens, num_q_heads), -math.inf, dtype=torch.float64,
+                     device=query.device)
+    starts = query_start_loc.detach().cpu().tolist()
+    for b, (lo, hi) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
+        if hi > lo:
+            ref = paged_decode_reference(query[lo:hi][None], key_cache, value_cache,
+                                         block_tables[b:b + 1], seq_lens[b:b + 1], **kwargs)
+            out[lo:hi], lse[lo:hi] = ref.out[0], ref.lse[0]
+    return ReferenceOutput(out, lse)

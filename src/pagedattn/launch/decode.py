@@ -246,7 +246,7 @@ class AutoLauncher:
                  config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
                  options: DecodeOptions = DEFAULT, record: bool = True,
                  workspace: bool = True, schedule: str = "split",
-                 num_programs: int | None = None):
+                 num_programs: int | None = None, num_tokens: int | None = None):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         window_left, batch_invariant = options.window_left, options.batch_invariant
@@ -261,7 +261,8 @@ class AutoLauncher:
             q_len=q_len, window_left=window_left, batch_invariant=batch_invariant,
             interpret=interpret, sms=sms,
             device_name=device_name_for(device) if on_gpu and config is None else None,
-            owns_workspace=workspace, schedule=schedule, num_programs=num_programs)
+            owns_workspace=workspace, schedule=schedule, num_programs=num_programs,
+            num_tokens=num_tokens)
         self.config = cfg = plan.config
         group = num_q_heads // num_kv_heads
         bd = block_d(head_dim)
@@ -307,8 +308,11 @@ class AutoLauncher:
             self.launches_merge) and pdl_supported(device.index if device.index is not None
                                                    else torch.cuda.current_device())
         self.main_constexprs.update(PDL=self.pdl, FOLD_MERGE=self.fold_merge)
+        #: varlen queries (paged prefill): ``[num_tokens, heads, head_dim]``, blocks of
+        #: ``q_len`` new tokens a row, ``query_start_loc`` per launch (``launch``)
+        self.varlen = num_tokens is not None
         # the persistent schedule's flag and merge tile ((1, 1), unused, for the split one)
-        self.main_constexprs.update(PERSISTENT=self.persistent,
+        self.main_constexprs.update(VARLEN=self.varlen, PERSISTENT=self.persistent,
                                     BLOCK_R=plan.persistent_merge[0],
                                     BLOCK_HM=plan.persistent_merge[1],
                                     TILES_I64=plan.tiles_i64)
@@ -347,7 +351,7 @@ class AutoLauncher:
         # constexpr and launch option is fixed by the launcher, so the binding is the
         # tensors' dtypes, strides and 16-byte alignment and whether LSE is written; the
         # records hold no tensor and no address (the workspace's are per-call slots too)
-        self._direct = (record and on_gpu and device.index is not None
+        self._direct = (record and on_gpu and device.index is not None and not self.varlen
                         and _direct_launch_supported())
         self._bindings: dict[tuple, tuple] = {}
         self._get_stream = driver.active.get_current_stream if self._direct else None
@@ -380,7 +384,8 @@ class AutoLauncher:
                 work[n_ml + n_acc:].view(torch.int32))
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
-               scale: float, k_scale=None, v_scale=None, calls=None) -> dict[str, object]:
+               scale: float, k_scale=None, v_scale=None, calls=None,
+               query_start_loc=None) -> dict[str, object]:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
         ``query``/``out`` are ``[batch, q_len, num_q_heads, head_dim]`` when ``q_len > 1``.
@@ -442,7 +447,7 @@ class AutoLauncher:
                 _launch_recorded(merge, merge_c, self.merge_grid, stream, args, enter, leave)
                 return compiled
         part_ml, part_acc, seq_rows = self.workspace_parts(work)
-        multi = self.q_len > 1  # a 4-D query and out
+        multi = self.q_len > 1 and not self.varlen  # a 4-D query and out
         k_t = v_t = None
         if tensor_scales:  # both as tensors: one specialization for the pair
             k_t, v_t = (s if isinstance(s, torch.Tensor) else torch.full(
@@ -452,7 +457,9 @@ class AutoLauncher:
             query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
             block_tables_ptr=block_tables, context_lens_ptr=context_lens, out_ptr=out,
             lse_ptr=lse if lse is not None else part_ml,
-            part_ml_ptr=part_ml, part_acc_ptr=part_acc, seq_rows_ptr=seq_rows,
+            part_ml_ptr=part_ml, part_acc_ptr=part_acc,
+            # varlen: query_start_loc in the slot that a one-unit launch never touches
+            seq_rows_ptr=query_start_loc if self.varlen else seq_rows,
             k_scale_ptr=k_t if tensor_scales else part_ml,
             v_scale_ptr=v_t if tensor_scales else part_ml,
             stride_k_scale=k_t.stride(0) if tensor_scales and k_t.dim() == 1 else 0,
@@ -464,8 +471,8 @@ class AutoLauncher:
             **{arg: calls.get(name, part_ml) if calls else part_ml
                for name, arg, _ in _MAIN_CALLS},
             **self.main_variant_args,
-            stride_q_t=query.stride(1) if multi else 0,
-            stride_o_t=out.stride(1) if multi else 0,
+            stride_q_t=query.stride(1) if multi else query.stride(0) if self.varlen else 0,
+            stride_o_t=out.stride(1) if multi else out.stride(0) if self.varlen else 0,
             batch=self.batch, num_kv_heads=self.num_kv_heads, group=self.group,
             max_pages=self.max_pages, forced_splits=self.forced_splits,
             min_chunk=self.min_chunk, target_units=self.target_units,

@@ -1,0 +1,231 @@
+"""Paged attention over varlen queries (``paged_attention``, ``plan_attention``: paged
+prefill, chunks over a cached prefix, mixed batches) against the float64 oracle.
+
+Every case draws fresh random inputs with NaN in every unused page, slot and table entry
+(``make_paged_inputs``), and NaN in ``out`` (its padding rows past ``query_start_loc[-1]``
+must stay NaN: engines pad their batches). Each sequence's new tokens are the last
+``q_len`` of its ``seq_lens`` (their K/V appended first), token ``j`` at position
+``seq_len - q_len + j``, attending causally.
+"""
+
+import pytest
+import torch
+from _hardening import head_values
+
+from pagedattn import (
+    paged_attention,
+    paged_attention_reference,
+    paged_decode,
+    plan_attention,
+)
+from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
+
+SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+PAD = 3  # query rows past the last sequence's (padding)
+
+
+def _batch(seq_lens, q_lens, device, dtype=torch.float32, seed=0, **kw):
+    """Inputs, a ``[num_tokens + PAD, heads, head_dim]`` query and ``query_start_loc``."""
+    shape = {**SHAPE, **kw}
+    inputs = make_paged_inputs(seq_lens, dtype=dtype, seed=seed, device=device, **shape)
+    g = torch.Generator().manual_seed(seed + 1)
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens + PAD, shape["num_q_heads"], shape["head_dim"],
+                        generator=g).to(dtype).to(device)
+    qsl = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.long).cumsum(0).tolist()],
+                       dtype=torch.int32, device=device)
+    return inputs, query, qsl
+
+
+def _check(inputs, query, qsl, kv_layout="NHD", **kw):
+    """NaN-poisoned ``out``: valid rows within the cache dtype's tolerance of the oracle,
+    LSE within 1e-3 where finite (``-inf`` exactly where the oracle's is), padding rows
+    untouched (NaN)."""
+    out = torch.full_like(query, float("nan"))
+    res = paged_attention(query, *inputs[1:], qsl, out=out, return_lse=True,
+                          kv_layout=kv_layout, **kw)
+    ref = paged_attention_reference(query, *inputs[1:], qsl, kv_layout=kv_layout, **kw)
+    n = int(qsl[-1])
+    assert res.out is out
+    err = rel_l2_error(out[:n], ref.out[:n])
+    assert err <= tolerance_for(inputs.key_cache.dtype), err
+    assert torch.isnan(out[n:]).all()
+    lse, ref_lse = res.lse[:n].double().cpu(), ref.lse[:n].cpu()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+    return res
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 5, 9, 13])
+def test_pure_prefill_and_chunks_over_a_cached_prefix(device, q_len):
+    """``seq_lens == q_len`` (a whole prompt) and ``seq_lens >> q_len`` (a chunk after a
+    cached prefix), from one token to several tiles of new tokens."""
+    _check(*_batch([q_len, 40 + q_len], [q_len, q_len], device, seed=q_len))
+
+
+def test_mixed_batch_of_decodes_chunks_and_empty_sequences(device):
+    seq_lens = [30, 1, 0, 17, 9, 61, 5]
+    q_lens = [1, 1, 0, 17, 0, 7, 2]
+    _check(*_batch(seq_lens, q_lens, device, seed=1))
+
+
+@pytest.mark.parametrize("page_size,seq_lens", [(1, [9, 8]), (16, [40, 19]), (64, [90, 7]),
+                                                (128, [100, 128])])  # 128: a whole sequence
+def test_page_sizes(device, page_size, seq_lens):
+    _check(*_batch(seq_lens, [6, 7], device, seed=page_size, page_size=page_size))
+
+
+def test_hnd_strided_and_vllm_page_caches(device):
+    inputs, query, qsl = _batch([33, 8, 20], [5, 8, 1], device, seed=2, kv_layout="HND")
+    _check(inputs, query, qsl, kv_layout="HND")
+    # vLLM's page: each (page, kv head) holds a K tile, then a V tile
+    nhd, query, qsl = _batch([33, 8, 20], [5, 8, 1], device, seed=3)
+    k_hnd, v_hnd = nhd.key_cache.transpose(1, 2), nhd.value_cache.transpose(1, 2)
+    paged = torch.stack([k_hnd, v_hnd], dim=2)  # [pages, kv heads, 2, page, head_dim]
+    _check(nhd._replace(key_cache=paged[:, :, 0], value_cache=paged[:, :, 1]), query, qsl,
+           kv_layout="HND")
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 1), (8, 2), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_groups_and_head_dims(device, num_q_heads, num_kv_heads, head_dim):
+    _check(*_batch([21, 6], [6, 3], device, seed=head_dim + num_q_heads,
+                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_float_caches(device, dtype):
+    _check(*_batch([25, 12, 3], [9, 12, 1], device, dtype=dtype, seed=4))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_caches_with_scales(device, fp8):
+    inputs, query, qsl = _batch([25, 12, 3], [9, 12, 1], device, dtype=torch.bfloat16,
+                                seed=5, cache_dtype=fp8, head_dim=32)
+    _check(inputs, query, qsl, k_scale=torch.tensor([0.5, 2.0], device=device), v_scale=1.5)
+
+
+def _heads(device, seed, low, high):
+    return head_values(device, seed, low, high, SHAPE["num_q_heads"])
+
+
+@pytest.mark.parametrize("kw", [dict(window_left=3), dict(window_left=0),
+                                dict(logits_soft_cap=2.0), dict(sinks="sinks"),
+                                dict(alibi_slopes="alibi")])
+def test_variants(device, kw):
+    kw = {k: (_heads(device, 6, -2.0, 2.0) if v == "sinks" else
+              _heads(device, 7, 0.0, 0.5) if v == "alibi" else v) for k, v in kw.items()}
+    inputs, query, qsl = _batch([30, 1, 17, 9], [11, 1, 17, 3], device, seed=8)
+    _check(inputs, query * 8 if "logits_soft_cap" in kw else query, qsl, **kw)
+
+
+def test_every_variant_at_once(device):
+    inputs, query, qsl = _batch([30, 1, 17, 9], [11, 1, 17, 3], device, seed=9)
+    _check(inputs, query, qsl, window_left=6, logits_soft_cap=4.0,
+           sinks=_heads(device, 10, -1.0, 1.0), alibi_slopes=_heads(device, 11, 0.0, 0.3))
+
+
+def test_decode_rows_agree_with_paged_decode(device):
+    """A step of one token per sequence gives paged_decode's answer, through the varlen
+    kernel (no ``max_query_len``) and through the decode plan (``max_query_len=1``)."""
+    seq_lens = [30, 1, 17, 9]
+    inputs, query, qsl = _batch(seq_lens, [1, 1, 1, 1], device, seed=12)
+    query = query[:4]
+    dec = paged_decode(query, *inputs[1:], return_lse=True)
+    var = paged_attention(query, *inputs[1:], qsl, return_lse=True)
+    plan = plan_attention(inputs.block_tables, inputs.context_lens, qsl, q_dtype=query.dtype,
+                          max_query_len=1, **SHAPE)
+    via_decode = plan.run(query, *inputs[1:3], return_lse=True)
+    assert plan._decode is not None and not plan._launchers  # the decode plan ran
+    tol = tolerance_for(torch.float32)
+    for res in (var, via_decode):
+        assert rel_l2_error(res.out, dec.out) <= tol
+        assert torch.allclose(res.lse, dec.lse, atol=1e-4)
+
+
+def test_one_plan_across_layers_and_steps(device):
+    """One plan, several layers, then the next step's metadata written in place (same
+    shapes): each run matches its oracle; the query rows may be padded differently."""
+    inputs, query, qsl = _batch([30, 9, 17], [4, 9, 1], device, seed=13, max_pages=12)
+    bt, lens, loc = inputs.block_tables.clone(), inputs.context_lens.clone(), qsl.clone()
+    plan = plan_attention(bt, lens, loc, q_dtype=torch.float32, **SHAPE)
+    for layer in range(2):
+        k, v = inputs.key_cache * (layer + 1), inputs.value_cache - layer
+        out = plan.run(query, k, v)
+        ref = paged_attention_reference(query, k, v, bt, lens, loc)
+        assert rel_l2_error(out[:14], ref.out[:14]) <= tolerance_for(torch.float32)
+    nxt, query2, qsl2 = _batch([34, 0, 18], [4, 0, 1], device, seed=14, max_pages=12)
+    bt.copy_(nxt.block_tables)
+    lens.copy_(nxt.context_lens)
+    loc.copy_(qsl2)
+    out = plan.run(query2, *nxt[1:3])
+    ref = paged_attention_reference(query2, *nxt[1:], qsl2)
+    assert rel_l2_error(out[:5], ref.out[:5]) <= tolerance_for(torch.float32)
+    assert (out[5:] == 0).all()  # rows past query_start_loc[-1]: the plan's zeros
+
+
+BAD = [
+    (lambda q, i, s: dict(query_start_loc=s[:-1]), ValueError, "query_start_loc"),
+    (lambda q, i, s: dict(query_start_loc=s.long()), TypeError, "query_start_loc"),
+    (lambda q, i, s: dict(query_start_loc=s.float()), TypeError, "query_start_loc"),
+    (lambda q, i, s: dict(query_start_loc=s.flip(0)), ValueError, "query_start_loc"),
+    (lambda q, i, s: dict(query_start_loc=s + 1), ValueError, "query_start_loc"),
+    (lambda q, i, s: dict(query_start_loc=s * 9), ValueError, "query_start_loc"),
+    (lambda q, i, s: dict(query=q[:, :3]), ValueError, "query"),
+    (lambda q, i, s: dict(query=q[None]), ValueError, "query"),
+    (lambda q, i, s: dict(value_cache=i.value_cache.half()), TypeError, "value_cache"),
+    (lambda q, i, s: dict(seq_lens=i.context_lens.float()), TypeError, "seq_lens"),
+    (lambda q, i, s: dict(seq_lens=i.context_lens[:2]), ValueError, "seq_lens"),
+    (lambda q, i, s: dict(seq_lens=torch.tensor([1, 1, 1], dtype=torch.int32)), ValueError,
+     "seq_lens"),  # fewer tokens than the sequence's new ones
+    (lambda q, i, s: dict(out=torch.empty_like(q)[:, :, :8]), ValueError, "out"),
+    (lambda q, i, s: dict(window_left=-2), ValueError, "window_left"),
+    (lambda q, i, s: dict(sinks=torch.zeros(3)), ValueError, "sinks"),
+    (lambda q, i, s: dict(k_scale=0.0), ValueError, "k_scale"),
+    (lambda q, i, s: dict(kv_layout="NDH"), ValueError, "kv_layout"),
+]
+
+
+@pytest.mark.parametrize("make,exc,name", BAD)
+def test_bad_input_is_named_before_any_write(make, exc, name):
+    inputs, query, qsl = _batch([9, 5, 12], [3, 5, 2], "cpu", seed=15)
+    args = dict(query=query, key_cache=inputs.key_cache, value_cache=inputs.value_cache,
+                block_tables=inputs.block_tables, seq_lens=inputs.context_lens,
+                query_start_loc=qsl)
+    args.update(make(query, inputs, qsl))
+    out = args.pop("out", None)
+    kw = {k: args.pop(k) for k in list(args) if k not in (
+        "query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")}
+    sentinel = torch.full_like(query, 7.0)
+    with pytest.raises(exc, match=f"^{name}"):
+        paged_attention(*args.values(), out=sentinel if out is None else out, **kw)
+    assert (sentinel == 7.0).all()
+
+
+def test_prefill_kernels_compile_for_sm90():
+    """The varlen cases compile for sm_90 without the interpreter (a subprocess), within the
+    register cap of three resident 4-warp programs per SM (168), nothing spilled inside the
+    token loop."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src")
+    cases = ("prefill-bf16", "prefill-fp8", "prefill-everything")
+    run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"), "--cases",
+                          ",".join(cases)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = {line.split(":")[0]: line for line in run.stdout.splitlines() if " ok," in line}
+    assert set(lines) == set(cases)  # one kernel a call, no merge
+    for line in lines.values():
+        regs = re.search(r"(\d+) registers", line)
+        if regs is not None:
+            assert int(regs.group(1)) <= 168, line
+            loop = re.search(r"(\d+) spill instructions in the token loop", line)
+            assert loop is None or loop.group(1) == "0", line
