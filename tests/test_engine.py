@@ -464,3 +464,42 @@ def test_graph_engine_equals_eager_engine_and_dense(model, dense):
     for got, (want, _) in zip(outs[1], dense, strict=True):
         n = next((i + 1 for i, t in enumerate(want) if t == eos), len(want))
         assert got == want[:n]
+
+
+def test_chunked_prefill_equals_dense_greedy(model, dense):
+    """Prompts longer than ``max_prefill_tokens`` prefill chunk by chunk over the paged cache
+    (``Transformer.extend``: paged attention over the tokens already cached), a decode step
+    of the running batch between two chunks; tokens and logits as full dense recompute."""
+    res = generate_greedy(model, PROMPTS, MAX_NEW, page_size=4, max_batch_size=3,
+                          keep_logits=True, max_prefill_tokens=4)
+    check_against_dense(res.requests, dense)
+    s = res.stats
+    # the 11- and 17-token prompts take 3 and 5 chunks, the 6-token one 2
+    assert s.extend_steps >= 3 + 5 + 2
+    assert s.prefill_tokens == sum(len(p) for p in PROMPTS)
+
+
+def test_a_cached_prefix_prefills_only_the_rest(model):
+    """A request that starts with a cached prefix (``add_prefix``) forks its pages and
+    prefills only its own tokens; its tokens and logits are those of the whole prompt."""
+    prefix, suffixes = PROMPTS[4][:10], [PROMPTS[4][10:], [3, 1, 4], [42]]
+    want = [dense_greedy(model, prefix + s, 5) for s in suffixes]
+    cache = model.make_cache(40, page_size=4)
+    engine = Engine(model, cache, max_batch_size=3, keep_logits=True, max_model_len=64)
+    pid = engine.add_prefix(prefix)
+    pages_held = cache.num_free_pages
+    for s in suffixes:
+        engine.add_request(prefix + s, 5, prefix=pid)
+    check_against_dense(engine.run(), want)
+    # the requests prefilled their own tokens only (the prefix's pass is add_prefix's)
+    assert engine.stats.prefill_tokens == sum(len(s) for s in suffixes)
+    assert cache.num_free_pages == pages_held  # the requests' pages returned, the prefix kept
+    engine.drop_prefix(pid)
+    assert cache.num_free_pages == 40 and cache.seq_ids == []
+    with pytest.raises(KeyError, match="prefix"):
+        engine.add_request(prefix + [1], 2, prefix=pid)
+    pid = engine.add_prefix(prefix)
+    with pytest.raises(ValueError, match="^prefix"):
+        engine.add_request(prefix, 2, prefix=pid)  # no token past the prefix
+    with pytest.raises(ValueError, match="^prefix"):
+        engine.add_request([1] + prefix, 2, prefix=pid)

@@ -52,7 +52,8 @@ class TokenSumModel:
         score = (rows * (pos + 1) * seen).sum(1).long() % self.cfg.vocab_size
         return F.one_hot(score, self.cfg.vocab_size).float()
 
-    prefill = decode = _logits  # a prefill's rows are its prompts: the last token's logits
+    # a prefill's rows are its prompts, an extend's its chunks: the last token's logits
+    prefill = decode = extend = _logits
 
 
 def expected(prompt, max_new, eos=()):
@@ -354,14 +355,17 @@ def _scenario(seed: int) -> Counter:
     assert cache.num_free_pages == num_pages and cache.seq_ids == [], seed
     seen.update(r.finish_reason for r in handed.values())
     seen.update(steps=engine.model.steps, preempted=engine.stats.preemptions,
-                discarded=engine.stats.discarded_tokens)
+                discarded=engine.stats.discarded_tokens, extended=engine.stats.extend_steps)
     return seen
 
 
 def test_one_thousand_random_scenarios():
     """Oversized requests, aborts (from the caller and from callbacks), raising callbacks,
-    pools of 1 to 8 pages of 1 to 4 tokens, batches of 1 to 4, overlapped or not."""
+    pools of 1 to 8 pages of 1 to 4 tokens, batches of 1 to 4, overlapped or not, prompts
+    prefilled whole or chunk by chunk."""
     seen = sum((_scenario(seed) for seed in range(1000)), Counter())
-    # every kind of event happened, many times
-    kinds = ("refused", "raised", "abort", "eos", "length", "preempted", "discarded")
+    # every kind of event happened, many times (prompts longer than max_prefill_tokens
+    # prefill chunk by chunk, "extended": a half-prefilled prompt is preempted too)
+    kinds = ("refused", "raised", "abort", "eos", "length", "discarded", "extended")
     assert all(seen[k] >= 50 for k in kinds) and seen["steps"] >= 10_000, seen
+    assert seen["preempted"] >= 30, seen

@@ -101,6 +101,14 @@ def test_family_generates_as_transformers(family, tmp_path, planned):
     # each decode step plans once per distinct variant pair of the layers
     per_step = {"mistral": [(WINDOW - 1, None)], "gemma2": [(WINDOW - 1, 5.0), (-1, 5.0)]}
     assert planned == per_step.get(family, [(-1, None)]) * (NEW_TOKENS - 1)
+    # the prompt prefilled chunk by chunk over the paged cache (Transformer.extend, the
+    # variants applied by the prefill kernel): the same tokens and logits
+    chunked = generate_greedy(model, [prompt], NEW_TOKENS, page_size=4, keep_logits=True,
+                              max_prefill_tokens=5)
+    assert chunked.stats.extend_steps >= 2
+    assert chunked.requests[0].output == want_tokens
+    torch.testing.assert_close(torch.stack(chunked.requests[0].logits), want_logits,
+                               rtol=1e-4, atol=1e-4)
 
     # the variants bite: each one switched off changes the logits
     off = {"mistral": [{"window_left": ()}],

@@ -41,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -63,6 +63,14 @@ class RequestKey:
         return f"request {self.rid}"
 
 
+@dataclass(frozen=True)
+class PrefixKey:
+    """A cached prefix's sequence id in the cache (:meth:`Engine.add_prefix`)."""
+
+    engine: int  # id() of the engine
+    pid: int
+
+
 @dataclass
 class Request:
     """One generation request. ``output`` grows by one token per step it takes part in."""
@@ -77,6 +85,8 @@ class Request:
     logits: list[torch.Tensor] = field(default_factory=list)  # fp32 [vocab] per token, if kept
     first_token_s: float = 0.0  # perf_counter() when the first token came
     finish_s: float = 0.0  # perf_counter() when it finished
+    prefix: int | None = None  # the cached prefix it starts with (Engine.add_prefix)
+    pending: list[int] | None = None  # tokens still to prefill, chunk by chunk (extend)
 
     @property
     def time_per_output_token(self) -> float | None:
@@ -88,6 +98,7 @@ class Request:
 @dataclass
 class EngineStats:
     prefill_steps: int = 0
+    extend_steps: int = 0  # of them, chunks over the paged cache (Transformer.extend)
     decode_steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -109,7 +120,7 @@ class Engine:
 
     Args:
         model: a :class:`Transformer` (paged attention), or any object with its ``cfg``,
-            ``dtype``, ``device``, ``prefill`` and ``decode`` (the tests' fake model).
+            ``dtype``, ``device``, ``prefill``, ``extend`` and ``decode`` (the tests' fake model).
         cache: a :class:`PagedKVCache` shaped for it (empty, or holding other sequences):
             the model's ``num_layers``, ``num_kv_heads``, ``head_dim`` and device, the
             model's dtype or an fp8 dtype. Else ValueError naming the mismatch.
@@ -120,7 +131,9 @@ class Engine:
         compile: decode through ``torch.compile`` (see :mod:`pagedattn.serving.runner`).
         max_model_len: longest sequence (prompt + new tokens) a request may reach; sets the
             block-table width of decode steps. Default: the model's context length.
-        max_prefill_tokens: prompt tokens per prefill step (a longer single prompt still runs).
+        max_prefill_tokens: prompt tokens per prefill step. A longer prompt prefills in chunks
+            of at most this many tokens over the paged cache (``Transformer.extend``), one
+            chunk a step, with a decode step of the running batch between two chunks.
     """
 
     def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch_size: int = 8,
@@ -158,26 +171,76 @@ class Engine:
         self._callback_errors: list[BaseException] = []  # raised by on_token in this step
         # the decode step launched but not read yet (its requests, in batch order)
         self._inflight: tuple[list[Request], DecodeStep] | None = None
+        # the request whose prompt prefills chunk by chunk (or after a cached prefix), and
+        # whether the running batch decodes before its next chunk
+        self.extending: Request | None = None
+        self._decode_turn = False
+        # cached prefixes (add_prefix): id -> (its cache sequence, its tokens)
+        self.prefixes: dict[int, tuple[PrefixKey, list[int]]] = {}
+        self._next_prefix = 0
 
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+    def add_prefix(self, tokens: Sequence[int]) -> int:
+        """Prefill ``tokens`` now into a cache sequence of their own, kept until
+        :meth:`drop_prefix`, and return its id: a request that starts with them
+        (``add_request(..., prefix=id)``) shares its pages (a fork) and prefills only the
+        rest of its prompt over them. Raises as :meth:`add_request` for bad tokens, and
+        CacheFullError when the pages are not free now."""
+        tokens = self._checked_tokens("tokens", tokens)
+        pid = self._next_prefix
+        key = PrefixKey(id(self), pid)
+        self._drain()
+        self.cache.add_sequence(key)
+        try:
+            meta = self.cache.prepare_step([key], [len(tokens)])
+            with torch.inference_mode():
+                self.model.prefill(torch.tensor(tokens, dtype=torch.long).to(self.model.device),
+                                   meta, self.cache)
+        except BaseException:
+            self.cache.free(key)
+            raise
+        self._next_prefix += 1
+        self.prefixes[pid] = (key, tokens)
+        return pid
+
+    def drop_prefix(self, prefix: int) -> None:
+        """Release a cached prefix's own hold on its pages (requests forked from it keep
+        theirs). Raises KeyError for an unknown id."""
+        key, _ = self.prefixes.pop(prefix)
+        self.cache.free(key)
+
+    def _checked_tokens(self, name: str, prompt) -> list[int]:
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise TypeError(f"{name}: expected a sequence of token ids, got "
+                            f"{type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise ValueError(f"{name}: expected at least one token")
+        vocab = self.model.cfg.vocab_size
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{name}: expected int token ids, got {t!r} at {i}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"{name}: expected token ids in [0, {vocab}), got {t} at {i}")
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int, *,
+                    prefix: int | None = None) -> int:
         """Queue a prompt (token ids); returns its request id. Raises TypeError for a
         token or count that is not an int, ValueError for an empty prompt, a token outside
         ``[0, vocab_size)``, ``max_new_tokens < 1`` or a total over ``max_model_len``
         (checked here: a bad token found at prefill would strand the request), and
         CacheFullError for a request that could never fit: the ``prompt + max_new_tokens -
         1`` tokens it writes need more pages than the whole cache holds (the error gives
-        both counts)."""
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            raise TypeError(f"prompt: expected a sequence of token ids, got "
-                            f"{type(prompt).__name__}")
-        if len(prompt) == 0:
-            raise ValueError("prompt: expected at least one token")
-        vocab = self.model.cfg.vocab_size
-        for i, t in enumerate(prompt):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(f"prompt: expected int token ids, got {t!r} at {i}")
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompt: expected token ids in [0, {vocab}), got {t} at {i}")
+        both counts). ``prefix``: the id of a cached prefix (:meth:`add_prefix`) that the
+        prompt starts with and outgrows; only the rest is prefilled (ValueError naming
+        ``prefix`` otherwise, KeyError for an unknown id)."""
+        prompt = self._checked_tokens("prompt", prompt)
+        if prefix is not None:
+            if prefix not in self.prefixes:
+                raise KeyError(f"prefix: no cached prefix {prefix!r} (add_prefix)")
+            head = self.prefixes[prefix][1]
+            if len(prompt) <= len(head) or prompt[:len(head)] != head:
+                raise ValueError(f"prefix: expected a prompt that starts with prefix "
+                                 f"{prefix}'s {len(head)} tokens and has more")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
             raise TypeError(f"max_new_tokens: expected an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
@@ -200,8 +263,8 @@ class Engine:
                     "run; build the cache with more pages or ask for fewer tokens"))
         rid = self._next_rid
         self._next_rid += 1
-        r = Request(rid, [int(t) for t in prompt], int(max_new_tokens),
-                    key=RequestKey(id(self), rid))
+        r = Request(rid, prompt, int(max_new_tokens), key=RequestKey(id(self), rid),
+                    prefix=prefix)
         self.waiting.append(r)
         self._live[rid] = r
         return rid
@@ -239,7 +302,7 @@ class Engine:
 
     @property
     def done(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self.extending is None
 
     def run(self, on_token: Callable[[Request, int], None] | None = None) -> list[Request]:
         """Step until no request is queued or running; returns every request that ended since
@@ -276,6 +339,9 @@ class Engine:
         if r in self.running:
             self.cache.free(r.key)
             self.running.remove(r)
+        elif r is self.extending:  # its chunks so far return their pages
+            self.cache.free(r.key)
+            self.extending, r.pending = None, None
         elif r in self.waiting:
             self.waiting.remove(r)
         del self._live[r.rid]
@@ -291,12 +357,23 @@ class Engine:
             self._step()
 
     def _step(self) -> None:
+        if self.extending is not None:  # a chunk, or a decode step of the others first
+            if self.running and self._decode_turn:
+                self._decode()
+            else:
+                self._drain()  # its callbacks may abort the extending request
+                if self.extending is not None:
+                    self._extend_chunk()
+            self._decode_turn = not self._decode_turn
+            return
         admitted = self._admit()
         if admitted:
             self._drain()  # a decode step in flight gives its tokens first
             # its callbacks may have aborted an admitted request (out of the queue already)
             admitted = [r for r in admitted if r.finish_reason is None]
-            if admitted:
+            if len(admitted) == 1 and self._extends(admitted[0]):
+                self._start_extend(admitted[0])
+            elif admitted:
                 self._prefill(admitted)
         elif self.running:
             self._decode()
@@ -321,11 +398,71 @@ class Engine:
                 # alone in the cache: the pages of what it writes before any other request
                 # could run (its tokens, and the first decode token if it decodes)
                 need = self._pages_for(n + (r.max_new_tokens - len(r.output) > 1))
-            if need > free or (admitted and tokens + n > self.max_prefill_tokens):
+            if need > free or (admitted and (tokens + n > self.max_prefill_tokens
+                                             or self._extends(r))):
                 break
             free, tokens = free - need, tokens + n
             admitted.append(self.waiting.popleft())
         return admitted
+
+    def _extends(self, r: Request) -> bool:
+        """Whether ``r`` prefills over the paged cache (alone, chunk by chunk): its prompt
+        outgrows ``max_prefill_tokens`` or starts with a cached prefix."""
+        return r.prefix is not None or len(r.prompt) + len(r.output) > self.max_prefill_tokens
+
+    def _start_extend(self, r: Request) -> None:
+        """Give ``r`` its sequence (a fork of its prefix, or a new one) and prefill its first
+        chunk; the next chunks come in later steps (:meth:`_extend_chunk`)."""
+        tokens = r.prompt + r.output  # a preempted request resumes here
+        if r.prefix is not None:
+            key, head = self.prefixes[r.prefix]
+            self.cache.fork(key, r.key)
+            tokens = tokens[len(head):]
+        else:
+            self.cache.add_sequence(r.key)
+        self.extending, r.pending, self._decode_turn = r, tokens, False
+        self._extend_chunk()
+        self._decode_turn = True
+
+    def _extend_chunk(self) -> None:
+        """The next chunk of the extending request's prompt, at most ``max_prefill_tokens``
+        tokens, through ``Transformer.extend``; the last chunk gives its first token and
+        moves it to the running batch. A chunk that finds no pages preempts the running
+        batch's newest request; with none, it returns the request's pages, queues it again
+        and raises CacheFullError."""
+        r = cast(Request, self.extending)
+        t0 = time.perf_counter()
+        chunk = cast(list, r.pending)[:self.max_prefill_tokens]
+        try:
+            meta = self.cache.prepare_step([r.key], [len(chunk)])
+        except CacheFullError:  # nothing was reserved: a running request makes room
+            if self.running:
+                self._preempt(self.running[-1])
+                return
+            self.cache.free(r.key)
+            self.extending, r.pending = None, None
+            self.waiting.appendleft(r)
+            raise
+        try:
+            with torch.inference_mode():
+                logits = self.model.extend(
+                    torch.tensor(chunk, dtype=torch.long).to(self.model.device), meta,
+                    self.cache)
+        except BaseException:  # it waits again from the start; its pages return
+            self.cache.free(r.key)
+            self.extending, r.pending = None, None
+            self.waiting.appendleft(r)
+            raise
+        r.pending = cast(list, r.pending)[len(chunk):]
+        self.stats.prefill_steps += 1
+        self.stats.extend_steps += 1
+        self.stats.prefill_tokens += len(chunk)
+        self.stats.prefill_s += time.perf_counter() - t0
+        if not r.pending:
+            self.extending, r.pending = None, None
+            self.running.append(r)
+            self.stats.max_running = max(self.stats.max_running, len(self.running))
+            self._emit([r], logits.argmax(dim=-1).tolist(), logits)
 
     def _emit(self, reqs: list[Request], tokens: list[int],
               logits: torch.Tensor | None) -> int:
@@ -419,6 +556,9 @@ class Engine:
                 step = self.runner.step([r.key for r in reqs], [r.output[-1] for r in reqs])
                 break
             except CacheFullError:  # nothing was reserved
+                if self.extending is not None:  # a prompt half prefilled gives its pages
+                    self._preempt(self.extending)
+                    continue
                 if len(reqs) == 1:
                     raise
                 self._preempt(reqs[-1])
@@ -441,8 +581,13 @@ class Engine:
                 self._finish(*prev)
 
     def _preempt(self, r: Request) -> None:
+        """Free ``r``'s pages (running, or extending: its chunks so far) and queue it first
+        again: it prefills anew from its prompt and the tokens it has."""
         self.cache.free(r.key)
-        self.running.remove(r)
+        if r is self.extending:
+            self.extending, r.pending = None, None
+        else:
+            self.running.remove(r)
         r.preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(r)
@@ -475,12 +620,14 @@ def generate_greedy(model: Transformer, prompts: Sequence[Sequence[int]],
                     eos_token_ids: Sequence[int] = (), keep_logits: bool = False,
                     cache_dtype: torch.dtype | None = None, graphs: bool = False,
                     compile: bool = False,
-                    on_token: Callable[[Request, int], None] | None = None) -> GenerateResult:
+                    on_token: Callable[[Request, int], None] | None = None,
+                    max_prefill_tokens: int = 8192) -> GenerateResult:
     """Generate for every prompt through an :class:`Engine` on a fresh cache.
 
     ``num_pages`` defaults to enough for every request at full length, ``max_model_len`` to
-    the longest request. Returns the finished requests in prompt order and the engine's
-    statistics.
+    the longest request; ``max_prefill_tokens`` as :class:`Engine`'s (a longer prompt
+    prefills chunk by chunk). Returns the finished requests in prompt order and the
+    engine's statistics.
     """
     per_req = ([int(max_new_tokens)] * len(prompts) if isinstance(max_new_tokens, int)
                else [int(n) for n in max_new_tokens])
@@ -491,7 +638,7 @@ def generate_greedy(model: Transformer, prompts: Sequence[Sequence[int]],
     longest = max(len(p) + n for p, n in zip(prompts, per_req, strict=True))
     engine = Engine(model, cache, max_batch_size=max_batch_size, eos_token_ids=eos_token_ids,
                     keep_logits=keep_logits, graphs=graphs, compile=compile,
-                    max_model_len=max(longest, 2))
+                    max_model_len=max(longest, 2), max_prefill_tokens=max_prefill_tokens)
     for p, n in zip(prompts, per_req, strict=True):
         engine.add_request(p, n)
     return GenerateResult(engine.run(on_token), engine.stats)

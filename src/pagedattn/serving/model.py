@@ -8,8 +8,10 @@ post norms and embedding scale, a final logit soft-cap, and each layer's attenti
 The attention backend owns the KV cache: each ``Attention`` layer computes its rotated
 ``q``/``k``/``v`` and calls ``backend(layer, q, k, v, step)``, where ``step`` is the backend's
 per-step state. :class:`PagedAttention` (serving, here) writes K/V into a
-:class:`PagedKVCache` with ``append_kv`` and attends with ``paged_decode`` at decode, or with
-one block-diagonal causal SDPA over all the prompts of a prefill (varlen, no loop per prompt).
+:class:`PagedKVCache` with ``append_kv`` and attends with ``paged_decode`` at decode, with
+one block-diagonal causal SDPA over all the prompts of a prefill (varlen, no loop per
+prompt), or with ``paged_attention`` over the cache when sequences bring new tokens after
+cached ones (:meth:`Transformer.extend`: chunked prefill, a prompt after a cached prefix).
 The dense-KV reference backend used by the benchmark and the tests lives in
 :mod:`pagedattn.serving.baselines`.
 
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.api import DecodePlan, plan_decode
+from pagedattn.attention import AttentionPlan, plan_attention
 from pagedattn.serving import ops
 from pagedattn.serving.cache import PagedKVCache, StepMetadata
 from pagedattn.serving.config import ModelConfig, load_hf
@@ -99,7 +102,9 @@ class PagedStep(NamedTuple):
     cache: PagedKVCache
     meta: StepMetadata
     mask: torch.Tensor | None  # prefill: [N, N] block-diagonal causal mask; decode: None
-    attend: Attend | None  # decode: the paged attention of this step (see decode_attend)
+    # decode and extend: the paged attention of this step (decode_attend, extend_attend)
+    attend: Attend | None
+    calibrate: bool = False  # extend: an fp8 cache without scales takes them from its K/V
 
 
 def decode_attend(meta: StepMetadata, impl: str) -> Attend:
@@ -137,6 +142,29 @@ def decode_attend(meta: StepMetadata, impl: str) -> Attend:
     return attend
 
 
+def extend_attend(meta: StepMetadata) -> Attend:
+    """The paged attention of a step whose sequences bring any number of new tokens over
+    what the cache already holds (chunked prefill, a prompt after a cached prefix, decodes
+    among them): :func:`pagedattn.plan_attention` over ``meta``'s block tables, lengths and
+    ``query_start``, planned by the first layer of each distinct (window, soft-cap) pair and
+    run by every layer, as :func:`decode_attend` does."""
+    qsl = torch.tensor(meta.query_start, dtype=torch.int32).to(meta.context_lens.device)
+    longest = max(b - a for a, b in zip(meta.query_start[:-1], meta.query_start[1:],
+                                        strict=True))
+    plans: dict[tuple[int, float], AttentionPlan] = {}
+
+    def attend(q, kc, vc, k_scale, v_scale, window_left=-1, logits_soft_cap=0.0, scale=None):
+        plan = plans.get((window_left, logits_soft_cap))
+        if plan is None:
+            plan = plans[window_left, logits_soft_cap] = plan_attention(
+                meta.block_tables, meta.context_lens, qsl, num_q_heads=q.shape[1],
+                num_kv_heads=kc.shape[2], head_dim=q.shape[2], page_size=kc.shape[1],
+                q_dtype=q.dtype, kv_dtype=kc.dtype, max_query_len=max(longest, 1),
+                window_left=window_left, logits_soft_cap=logits_soft_cap or None)
+        return plan.run(q, kc, vc, k_scale=k_scale, v_scale=v_scale, scale=scale)
+    return attend
+
+
 def prefill_mask(query_start: list[int], device: torch.device) -> torch.Tensor:
     """``[N, N]`` bool: token ``i`` sees token ``j`` when both belong to one prompt (the
     ``query_start`` segments) and ``j <= i``."""
@@ -163,7 +191,7 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  step: PagedStep) -> torch.Tensor:
         cache = step.cache
-        if step.mask is not None and cache.needs_calibration:
+        if (step.mask is not None or step.calibrate) and cache.needs_calibration:
             cache.calibrate(layer, k, v)
         k_scale, v_scale = cache.scales(layer)
         kc, vc = cache.key_cache(layer), cache.value_cache(layer)
@@ -520,6 +548,36 @@ class Transformer(nn.Module):
             raise ValueError(f"token_ids: expected {starts[-1]} tokens (meta), "
                              f"got {token_ids.shape[0]}")
         step = PagedStep(cache, meta, prefill_mask(starts, token_ids.device), None)
+        x = self(token_ids, meta.positions, step)
+        cache.needs_calibration = False
+        last = torch.tensor([b - 1 for b in starts[1:]], device=x.device)
+        return self.logits(x[last])
+
+    def extend(self, token_ids: torch.Tensor, meta: StepMetadata,
+               cache: PagedKVCache) -> torch.Tensor:
+        """Any number of new tokens per sequence over what the cache already holds: a prompt
+        in chunks, the rest of a prompt whose prefix is cached (a fork), decodes among them.
+        Attention over the paged cache (:func:`extend_attend`), causal per token.
+
+        Args:
+            token_ids: ``[num_tokens]`` int, the sequences' new tokens concatenated in
+                ``meta.query_start`` order (every sequence brings at least one).
+            meta: from ``cache.prepare_step(seq_ids, new_token_counts)``.
+            cache: the paged cache (an fp8 cache without scales is calibrated here, on its
+                first pass).
+
+        Returns: each sequence's last new position's logits, ``[batch, vocab]``.
+        Raises ValueError if ``token_ids`` and ``meta`` disagree on the token count, or a
+        sequence brings no token.
+        """
+        starts = meta.query_start
+        if token_ids.shape[0] != starts[-1]:
+            raise ValueError(f"token_ids: expected {starts[-1]} tokens (meta), "
+                             f"got {token_ids.shape[0]}")
+        if any(b <= a for a, b in zip(starts[:-1], starts[1:], strict=True)):
+            raise ValueError("meta: expected at least one new token per sequence, got "
+                             f"query_start {starts}")
+        step = PagedStep(cache, meta, None, extend_attend(meta), cache.needs_calibration)
         x = self(token_ids, meta.positions, step)
         cache.needs_calibration = False
         last = torch.tensor([b - 1 for b in starts[1:]], device=x.device)
