@@ -254,14 +254,8 @@ class DecodePlan:
             TypeError, ValueError: an input that does not match the plan (the message names
                 the argument), or what :func:`paged_decode` refuses.
         """
-        if variants and all(v is None for v in variants.values()) \
-                and variants.keys() <= _CALL_NAMES:  # every per-call option spelled off
-            variants = {}
-        if variants or not self._common_call(query, key_cache, value_cache, scale, k_scale,
-                                             v_scale, out, return_lse, validate):
-            V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
-                        v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
-            variants = O.call_options(variants, self.num_q_heads, self.device)
+        variants = self._check_call(query, key_cache, value_cache, scale, k_scale, v_scale,
+                                    out, return_lse, validate, variants)
         if self._on_cpu or validate:
             _run_value_checks(query, self.block_tables, self.context_lens,
                               key_cache.shape[0], self.page_size, validate,
@@ -270,6 +264,23 @@ class DecodePlan:
                               caches=(key_cache, value_cache, self.kv_layout), scale=scale)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                             return_lse, variants)
+
+    def _check_call(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
+                    return_lse, validate, variants: dict) -> dict:
+        """:meth:`run`'s metadata checks of a call (no data read): the serving call in one
+        expression (:meth:`_common_call`), anything else through ``check_run`` and the
+        per-call variants' checks. Returns the per-call variant tensors that are on
+        (``pagedattn.options.call_options``; empty for none), as :meth:`_launch` takes them.
+        ``compat.flash_attn`` runs it before it writes the caller's cache."""
+        if variants and all(v is None for v in variants.values()) \
+                and variants.keys() <= _CALL_NAMES:  # every per-call option spelled off
+            variants = {}
+        if variants or not self._common_call(query, key_cache, value_cache, scale, k_scale,
+                                             v_scale, out, return_lse, validate):
+            V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
+                        v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
+            variants = O.call_options(variants, self.num_q_heads, self.device)
+        return variants
 
     def _run_4d(self, query, key_cache, value_cache, scale, return_lse):
         """FlashAttention's repeated decode call (``compat.flash_attn``'s fast path): a
