@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from test_compat import _csr  # FlashInfer's CSR of a make_paged_inputs batch
 
 from pagedattn.api import DecodePlan
 from pagedattn.compat import flash_attn as fa_module
@@ -292,3 +293,108 @@ def test_fa_fp16_query_times_k_descale_past_fp16_range(device):
 def test_fa_fp16_query_times_k_descale_past_fp16_range_on_the_gpu():
     """The same at Llama-8B's shapes on the GPU (there the fp16 fold returned NaN)."""
     _wide_fp16_query_case("cuda", [1, 300, 1000, 4097], 32, 8, 128, 16)
+
+
+# --- kind 3: the FlashInfer wrapper checks its CSR at plan ---------------------------------
+
+def _wrapper(device):
+    from pagedattn.compat import BatchDecodeWithPagedKVCacheWrapper
+
+    return BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=device))
+
+
+def test_fi_last_page_len_is_checked_and_0_is_an_empty_last_page(device):
+    """9 or 16 tokens in a last page of 8 would read a padding page and -1 would drop a
+    token: refused, naming the sequence. 0 (documented) is a last page of no token: the
+    length is (pages - 1) x page_size, FlashInfer's formula."""
+    inp = _inputs(device, [5, 17, 32])
+    w = _wrapper(device)
+    for bad in (9, 16, -1):
+        indptr, indices, last = _csr(inp)
+        last[1] = bad
+        with pytest.raises(ValueError, match=r"^last_page_len: .*\(sequence\) \(entry 1\)"):
+            w.plan(indptr, indices, last, 6, 2, 32, 8, q_data_type=torch.float16)
+    indptr, indices, last = _csr(inp)
+    last[2] = 0
+    w.plan(indptr, indices, last, 6, 2, 32, 8, q_data_type=torch.float16)
+    out = w.run(inp.query, (inp.key_cache, inp.value_cache))
+    lens = torch.tensor([5, 17, 24], device=device)
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 lens)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float16)
+
+
+def test_fi_a_short_indices_is_named(device):
+    inp = _inputs(device, [5, 17, 32])
+    indptr, indices, last = _csr(inp)
+    with pytest.raises(ValueError, match="^indices: expected indptr"):
+        _wrapper(device).plan(indptr, indices[:-2], last, 6, 2, 32, 8,
+                              q_data_type=torch.float16)
+
+
+def test_fi_seq_lens_without_block_tables_are_the_lengths(device):
+    """plan(seq_lens=...) with the CSR pages: the lengths given are used (the docstring's
+    promise), each checked against its sequence's pages."""
+    inp = _inputs(device, [5, 17, 32])
+    seq_lens = torch.tensor([3, 10, 30], dtype=torch.int32, device=device)
+    w = _wrapper(device)
+    w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type=torch.float16, seq_lens=seq_lens)
+    out = w.run(inp.query, (inp.key_cache, inp.value_cache))
+    ref = paged_decode_reference(inp.query, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 seq_lens)
+    assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float16)
+    with pytest.raises(ValueError, match=r"^seq_lens: .*\(entry 1\)"):
+        w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type=torch.float16,
+               seq_lens=torch.tensor([3, 25, 30], dtype=torch.int32, device=device))
+
+
+def _flashinfer_alibi_lse(q, inp, lens, slopes, q_len):
+    """FlashInfer's LSE of ALiBi by its definition, float64: query token ``j`` of a request
+    sees keys ``p <= len - q_len + j`` with the bias ``slope * (p - j)`` (base e)."""
+    batch, _, heads, dim = q.shape
+    group = heads // inp.key_cache.shape[2]
+    lse = torch.empty(batch, q_len, heads, dtype=torch.float64)
+    for b in range(batch):
+        n = int(lens[b])
+        pages = inp.block_tables[b, :math.ceil(n / 8)].long().cpu()
+        k = inp.key_cache.cpu()[pages].reshape(-1, inp.key_cache.shape[2], dim)[:n].double()
+        for j in range(q_len):
+            seen = n - q_len + j + 1
+            for h in range(heads):
+                s = k[:seen, h // group] @ q[b, j, h].double().cpu() * dim ** -0.5
+                s = s + slopes[h].double().cpu() * (torch.arange(seen) - j)
+                lse[b, j, h] = torch.logsumexp(s, 0)
+    return lse
+
+
+@pytest.mark.parametrize("q_len", [2, 3])
+def test_fi_alibi_lse_of_multi_token_requests(device, q_len):
+    """ALiBi with q_len_per_req > 1: the base-2 LSE is FlashInfer's (it was off by
+    slope * (q_len - 1) * log2(e) for every token)."""
+    from pagedattn.compat.flashinfer import get_alibi_slopes
+
+    inp = _inputs(device, [5, 17, 32])
+    w = _wrapper(device)
+    w.plan(*_csr(inp), 6, 2, 32, 8, q_data_type=torch.float16, pos_encoding_mode="ALIBI",
+           q_len_per_req=q_len)
+    q = torch.randn(3, q_len, 6, 32, device=device, dtype=torch.float16)
+    out, lse = w.run(q.view(3 * q_len, 6, 32), (inp.key_cache, inp.value_cache),
+                     return_lse=True)
+    slopes = get_alibi_slopes(6, device)
+    ref = paged_decode_reference(q, inp.key_cache, inp.value_cache, inp.block_tables,
+                                 inp.context_lens, alibi_slopes=slopes)
+    assert rel_l2_error(out.view(3, q_len, 6, 32), ref.out) <= tolerance_for(torch.float16)
+    want = _flashinfer_alibi_lse(q, inp, inp.context_lens, slopes, q_len) / math.log(2)
+    assert torch.allclose(lse.view(3, q_len, 6).double().cpu(), want, atol=3e-3)
+
+
+def test_fi_a_page_id_past_the_cache_names_indices():
+    """A used page id past the cache, found when the run checks its values (CPU): named as
+    FlashInfer names it."""
+    inp = _inputs("cpu", [5, 17, 32])
+    indptr, indices, last = _csr(inp)
+    indices[2] = inp.key_cache.shape[0] + 1
+    w = _wrapper("cpu")
+    w.plan(indptr, indices, last, 6, 2, 32, 8, q_data_type=torch.float16)
+    with pytest.raises(ValueError, match="^indices: expected used page ids"):
+        w.run(inp.query, (inp.key_cache, inp.value_cache))

@@ -75,6 +75,7 @@ import torch
 from pagedattn import _validation as V
 from pagedattn import options as O
 from pagedattn.api import DecodeOutput, append_kv, plan_decode
+from pagedattn.compat._names import renamed
 
 #: FA arguments this layer has no kernel for, with their "off" values (given otherwise: error)
 _UNSUPPORTED = {"qv": None, "rotary_cos": None, "rotary_sin": None, "rotary_seqlens": None,
@@ -93,10 +94,10 @@ _MAX_TILE_ROWS = 64
 #: caches' shapes and dtypes itself (``DecodePlan._run_4d``)
 _local = threading.local()
 #: pagedattn's argument names in the errors of the API this layer calls -> FlashAttention's
-#: (``None``: the table, named as the caller named it); a name of a dimension keeps its name
-#: after the argument's (``q (head_dim): ...``)
+#: (the table's: as the caller named it); a name of a dimension keeps its name after the
+#: argument's (``q (head_dim): ...``)
 _FA_NAMES = {"query": "q", "key_cache": "k_cache", "value_cache": "v_cache",
-             "block_tables": None, "context_lens": "cache_seqlens", "scale": "softmax_scale",
+             "context_lens": "cache_seqlens", "scale": "softmax_scale",
              "logits_soft_cap": "softcap", "window_left": "window_size", "k_scale": "k_descale",
              "v_scale": "v_descale", "q_dtype": "q (q_dtype)", "num_q_heads": "q (num_q_heads)",
              "head_dim": "q (head_dim)", "kv_dtype": "k_cache (kv_dtype)",
@@ -110,15 +111,6 @@ def _caches() -> tuple[OrderedDict, dict]:
     except AttributeError:
         _local.plans, _local.fast = OrderedDict(), {}
         return _local.plans, _local.fast
-
-
-def _renamed(e: Exception, table_name: str) -> Exception:
-    """``e`` (a TypeError/ValueError of the API underneath, whose message starts with the
-    argument's name) with FlashAttention's name of that argument instead."""
-    name, sep, rest = str(e).partition(": ")
-    if type(e) not in (TypeError, ValueError) or not sep or name not in _FA_NAMES:
-        return e
-    return type(e)(f"{_FA_NAMES[name] or table_name}: {rest}")
 
 
 def _refuse_unsupported(kwargs: dict) -> None:
@@ -322,10 +314,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                      alibi_slopes, q_descale, k_descale, v_descale, num_splits,
                      return_softmax_lse, fa_kwargs)
     except (TypeError, ValueError) as e:
-        renamed = _renamed(e, "page_table" if block_table is None else "block_table")
-        if renamed is e:
+        fa = renamed(e, {**_FA_NAMES, "block_tables": "page_table" if block_table is None
+                         else "block_table"})
+        if fa is e:
             raise
-        raise renamed from None
+        raise fa from None
 
 
 def _call(q, k_cache, v_cache, k, v, cache_seqlens, page_table, block_table, cache_batch_idx,
