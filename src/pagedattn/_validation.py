@@ -663,7 +663,7 @@ def check_merge_states(outs: Any, lses: Any) -> None:
              "float64")):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
-        if t.dtype not in dtypes:  # fp8 outs lost their scale; float64 would merge in float32
+        if t.dtype not in dtypes:  # fp8 outs lost their scale
             _fail(TypeError, name, words, t.dtype)
     if outs.dim() < 3:
         _fail(ValueError, "outs", "a tensor [S, ..., num_heads, head_dim] of rank >= 3",

@@ -730,14 +730,16 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:
     Args:
         outs: ``[S, ..., num_heads, head_dim]`` float32/float16/bfloat16, the ``S`` states'
             normalized outputs (e.g. ``paged_decode`` results stacked on a new dim 0).
-        lses: ``[S, ..., num_heads]`` float32/float16/bfloat16/float64 (merged in float32),
-            their natural-log LSEs (``-inf`` for a state that saw no key).
+        lses: ``[S, ..., num_heads]`` float32/float16/bfloat16/float64, their natural-log
+            LSEs: ``-inf`` for a state that saw no key, and so ``+inf``, FlashAttention-2's
+            value for such a row (as vLLM's ``merge_attn_states`` reads it).
 
     Returns:
         ``DecodeOutput(out, lse)``: ``out`` ``[..., num_heads, head_dim]`` in ``outs``'
-        dtype, ``lse`` ``[..., num_heads]`` float32, natural log. Computed in float32 with
-        the maximum LSE factored out; ``-inf``-safe: where every state is empty, out is 0 and
-        LSE ``-inf``.
+        dtype, ``lse`` ``[..., num_heads]`` natural log, float64 for float64 ``lses`` (which
+        are merged in float64: ``[1e8, 1e8 + 1]`` or ``1e39`` are not float32 values),
+        else float32. Computed with the maximum LSE factored out; ``-inf``-safe: where every
+        state is empty, out is 0 and LSE ``-inf``.
 
     An attention sink (``sinks=``) is one more term of the whole denominator: apply it to
     exactly one of the merged parts (e.g. the shared prefix), never to several.
@@ -748,14 +750,15 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:
             names the argument.
     """
     V.check_merge_states(outs, lses)
-    lse32 = lses.to(torch.float32)
-    top = lse32.amax(dim=0)
+    wide = torch.float64 if lses.dtype == torch.float64 else torch.float32
+    lse_w = lses.to(wide)
+    lse_w = torch.where(lse_w == math.inf, -math.inf, lse_w)  # FA2's empty row: no key
+    top = lse_w.amax(dim=0)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all-empty: 0
-    w = torch.exp(lse32 - top)  # [S, ..., H], 0 for an empty state
+    w = torch.exp(lse_w - top)  # [S, ..., H], 0 for an empty state
     total = w.sum(dim=0)
     # an empty state adds nothing, whatever its out holds (0 x NaN would be NaN)
-    weighted = torch.where((w != 0).unsqueeze(-1), w.unsqueeze(-1) * outs.to(torch.float32),
-                           0.0)
+    weighted = torch.where((w != 0).unsqueeze(-1), w.unsqueeze(-1) * outs.to(wide), 0.0)
     merged = weighted.sum(dim=0)
     nonempty = total > 0
     merged = merged / torch.where(nonempty, total, torch.ones_like(total)).unsqueeze(-1)
