@@ -23,7 +23,7 @@ import torch
 
 from pagedattn import _validation as V
 from pagedattn import options as O
-from pagedattn._env import num_devices
+from pagedattn._env import launch_guard, num_devices
 from pagedattn.options import DecodeOptions
 
 
@@ -150,10 +150,11 @@ def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, v
 
 def _on_device(device: torch.device):
     """Launch under the tensors' GPU (Triton launches on the current device): a no-op when it
-    is already current or the tensors are on the CPU."""
+    is already current; on the CPU, one interpreted launch at a time
+    (:data:`pagedattn._env.INTERPRETER_LOCK`: the interpreter's state is process-wide)."""
     if device.type != "cuda" or device.index is None or num_devices() == 1 or \
             device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+        return launch_guard(device)
     return torch.cuda.device(device)
 
 
@@ -211,8 +212,9 @@ class DecodePlan:
         self.last_compiled: dict[str, object] = {}
         self._on_cpu = self.device.type == "cpu"
         self._default_scale = head_dim**-0.5
-        # a device guard is needed only where another GPU may be current
-        self._guarded = self.device.type == "cuda" and num_devices() > 1
+        # a device guard is needed only where another GPU may be current, and the
+        # interpreter's lock on the CPU
+        self._guarded = self._on_cpu or self.device.type == "cuda" and num_devices() > 1
 
     def _engine(self):
         if self._launcher is None and self._one_shot:
