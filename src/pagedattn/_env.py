@@ -98,6 +98,21 @@ def device_name_for(device: torch.device) -> str:
 
 
 @functools.cache
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a job on ``device`` can still allocate: the GPU's free memory, or the host's
+    ``MemAvailable`` (Linux's ``/proc/meminfo``); ``None`` where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def num_devices() -> int:
     """CUDA devices visible to this process (cached: a launch needs no device guard when
     there is one)."""

@@ -77,13 +77,17 @@ def _check_float32(name: str, x: Any, expected: str, limit: float = KERNEL_SCALA
     return value
 
 
-def _check_tensor(name: str, t: Any, rank: int, dtypes: tuple, dtype_words: str) -> None:
+def _check_tensor(name: str, t: Any, rank: int | tuple[int, ...], dtypes: tuple,
+                  dtype_words: str) -> None:
+    """A dense tensor of ``rank`` (or one of the ranks) and one of ``dtypes``."""
     if not isinstance(t, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
     if t.layout != torch.strided:  # sparse or nested: the kernels take strides
         _fail(TypeError, name, "a dense (strided) tensor", t.layout)
-    if t.dim() != rank:
-        _fail(ValueError, name, f"a rank-{rank} tensor", f"shape {tuple(t.shape)}")
+    ranks = (rank,) if isinstance(rank, int) else rank
+    if t.dim() not in ranks:
+        _fail(ValueError, name, f"a rank-{' or rank-'.join(map(str, ranks))} tensor",
+              f"shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         _fail(TypeError, name, dtype_words, t.dtype)
 
@@ -216,9 +220,9 @@ def check_metadata(
         _fail(ValueError, "impl", f"one of {', '.join(repr(i) for i in impls)}", repr(impl))
     if kv_layout not in KV_LAYOUTS:
         _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
-    multi = isinstance(query, torch.Tensor) and query.dim() == 4
-    _check_tensor("query", query, 4 if multi else 3, FLOAT_DTYPES,
-                  "float32, float16 or bfloat16")
+    # [batch, num_q_heads, head_dim], or [batch, q_len, num_q_heads, head_dim] (multi-token)
+    _check_tensor("query", query, (3, 4), FLOAT_DTYPES, "float32, float16 or bfloat16")
+    multi = query.dim() == 4
     if multi and query.shape[1] < 1:
         _fail(ValueError, "query", "q_len >= 1 (dim 1 of a 4-D query)", query.shape[1])
     cache_dtypes = FLOAT_DTYPES + FP8_DTYPES
