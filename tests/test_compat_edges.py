@@ -312,7 +312,7 @@ def test_fi_last_page_len_is_checked_and_0_is_an_empty_last_page(device):
     for bad in (9, 16, -1):
         indptr, indices, last = _csr(inp)
         last[1] = bad
-        with pytest.raises(ValueError, match=r"^last_page_len: .*\(sequence\) \(entry 1\)"):
+        with pytest.raises(ValueError, match=r"^last_page_len: .* \(entry 1\), got -?\d+$"):
             w.plan(indptr, indices, last, 6, 2, 32, 8, q_data_type=torch.float16)
     indptr, indices, last = _csr(inp)
     last[2] = 0

@@ -382,7 +382,7 @@ def first_bad(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str) -> N
     """Raise a ValueError naming ``name``, ``expected`` and the first entry where ``bad``."""
     if bool(bad.any()):
         i = int(bad.reshape(-1).nonzero()[0, 0])
-        _fail(ValueError, name, f"{expected} (entry {i})", float(t.reshape(-1)[i]))
+        _fail(ValueError, name, f"{expected} (entry {i})", t.reshape(-1)[i].item())
 
 
 def check_scalar_values(named: tuple) -> None:

@@ -28,8 +28,10 @@ copied. What is mapped, and how:
   ours.
 - fp8 (e4m3/e5m2) caches: ``k_descale``/``v_descale`` ``[batch, heads_k]`` (FA3's shape; a
   float, 0-d or ``[heads_k]`` tensor also works). Per-batch descales are exact: ``k_descale``
-  is folded into the query, ``v_descale`` into the output. An fp8 query is dequantized to
-  bfloat16 with ``q_descale`` (FA3 returns bfloat16 for fp8 inputs too).
+  is folded into the query in float32 (the kernel scales a wide query into fp16's range by a
+  power of two: an fp16 ``q`` times ``k_descale`` past 65,504 stays finite), ``v_descale``
+  into the output. An fp8 query is dequantized with ``q_descale`` the same way (FA3 returns
+  bfloat16 for fp8 inputs, and so does this).
 - ``return_softmax_lse=True`` returns ``(out, lse)``: ``lse [batch, heads, seqlen_q]``
   float32, natural log (FA's convention), ``-inf`` for a row that sees no key (its out is 0).
 - ``num_splits``: 0 is the heuristic (ours), ``n >= 1`` forces ``n`` context splits.
@@ -58,8 +60,8 @@ run, never a new plan or a new kernel binding; the plain one-token decode call f
 through a shorter key (its arguments' shapes, dtypes and options: ``_fast``). Each thread
 has its own caches of at most ``_PLAN_CACHE_SIZE`` plans (least recently used dropped), so
 threads never share a plan's tensors; a graph captured around a call reads that plan's
-tensors and workspace, so it must be replayed before ``_PLAN_CACHE_SIZE`` other plans push
-its plan out of the cache.
+tensors and workspace: replay it only while its plan is among its thread's
+``_PLAN_CACHE_SIZE`` most recently used.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def _csr_lengths(indptr, num_indices: int, last_page_len, page_size: int, seq_le
                          f"got {num_indices}")
     V.first_bad("last_page_len", last_page_len,
                 (last_page_len < 0) | (last_page_len > page_size),
-                f"tokens in [0, page_size={page_size}] (sequence)")
+                f"tokens in [0, page_size={page_size}]")
     lens = torch.where(pages > 0, (pages - 1) * page_size + last_page_len, 0)
     if seq_lens is None:
         return lens
@@ -127,7 +127,7 @@ def _csr_lengths(indptr, num_indices: int, last_page_len, page_size: int, seq_le
     given = seq_lens.to("cpu", torch.int64)
     capacity = (pages if block_tables is None else block_tables.shape[1]) * page_size
     V.first_bad("seq_lens", given, (given < 0) | (given > capacity),
-                "lengths within the sequence's pages (sequence)")
+                "lengths within each sequence's pages")
     return given
 
 
