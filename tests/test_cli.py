@@ -52,6 +52,10 @@ BAD = [
     (["run", "--seed", "18446744073709551616"], "argument --seed: expected a non-negative "
      "integer below 2^63"),
     (["bench", "--seed", "18446744073709551616"], "argument --seed"),
+    # the serving commands' parse errors end as every other's (they lacked "(see --help)")
+    (["generate", "hi", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an "
+     "integer in [1, 2^63 - 1], got 0"),
+    (["bench-model", "--page-size", "0"], "argument --page-size"),
     ([], "the following arguments are required: command"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
@@ -197,7 +201,8 @@ def test_an_argument_error_after_parsing_exits_2_in_one_line(capsys, monkeypatch
         raise T.ArgumentError("--device: 'tpu' is not a device")
     monkeypatch.setattr(harness.RUN, "main", bad)
     assert cli.main(["run"]) == 2
-    assert capsys.readouterr().err == "pagedattn run: error: --device: 'tpu' is not a device\n"
+    assert capsys.readouterr().err == ("pagedattn run: error: --device: 'tpu' is not a device "
+                                       "(see --help)\n")
 
 
 def test_output_path_types_accept_writable_paths(tmp_path):
@@ -324,3 +329,64 @@ def test_a_full_kv_cache_exits_2_in_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("pagedattn run: error: KV cache full: "), err
     assert err.rstrip().endswith("(--num-pages)")
+
+
+# --- issue 49: settings past the limits, estimates, help -----------------------------------
+
+class _Drawn(Exception):
+    """Raised by a stand-in of a step that a refused run must never reach."""
+
+
+@cpu_only
+@pytest.mark.parametrize("argv", [
+    ["run", "--batch", "100000000", "--max-context", "100000000"],  # nothing for minutes
+    ["run", "--batch", "100000", "--impls", "auto"],  # "expect about 4.0 h" and started
+])
+def test_run_refuses_settings_past_15_minutes_before_drawing(argv, capsys, monkeypatch):
+    """Estimated past 15 minutes of the interpreter: one line, exit 2, before the batch is
+    drawn (the least the settings can cost, a token per sequence, decides)."""
+    from pagedattn.bench import harness
+
+    monkeypatch.setattr(harness, "sample_context_lens", lambda *a: (_ for _ in ()).throw(
+        _Drawn()))
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pagedattn run: error: --yes not given: on "
+                                                   "the CPU these settings take about "), err
+    assert err.endswith("ask for a smaller --batch or --max-context (see --help)\n")
+
+
+def test_run_refuses_settings_past_the_memory_free_unless_yes(capsys, monkeypatch):
+    """More memory than the machine has free (here: 10 kB free): refused before any
+    allocation; with --yes it runs."""
+    from pagedattn.bench import harness
+
+    monkeypatch.setattr(harness, "free_memory", lambda device: 10 ** 4)
+    argv = ["run", "--impls", "auto", "--batch", "2", "--max-context", "8"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedattn run: error: --yes not given: these settings need about "
+                          "0.") and "GB of memory (estimated), more than the 0.0 GB free" in err
+    assert cli.main([*argv, "--yes"]) == 0
+
+
+@cpu_only
+def test_generate_says_how_long_before_it_loads(capsys, monkeypatch):
+    """On the CPU, generate prints its estimate before the model loads (it printed none)."""
+    from pagedattn.serving import tokenizer
+
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: (_ for _ in ()).throw(
+        _Drawn()))
+    with pytest.raises(_Drawn):
+        cli.main(["generate", "a", "b", "c", "--max-new-tokens", "5", "--max-batch-size", "2"])
+    err = capsys.readouterr().err
+    assert err.startswith("pagedattn generate: expect up to about ") and "then 8 decode steps" \
+        in err  # two rounds of 4 steps (the first token comes from the prefill)
+
+
+def test_top_level_help_has_no_rest_markup(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "pagedattn command line: a thin argparse shell" in out
+    assert "``" not in out

@@ -333,7 +333,7 @@ def test_bench_model_defaults_on_the_cpu_refuse_without_yes(tmp_path, capsys, mo
     assert err.count("\n") == 1 and err.startswith("pagedattn bench-model: error: --yes not "
                                                    "given: on the CPU these settings take about")
     assert " h in Triton's interpreter" in err  # hours
-    assert err.rstrip().endswith(" ".join(["pagedattn", *SMOKE]))
+    assert err.rstrip().removesuffix(" (see --help)").endswith(" ".join(["pagedattn", *SMOKE]))
     assert " ".join(["pagedattn", *SMOKE]) == bench_model.SMOKE_RUN
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert " ".join(bench_model.SMOKE_RUN.split()) in " ".join(readme.split())
@@ -363,7 +363,9 @@ def test_bench_model_estimate_grows_with_the_work():
     more = bench_model.cpu_seconds(parser.parse_args([*SMOKE[1:], "--new-tokens", "20"]))
     assert more > smoke
     # the engine's steps: 3 requests of 4, 2 and 1 tokens, two at a time, no warm-up
-    assert bench_model._engine_steps([4, 2, 1], 2, warm=False) == [2, 1, 1]
+    from pagedattn.serving.cpu_time import engine_steps
+
+    assert engine_steps([4, 2, 1], 2, warm=False) == [2, 1, 1]
 
 
 @cpu_only

@@ -72,7 +72,8 @@ def test_fa_non_causal_multi_token_sees_every_key(device):
 def test_fa_append_then_attend_and_the_plan_is_reused(device):
     """k/v land at cache_seqlens (in place) and are seen; a second call with the same tensors
     (cache_seqlens updated in place, as an engine does) reuses the cached plan."""
-    fa_module._plans.clear()
+    plans, _ = fa_module._caches()
+    plans.clear()
     inp = _inputs(device, lens=[3, 10, 14, 17], max_pages=3)
     before = torch.tensor([1, 8, 12, 15], dtype=torch.int32, device=device)
     k = torch.randn(4, 1, 2, 32, device=device, dtype=torch.float16)
@@ -88,30 +89,30 @@ def test_fa_append_then_attend_and_the_plan_is_reused(device):
         p = int(before[b])
         page = int(inp.block_tables[b, p // 8])
         assert torch.equal(kc[page, p % 8], k[b, 0]) and torch.equal(vc[page, p % 8], v[b, 0])
-    assert len(fa_module._plans) == 1
+    assert len(plans) == 1
     before += 1  # the next step, in place
     out2 = flash_attn_with_kvcache(q, kc, vc, k, v, **args)
-    assert len(fa_module._plans) == 1
+    assert len(plans) == 1
     ref2 = paged_decode_reference(inp.query, kc, vc, inp.block_tables, before + 1)
     assert rel_l2_error(out2[:, 0], ref2.out) <= tolerance_for(torch.float16)
 
 
 def test_fa_repeated_decode_call_takes_the_short_path(device, monkeypatch):
-    """The per-layer call: the second call finds its plan by the tensors' identity and runs
-    FA's 4-D query as it is (the plan's ``_run_4d``), reads the lengths updated in place, and
-    a call with another dtype plans anew; calls alternating between the two plans of one
-    table (the short entry holds the last) stay right."""
+    """The per-layer call: the second call finds its plan by its signature and runs FA's 4-D
+    query as it is (the plan's ``_run_4d``), reading the lengths updated in place; a call with
+    another dtype plans anew, and calls alternating between the two plans stay right."""
     from pagedattn.api import DecodePlan
 
-    fa_module._plans.clear()
-    fa_module._fast.clear()
+    plans, fast = fa_module._caches()
+    plans.clear()
+    fast.clear()
     inp = _inputs(device, lens=[4, 9, 30])
     lens = inp.context_lens.clone()
     call = dict(cache_seqlens=lens, page_table=inp.block_tables, causal=True,
                 return_softmax_lse=True)
     q = inp.query.unsqueeze(1)
     flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call)
-    assert len({id(entry) for entry in fa_module._fast.values()}) == 1
+    assert len(fast) == 1 and len(plans) == 1
     runs = []
     real = DecodePlan._run_4d
     monkeypatch.setattr(DecodePlan, "_run_4d",
@@ -126,14 +127,14 @@ def test_fa_repeated_decode_call_takes_the_short_path(device, monkeypatch):
     _close_lse(lse[..., 0], ref.lse)
     q32, k32, v32 = (t.float() for t in (q, inp.key_cache, inp.value_cache))
     ref32 = paged_decode_reference(q32[:, 0], k32, v32, inp.block_tables, lens).out
-    for _ in range(2):  # the short entry names the last plan: the other takes the full key
+    for _ in range(2):  # each dtype's signature names its own plan
         out32 = flash_attn_with_kvcache(q32, k32, v32, cache_seqlens=lens,
                                         page_table=inp.block_tables, causal=True)
-        assert len(fa_module._plans) == 2 and out32.dtype == torch.float32
+        assert len(plans) == 2 and out32.dtype == torch.float32
         assert rel_l2_error(out32[:, 0], ref32) <= tolerance_for(torch.float32)
         out16 = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call).out
         assert rel_l2_error(out16[:, 0], ref.out) <= tolerance_for(torch.float16)
-    assert runs[-1] is None  # the fp16 query missed the fp32 plan of the short entry
+    assert len(runs) == 4 and all(r is not None for r in runs)  # the first fp32 call plans
 
 
 def test_fa_causal_multi_token_lse_layout(device):

@@ -180,6 +180,18 @@ def test_engine_rejects_bad_requests(model):
         Engine(model, model.make_cache(4), max_batch_size=0)
 
 
+def test_a_batch_past_the_largest_bucket_names_max_batch_size(model):
+    """300 sequences do not fit the largest decode bucket (256): the error names the
+    argument given (it said "batch: expected 1..256 sequences")."""
+    from pagedattn.serving.runner import DecodeRunner
+
+    for make in (lambda: Engine(model, model.make_cache(4), max_batch_size=300),
+                 lambda: DecodeRunner(model, model.make_cache(4), max_batch_size=300,
+                                      max_pages=8)):
+        with pytest.raises(ValueError, match=r"^max_batch_size: expected 1\.\.256 .*got 300"):
+            make()
+
+
 @pytest.mark.parametrize("prompt, exc", [([1, 97, 3], ValueError), ([1, -1], ValueError),
                                           ([1, 10 ** 20], ValueError), ("abc", TypeError),
                                           ([1.7, 2.2], TypeError), ([True], TypeError)])

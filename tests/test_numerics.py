@@ -1,8 +1,11 @@
 """Issue 28, the kernel/validation part: int32 safety of the planner and kernels, value bounds
 derived from the kernels' float32 arithmetic, fp8 scale values of the serving cache, and one
-error type per mistake on both entry points (``paged_decode`` and ``DecodePlan.run``)."""
+error type per mistake on both entry points (``paged_decode`` and ``DecodePlan.run``); and
+issue 49's ``merge_states`` in the range of the LSEs it is given."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -14,6 +17,38 @@ from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
 NAN = float("nan")
 INF = float("inf")
+
+
+# --- merge_states in its LSEs' range (issue 49) ----------------------------------------------
+
+@pytest.mark.parametrize("offset", [0.0, 1e8, 1e39, -1e30])
+def test_merge_states_of_float64_lses_merges_in_float64(offset):
+    """float64 LSEs (fresh random, around ``offset``) merge as the float64 softmax of the
+    states weighs them, and the LSE comes back float64: float32 had [1e8, 1e8 + 1] equal
+    (2.0 for outs 1 and 3 instead of 2.462) and 1e39 infinite (NaN)."""
+    g = torch.Generator().manual_seed(int(abs(offset)) % 1000)
+    outs = torch.randn(3, 2, 4, 16, generator=g)
+    lses = torch.randn(3, 2, 4, generator=g, dtype=torch.float64) * 3 + offset
+    m = pagedattn.merge_states(outs, lses)
+    w = torch.softmax(lses, dim=0)
+    assert m.lse.dtype == torch.float64
+    assert torch.allclose(m.out.double(), (w[..., None] * outs.double()).sum(0), atol=1e-6)
+    assert torch.allclose(m.lse, torch.logsumexp(lses, dim=0), rtol=1e-15, atol=1e-9)
+    two = pagedattn.merge_states(torch.tensor([1.0, 3.0]).view(2, 1, 1, 1).expand(2, 1, 1, 16),
+                                 torch.tensor([1e8, 1e8 + 1], dtype=torch.float64).view(2, 1, 1))
+    assert torch.allclose(two.out, torch.full((1, 1, 16), (1 + 3 * math.e) / (1 + math.e)))
+
+
+def test_merge_states_reads_plus_inf_as_an_empty_state():
+    """FlashAttention-2 gave a row that saw no key an LSE of +inf (FA3: -inf); merged as
+    empty, as vLLM's merge_attn_states does, not as NaN."""
+    outs = torch.randn(2, 3, 2, 16)
+    lses = torch.tensor([[math.inf, 0.5], [1.0, -2.0], [math.inf, -math.inf]]).T.reshape(2, 3, 1)
+    lses = lses.expand(2, 3, 2).contiguous()
+    m = pagedattn.merge_states(outs, lses)
+    assert torch.equal(m.out[0], outs[1, 0]) and torch.equal(m.lse[0], lses[1, 0])
+    assert torch.allclose(m.lse[1], torch.logsumexp(lses[:, 1], dim=0))
+    assert (m.out[2] == 0).all() and (m.lse[2] == -math.inf).all()
 
 
 # --- fp8 scales of the serving cache -------------------------------------------------------

@@ -235,3 +235,49 @@ def test_run_with_every_per_call_option_spelled_off_takes_the_fast_check(monkeyp
     assert full == []
     with pytest.raises(TypeError, match="window_lft"):
         plan.run(x.query, x.key_cache, x.value_cache, window_lft=None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's lock: CPU only")
+def test_launches_in_several_threads_on_the_cpu():
+    """Two plans, a study stage and a KV append, each in its own thread, three times each: all
+    right (Triton's interpreter keeps a launch's grid process-wide: without the library's
+    interpreter lock they crashed, ``InterpreterError: ValueError('y >= grid_dim[1]')``).
+    The CPU only (the lock is the interpreter's)."""
+    import threading
+
+    errors, done = [], []
+
+    def plan_worker(seed):
+        inputs = make_paged_inputs([5 + seed, 30, 2], dtype=torch.float32, seed=seed, **SHAPE)
+        plan = _plan(inputs)
+        for _ in range(3):
+            _check(plan.run(inputs.query, inputs.key_cache, inputs.value_cache), inputs)
+
+    def stage_worker():
+        inputs = make_paged_inputs([17, 9], dtype=torch.float32, seed=7, **SHAPE)
+        for _ in range(3):
+            _check(pagedattn.paged_decode(*inputs, impl="gqa_reuse_v3"), inputs)
+
+    def append_worker():
+        inputs = make_paged_inputs([3], dtype=torch.float32, seed=8, **SHAPE)
+        for i in range(3):
+            key = torch.randn(2, 2, 64)
+            slots = torch.tensor([i, 8 + i])
+            pagedattn.append_kv(key, key, inputs.key_cache, inputs.value_cache, slots)
+            assert torch.equal(inputs.key_cache[0, i], key[0])
+            assert torch.equal(inputs.value_cache[1, i], key[1])
+
+    def guarded(fn, *args):
+        try:
+            fn(*args)
+            done.append(fn.__name__)
+        except Exception as e:  # reported below, with the thread's error
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=guarded, args=a) for a in (
+        (plan_worker, 0), (plan_worker, 1), (stage_worker,), (append_worker,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(done) == 4

@@ -62,7 +62,7 @@ def test_bench_model_rejects_bad_batches(batches, capsys):
     rc, _, err = run(["bench-model", "--batches", batches, "--tiny"], capsys)
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err == ("pagedattn bench-model: error: argument --batches: expected comma-separated "
-                   f"integers in [1, 256], got {batches!r}\n")
+                   f"integers in [1, 256], got {batches!r} (see --help)\n")
 
 
 @pytest.mark.parametrize("command", ["generate", "bench-model"])

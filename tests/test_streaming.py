@@ -86,7 +86,10 @@ def test_generate_streams_an_emoji_whole(byte_tokenizer, tmp_path, monkeypatch, 
         r.finish_reason = "length"
         return engine_module.GenerateResult([r], engine_module.EngineStats())
 
+    from pagedattn.serving import generate as generate_module
+
     monkeypatch.setattr(tokenizer_module, "load_tokenizer", lambda path: byte_tokenizer)
+    monkeypatch.setattr(generate_module, "model_config", lambda args, path: cfg)  # metadata
     monkeypatch.setattr(model_module.Transformer, "from_gguf", lambda *a, **k: tiny)
     monkeypatch.setattr(engine_module, "generate_greedy", fake_generate)
     gguf = tmp_path / "model.gguf"

@@ -586,3 +586,14 @@ def test_a_sparse_out_is_a_type_error_naming_it(path):
                                          num_kv_heads=2, head_dim=32, page_size=16,
                                          q_dtype=torch.float32)
             plan.run(inp.query, inp.key_cache, inp.value_cache, out=out)
+
+
+@pytest.mark.parametrize("bad", [lambda q: q[:, 0], lambda q: q[None, None]],
+                         ids=["rank2", "rank5"])
+def test_a_query_of_another_rank_names_both_ranks(bad):
+    """A query of rank 2 or 5: the error names the ranks a query may have, 3 and 4 (a
+    multi-token query); it said rank 3 only."""
+    args = _base()
+    args[Q] = bad(args[Q])
+    with pytest.raises(ValueError, match=r"^query: expected a rank-3 or rank-4 tensor, got "):
+        pagedattn.paged_decode(*args)

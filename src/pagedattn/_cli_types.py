@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["DTYPE_SHORT", "INT_MAX", "ArgumentError", "OneLineParser", "checked_output",
-           "dtype_name", "name_list",
+__all__ = ["CPU_LIMIT_S", "DTYPE_SHORT", "INT_MAX", "ArgumentError", "OneLineParser",
+           "checked_output", "dtype_name", "name_list",
            "nonneg_float", "nonneg_int", "output_dir", "output_file", "positive_float",
-           "positive_int", "say_duration"]
+           "positive_int", "refuse_unless_yes", "say_duration"]
 
 
 class ArgumentError(ValueError):
@@ -215,6 +215,30 @@ def output_dir(text: str) -> str:
     once checked."""
     _check_writable(text, directory=True)
     return text
+
+
+#: on the CPU, settings estimated above this many seconds of Triton's interpreter need
+#: ``--yes`` (``run``, ``bench-model``)
+CPU_LIMIT_S = 15 * 60
+
+
+def refuse_unless_yes(yes: bool, hint: str, *, seconds: float | None = None,
+                      need_bytes: int | None = None, free_bytes: int | None = None) -> None:
+    """Before any work: :class:`ArgumentError` (one line, exit status 2) when the settings are
+    estimated past :data:`CPU_LIMIT_S` of the interpreter (``seconds``) or past the memory
+    the job can have (``need_bytes`` > ``free_bytes``), unless ``--yes`` (``yes``); the line
+    ends with ``hint``, the smaller settings to ask for."""
+    if yes:
+        return
+    if seconds is not None and seconds > CPU_LIMIT_S:
+        raise ArgumentError(f"--yes not given: on the CPU these settings take "
+                            f"{say_duration(seconds)} in Triton's interpreter (estimated); add "
+                            f"--yes to run them anyway, or {hint}")
+    if need_bytes is not None and free_bytes is not None and need_bytes > free_bytes:
+        raise ArgumentError(f"--yes not given: these settings need about "
+                            f"{need_bytes / 1e9:.1f} GB of memory (estimated), more than the "
+                            f"{free_bytes / 1e9:.1f} GB free; add --yes to run them anyway, or "
+                            f"{hint}")
 
 
 def say_duration(seconds: float) -> str:

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import subprocess
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,20 @@ def is_interpreter() -> bool:
     The variable must be set before ``triton`` is imported; this library never sets it.
     """
     return os.environ.get("TRITON_INTERPRET", "0").lower() in TRUE_WORDS
+
+
+#: Triton's interpreter keeps a launch's state (the grid, the program ids, its patches of
+#: ``triton.language``) in process-wide objects, so two launches in two threads corrupt each
+#: other (``InterpreterError: ValueError('y >= grid_dim[1]')``): every CPU launch of this
+#: library runs under this lock (``launch_guard``), one at a time. Reentrant: a launch path
+#: may nest (a plan built inside a guarded call). GPU launches never take it.
+INTERPRETER_LOCK = threading.RLock()
+
+
+def launch_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a launch on ``device`` runs in: :data:`INTERPRETER_LOCK` for the CPU (the
+    interpreter), else nothing (a CUDA device guard is the caller's)."""
+    return INTERPRETER_LOCK if device.type == "cpu" else contextlib.nullcontext()
 
 
 def interpreter_refused() -> bool:
@@ -83,6 +98,21 @@ def device_name_for(device: torch.device) -> str:
 
 
 @functools.cache
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a job on ``device`` can still allocate: the GPU's free memory, or the host's
+    ``MemAvailable`` (Linux's ``/proc/meminfo``); ``None`` where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def num_devices() -> int:
     """CUDA devices visible to this process (cached: a launch needs no device guard when
     there is one)."""

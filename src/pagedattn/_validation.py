@@ -81,13 +81,17 @@ def _check_float32(name: str, x: Any, expected: str, limit: float = KERNEL_SCALA
     return value
 
 
-def _check_tensor(name: str, t: Any, rank: int, dtypes: tuple, dtype_words: str) -> None:
+def _check_tensor(name: str, t: Any, rank: int | tuple[int, ...], dtypes: tuple,
+                  dtype_words: str) -> None:
+    """A dense tensor of ``rank`` (or one of the ranks) and one of ``dtypes``."""
     if not isinstance(t, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
     if t.layout != torch.strided:  # sparse or nested: the kernels take strides
         _fail(TypeError, name, "a dense (strided) tensor", t.layout)
-    if t.dim() != rank:
-        _fail(ValueError, name, f"a rank-{rank} tensor", f"shape {tuple(t.shape)}")
+    ranks = (rank,) if isinstance(rank, int) else rank
+    if t.dim() not in ranks:
+        _fail(ValueError, name, f"a rank-{' or rank-'.join(map(str, ranks))} tensor",
+              f"shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         _fail(TypeError, name, dtype_words, t.dtype)
 
@@ -220,9 +224,9 @@ def check_metadata(
         _fail(ValueError, "impl", f"one of {', '.join(repr(i) for i in impls)}", repr(impl))
     if kv_layout not in KV_LAYOUTS:
         _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
-    multi = isinstance(query, torch.Tensor) and query.dim() == 4
-    _check_tensor("query", query, 4 if multi else 3, FLOAT_DTYPES,
-                  "float32, float16 or bfloat16")
+    # [batch, num_q_heads, head_dim], or [batch, q_len, num_q_heads, head_dim] (multi-token)
+    _check_tensor("query", query, (3, 4), FLOAT_DTYPES, "float32, float16 or bfloat16")
+    multi = query.dim() == 4
     if multi and query.shape[1] < 1:
         _fail(ValueError, "query", "q_len >= 1 (dim 1 of a 4-D query)", query.shape[1])
     cache_dtypes = FLOAT_DTYPES + FP8_DTYPES
@@ -337,25 +341,32 @@ def check_out_aliasing(out: torch.Tensor, query: torch.Tensor, caches: tuple = (
 
 def check_values(
     block_tables: torch.Tensor, context_lens: torch.Tensor, num_pages: int, page_size: int,
-    window_left: int = -1, q_len: int = 1,
+    window_left: int = -1, q_len: int = 1, *, added: int = 0,
+    names: tuple[str, str] = ("block_tables", "context_lens"),
 ) -> None:
     """Value checks: lengths in ``[0, max_pages * page_size]`` (and at most
     ``MAX_CONTEXT_LEN``, the kernels' int32 bound) and used page ids in ``[0, num_pages)``.
     Reads the data (a host sync on CUDA). Raises ValueError naming the argument and the first
     offending batch row. With a sliding window the pages wholly before the earliest query
-    token's window are never read, so they may hold anything (a server frees them: -1)."""
+    token's window are never read, so they may hold anything (a server frees them: -1).
+    ``added``: tokens a caller appends to every sequence before the kernels read it (the
+    lengths are then ``context_lens + added``, checked before anything is written);
+    ``names``: the caller's names of the table and the lengths (a drop-in's own)."""
     batch, max_pages = block_tables.shape
     if batch == 0:
         return
+    table_name, lens_name = names
     capacity = kernel_max_pages(max_pages, page_size) * page_size
     lens = context_lens.long()
-    bad = (lens < 0) | (lens > capacity)
+    bad = (lens < 0) | (lens + added > capacity)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         bound = (f"max_pages * page_size = {capacity}" if capacity == max_pages * page_size
                  else f"{capacity} (the kernels' int32 bound)")
-        _fail(ValueError, "context_lens", f"lengths in [0, {bound}] (row {row})",
-              int(lens[row]))
+        if added:
+            bound = f"{bound} - {added} (the {added} tokens appended)"
+        _fail(ValueError, lens_name, f"lengths in [0, {bound}] (row {row})", int(lens[row]))
+    lens = lens + added
     used_pages = (lens.clamp(0, capacity) + page_size - 1) // page_size  # [batch]
     cols = torch.arange(max_pages, device=block_tables.device)
     used = cols[None, :] < used_pages[:, None]
@@ -366,7 +377,7 @@ def check_values(
     bad_ids = used & ((ids < 0) | (ids >= num_pages))
     if bool(bad_ids.any()):
         row, col = (int(x) for x in bad_ids.nonzero()[0])
-        _fail(ValueError, "block_tables",
+        _fail(ValueError, table_name,
               f"used page ids in [0, num_pages={num_pages}) (row {row}, column {col})",
               int(ids[row, col]))
 
@@ -375,7 +386,7 @@ def first_bad(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str) -> N
     """Raise a ValueError naming ``name``, ``expected`` and the first entry where ``bad``."""
     if bool(bad.any()):
         i = int(bad.reshape(-1).nonzero()[0, 0])
-        _fail(ValueError, name, f"{expected} (entry {i})", float(t.reshape(-1)[i]))
+        _fail(ValueError, name, f"{expected} (entry {i})", t.reshape(-1)[i].item())
 
 
 def check_scalar_values(named: tuple) -> None:
@@ -426,7 +437,7 @@ def _used_rows(cache: torch.Tensor, block_tables, lens, first, page_size) -> tor
 
 def check_value_ranges(query, key_cache, value_cache, block_tables, context_lens, *,
                        kv_layout: str = "NHD", scale=None, k_scale=None, v_scale=None,
-                       window_left: int = -1, q_len: int = 1) -> None:
+                       window_left: int = -1, q_len: int = 1, appended=None) -> None:
     """Value checks of the data the kernels' float32 arithmetic must hold (run where the
     index checks run, after them: a host sync on CUDA, and one read of the keys and values
     in use). Per kv head ``h``, with ``D = head_dim``, ``qmax`` the query group's largest
@@ -443,6 +454,10 @@ def check_value_ranges(query, key_cache, value_cache, block_tables, context_lens
     * ``n · vmax`` (``value_cache``): the float32 sum of up to ``n`` values weighted by
       probabilities <= 1 (bf16 V near 1e38 gave inf).
 
+    ``appended``: ``(key, value)`` ``[batch, seqlen_new, num_kv_heads, head_dim]`` that a
+    caller appends after ``context_lens`` before the kernels read the cache (checked before
+    anything is written): they count as read, every one of them.
+
     Raises ValueError naming the argument, the kv head and the bound."""
     batch, max_pages = block_tables.shape
     if batch == 0 or query.numel() == 0:
@@ -451,12 +466,16 @@ def check_value_ranges(query, key_cache, value_cache, block_tables, context_lens
         key_cache.transpose(1, 2), value_cache.transpose(1, 2))
     page_size, num_kv_heads, head_dim = k_nhd.shape[1:]
     capacity = kernel_max_pages(max_pages, page_size) * page_size
-    lens = context_lens.long().clamp(0, capacity)
+    stored = context_lens.long().clamp(0, capacity)  # the cache's tokens before the append
+    lens = (stored + (appended[0].shape[1] if appended is not None else 0)).clamp(max=capacity)
     first = torch.zeros_like(lens)
     if window_left >= 0:
         first = (lens - q_len - min(window_left, capacity)).clamp(min=0)
-    k = _used_rows(k_nhd, block_tables, lens, first, page_size).abs()
-    v = _used_rows(v_nhd, block_tables, lens, first, page_size).abs()
+    k = _used_rows(k_nhd, block_tables, stored, first, page_size).abs()
+    v = _used_rows(v_nhd, block_tables, stored, first, page_size).abs()
+    if appended is not None:
+        k, v = (torch.cat((rows, new.detach().reshape(-1, num_kv_heads, head_dim).double()
+                           .cpu().abs())) for rows, new in ((k, appended[0]), (v, appended[1])))
     kraw = k.amax(dim=(0, 2)) if k.numel() else torch.zeros(num_kv_heads, dtype=torch.float64)
     vraw = v.amax(dim=(0, 2)) if v.numel() else torch.zeros(num_kv_heads, dtype=torch.float64)
     ks, vs = _scale_per_head(k_scale, num_kv_heads), _scale_per_head(v_scale, num_kv_heads)
@@ -688,7 +707,7 @@ def check_merge_states(outs: Any, lses: Any) -> None:
              "float64")):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
-        if t.dtype not in dtypes:  # fp8 outs lost their scale; float64 would merge in float32
+        if t.dtype not in dtypes:  # fp8 outs lost their scale
             _fail(TypeError, name, words, t.dtype)
     if outs.dim() < 3:
         _fail(ValueError, "outs", "a tensor [S, ..., num_heads, head_dim] of rank >= 3",

@@ -23,7 +23,7 @@ import torch
 
 from pagedattn import _validation as V
 from pagedattn import options as O
-from pagedattn._env import num_devices
+from pagedattn._env import launch_guard, num_devices
 from pagedattn.options import DecodeOptions
 
 
@@ -151,10 +151,11 @@ def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, v
 
 def _on_device(device: torch.device):
     """Launch under the tensors' GPU (Triton launches on the current device): a no-op when it
-    is already current or the tensors are on the CPU."""
+    is already current; on the CPU, one interpreted launch at a time
+    (:data:`pagedattn._env.INTERPRETER_LOCK`: the interpreter's state is process-wide)."""
     if device.type != "cuda" or device.index is None or num_devices() == 1 or \
             device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+        return launch_guard(device)
     return torch.cuda.device(device)
 
 
@@ -215,8 +216,9 @@ class DecodePlan:
         self.last_compiled: dict[str, object] = {}
         self._on_cpu = self.device.type == "cpu"
         self._default_scale = head_dim**-0.5
-        # a device guard is needed only where another GPU may be current
-        self._guarded = self.device.type == "cuda" and num_devices() > 1
+        # a device guard is needed only where another GPU may be current, and the
+        # interpreter's lock on the CPU
+        self._guarded = self._on_cpu or self.device.type == "cuda" and num_devices() > 1
 
     def _engine(self):
         if self._launcher is None and self._one_shot:
@@ -260,14 +262,8 @@ class DecodePlan:
             TypeError, ValueError: an input that does not match the plan (the message names
                 the argument), or what :func:`paged_decode` refuses.
         """
-        if variants and all(v is None for v in variants.values()) \
-                and variants.keys() <= _CALL_NAMES:  # every per-call option spelled off
-            variants = {}
-        if variants or not self._common_call(query, key_cache, value_cache, scale, k_scale,
-                                             v_scale, out, return_lse, validate):
-            V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
-                        v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
-            variants = O.call_options(variants, self.num_q_heads, self.device)
+        variants = self._check_call(query, key_cache, value_cache, scale, k_scale, v_scale,
+                                    out, return_lse, validate, variants)
         if self._on_cpu or validate:
             _run_value_checks(query, self.block_tables, self.context_lens,
                               key_cache.shape[0], self.page_size, validate,
@@ -276,6 +272,23 @@ class DecodePlan:
                               caches=(key_cache, value_cache, self.kv_layout), scale=scale)
         return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
                             return_lse, variants)
+
+    def _check_call(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
+                    return_lse, validate, variants: dict) -> dict:
+        """:meth:`run`'s metadata checks of a call (no data read): the serving call in one
+        expression (:meth:`_common_call`), anything else through ``check_run`` and the
+        per-call variants' checks. Returns the per-call variant tensors that are on
+        (``pagedattn.options.call_options``; empty for none), as :meth:`_launch` takes them.
+        ``compat.flash_attn`` runs it before it writes the caller's cache."""
+        if variants and all(v is None for v in variants.values()) \
+                and variants.keys() <= _CALL_NAMES:  # every per-call option spelled off
+            variants = {}
+        if variants or not self._common_call(query, key_cache, value_cache, scale, k_scale,
+                                             v_scale, out, return_lse, validate):
+            V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
+                        v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
+            variants = O.call_options(variants, self.num_q_heads, self.device)
+        return variants
 
     def _run_4d(self, query, key_cache, value_cache, scale, return_lse):
         """FlashAttention's repeated decode call (``compat.flash_attn``'s fast path): a
@@ -754,14 +767,16 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:
     Args:
         outs: ``[S, ..., num_heads, head_dim]`` float32/float16/bfloat16, the ``S`` states'
             normalized outputs (e.g. ``paged_decode`` results stacked on a new dim 0).
-        lses: ``[S, ..., num_heads]`` float32/float16/bfloat16/float64 (merged in float32),
-            their natural-log LSEs (``-inf`` for a state that saw no key).
+        lses: ``[S, ..., num_heads]`` float32/float16/bfloat16/float64, their natural-log
+            LSEs: ``-inf`` for a state that saw no key, and so ``+inf``, FlashAttention-2's
+            value for such a row (as vLLM's ``merge_attn_states`` reads it).
 
     Returns:
         ``DecodeOutput(out, lse)``: ``out`` ``[..., num_heads, head_dim]`` in ``outs``'
-        dtype, ``lse`` ``[..., num_heads]`` float32, natural log. Computed in float32 with
-        the maximum LSE factored out; ``-inf``-safe: where every state is empty, out is 0 and
-        LSE ``-inf``.
+        dtype, ``lse`` ``[..., num_heads]`` natural log, float64 for float64 ``lses`` (which
+        are merged in float64: ``[1e8, 1e8 + 1]`` or ``1e39`` are not float32 values),
+        else float32. Computed with the maximum LSE factored out; ``-inf``-safe: where every
+        state is empty, out is 0 and LSE ``-inf``.
 
     An attention sink (``sinks=``) is one more term of the whole denominator: apply it to
     exactly one of the merged parts (e.g. the shared prefix), never to several.
@@ -772,14 +787,15 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:
             names the argument.
     """
     V.check_merge_states(outs, lses)
-    lse32 = lses.to(torch.float32)
-    top = lse32.amax(dim=0)
+    wide = torch.float64 if lses.dtype == torch.float64 else torch.float32
+    lse_w = lses.to(wide)
+    lse_w = torch.where(lse_w == math.inf, -math.inf, lse_w)  # FA2's empty row: no key
+    top = lse_w.amax(dim=0)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all-empty: 0
-    w = torch.exp(lse32 - top)  # [S, ..., H], 0 for an empty state
+    w = torch.exp(lse_w - top)  # [S, ..., H], 0 for an empty state
     total = w.sum(dim=0)
     # an empty state adds nothing, whatever its out holds (0 x NaN would be NaN)
-    weighted = torch.where((w != 0).unsqueeze(-1), w.unsqueeze(-1) * outs.to(torch.float32),
-                           0.0)
+    weighted = torch.where((w != 0).unsqueeze(-1), w.unsqueeze(-1) * outs.to(wide), 0.0)
     merged = weighted.sum(dim=0)
     nonempty = total > 0
     merged = merged / torch.where(nonempty, total, torch.ones_like(total)).unsqueeze(-1)

@@ -7,13 +7,14 @@ statement, only when that subcommand runs. Parsers are
 and an output path that cannot be written is one line and exit status 2 too (checked by the
 option's type before any work, see :func:`pagedattn._cli_types.output_file`; a write that still
 fails later is reported the same way), and so is a value a subcommand finds bad after parsing
-(it raises :class:`pagedattn._cli_types.ArgumentError`): never a traceback. Without a CUDA GPU
-the CLI sets ``TRITON_INTERPRET=1`` for itself before anything imports Triton (the library
-never does), so the kernels run on the CPU through Triton's interpreter; a subcommand then runs
-inside :func:`pagedattn._env.quiet_interpreter_warnings`, which hides that interpreter's known,
-harmless warnings. ``TRITON_INTERPRET=0`` (or another false value) without a GPU leaves the
-kernels nowhere to run: one line, exit status 2, before anything loads (``bench --list``, which
-runs no kernel, still works).
+(it raises :class:`pagedattn._cli_types.ArgumentError`): never a traceback. Every argument's
+error ends with ``(see --help)``, whichever the subcommand and whenever it is found. Without a
+CUDA GPU the CLI sets ``TRITON_INTERPRET=1`` for itself before anything imports Triton (the
+library never does), so the kernels run on the CPU through Triton's interpreter; a subcommand
+then runs inside :func:`pagedattn._env.quiet_interpreter_warnings`, which hides that
+interpreter's known, harmless warnings. ``TRITON_INTERPRET=0`` (or another false value) without
+a GPU leaves the kernels nowhere to run: one line, exit status 2, before anything loads
+(``bench --list``, which runs no kernel, still works).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def _command(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="pagedattn", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="pagedattn",  # the docstring's first line, without reST
+                           description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if a in COMMANDS), None)
@@ -119,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         with quiet_interpreter_warnings():  # the interpreter's known, harmless noise (CPU only)
             return int(_command(args.command).main(args) or 0)
     except (ArgumentError, OSError) as e:  # a bad --gguf/--device; an unwritable output path
-        print(f"pagedattn {args.command}: error: {e}", file=sys.stderr)
+        # an argument's error ends as a parser's does, whatever the subcommand
+        see = " (see --help)" if isinstance(e, ArgumentError) else ""
+        print(f"pagedattn {args.command}: error: {e}{see}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:  # a batch or context too large for this machine
         if type(e).__name__ == "CacheFullError":  # the engine's pages (serving)

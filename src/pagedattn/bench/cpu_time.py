@@ -1,4 +1,5 @@
-"""How long our impls take in Triton's interpreter on the CPU, said before a job starts.
+"""How long our impls take in Triton's interpreter on the CPU, and how much memory a run's
+batch takes, said (and refused past the limits, ``pagedattn run``) before a job starts.
 
 The interpreter runs every program of a grid one after the other in Python, each ``tl`` op a
 numpy call, so a call's time grows with the work its programs loop over: about
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from pagedattn._cli_types import say_duration
-from pagedattn.bench.shapes import BenchShape
+from pagedattn.bench.shapes import BenchShape, ModelShape
 
 #: seconds per (query head x KV token), per impl
 PER_HEAD_TOKEN = {"baseline": 0.0096, "fused_v1": 0.0067, "vectorized_v2": 0.0075,
@@ -26,12 +29,34 @@ PER_HEAD_SEQ = {"baseline": 0.028, "fused_v1": 0.012, "vectorized_v2": 0.0,
                 "gqa_reuse_v3": 0.0013, "split_kv_v4": 0.026, "auto": 0.0040}
 
 
-def interpreter_seconds(shape: BenchShape, impls: Iterable[str]) -> float:
+#: host bytes per element of one cache's allocated pages (``pages · page_size · num_kv_heads
+#: · head_dim``) that a run's batch takes at its peak (the float32 draw of K and V, their
+#: copies in the cache dtype, the float64 oracle): 12.2-13.5 measured (``build_batch`` and
+#: ``paged_decode_reference`` of llama-3-8b batches of 51 k-160 k tokens, peak RSS), rounded up
+HOST_BYTES_PER_ELEMENT = 14
+
+
+def seconds_for(heads: int, tokens: int, seqs: int, impls: Iterable[str]) -> float:
     """About how many seconds one call of each of ``impls`` (our impl names; a peer counts 0)
-    takes on ``shape`` in the interpreter, summed, with the float64 oracle's check."""
-    heads, seqs = shape.model.num_q_heads, len(shape.context_lens)
-    return sum(PER_HEAD_TOKEN.get(i, 0.0) * heads * shape.num_tokens
-               + PER_HEAD_SEQ.get(i, 0.0) * heads * seqs for i in impls)
+    takes in the interpreter on ``seqs`` sequences of ``tokens`` KV tokens in all, with
+    ``heads`` query heads, summed, with the float64 oracle's check."""
+    return sum(PER_HEAD_TOKEN.get(i, 0.0) * heads * tokens + PER_HEAD_SEQ.get(i, 0.0) * heads
+               * seqs for i in impls)
+
+
+def interpreter_seconds(shape: BenchShape, impls: Iterable[str]) -> float:
+    """:func:`seconds_for` of ``shape``'s batch."""
+    return seconds_for(shape.model.num_q_heads, shape.num_tokens, len(shape.context_lens),
+                       impls)
+
+
+def batch_bytes(model: ModelShape, dtype: torch.dtype, pages: int, page_size: int) -> \
+        tuple[int, int]:
+    """About the memory a run's batch of ``pages`` pages of ``dtype`` takes at its peak:
+    ``(host bytes, device bytes)``. The batch is drawn on the host
+    (:data:`HOST_BYTES_PER_ELEMENT`); a GPU holds the K and V caches and a copy of each."""
+    elements = pages * page_size * model.num_kv_heads * model.head_dim
+    return HOST_BYTES_PER_ELEMENT * elements, 4 * elements * dtype.itemsize
 
 
 def say_estimate(command: str, seconds: float, what: str) -> str:

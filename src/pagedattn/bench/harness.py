@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pagedattn._cli_types import (
+    CPU_LIMIT_S,
     ArgumentError,
     checked_output,
     dtype_name,
@@ -51,9 +52,11 @@ from pagedattn._cli_types import (
     output_dir,
     output_file,
     positive_int,
+    refuse_unless_yes,
 )
+from pagedattn._env import free_memory
 from pagedattn.bench import report
-from pagedattn.bench.cpu_time import interpreter_seconds, say_estimate
+from pagedattn.bench.cpu_time import batch_bytes, interpreter_seconds, say_estimate, seconds_for
 from pagedattn.bench.peers import DEFAULT_PEERS, PEERS, PeerUnsupported, peer_file
 from pagedattn.bench.report import TO_BEAT_SLACK
 from pagedattn.bench.shapes import (
@@ -74,6 +77,7 @@ DEFAULT_IMPLS = ("auto", "split_kv_v4", "gqa_reuse_v3")
 #: ``pagedattn run`` defaults: the stages loop token by token in the interpreter (about 0.1 s
 #: per token for 32 heads), so the CPU default takes under a minute on 2 cores
 CPU_BATCH, CPU_MAX_CONTEXT, GPU_BATCH = 6, 32, 64
+RUN_PAGE_SIZE = 16  # the pages of ``pagedattn run``'s batch
 #: ``--dtype`` (``_cli_types.dtype_name``: fp32/fp16/bf16 also)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Timer = Callable[[Callable[[], object]], Timing]
@@ -466,21 +470,47 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="back-to-back eager calls for the host-time column on a GPU")
     parser.add_argument("--csv", default=None, type=output_file,
                         help="also write the rows to this CSV file")
+    parser.add_argument("--yes", action="store_true",
+                        help="run even when the settings are estimated past "
+                             f"{CPU_LIMIT_S // 60} minutes in Triton's interpreter (CPU) or "
+                             "past the memory free (the estimate is printed first)")
+
+
+def _refuse_costly(args: argparse.Namespace, model, dtype, device, *, tokens: int, seqs: int,
+                   pages: int) -> None:
+    """Before any allocation: refuse (ArgumentError, unless ``--yes``) settings estimated
+    past :data:`CPU_LIMIT_S` of the interpreter or past the memory free, on the host (where
+    the batch is drawn) and on a GPU. ``pages`` of :data:`RUN_PAGE_SIZE` tokens."""
+    hint = "ask for a smaller --batch or --max-context"
+    host, on_device = batch_bytes(model, dtype, pages, RUN_PAGE_SIZE)
+    refuse_unless_yes(args.yes, hint, seconds=None if device.type == "cuda" else seconds_for(
+        model.num_q_heads, tokens, seqs, args.impls), need_bytes=host,
+        free_bytes=free_memory(torch.device("cpu")))
+    if device.type == "cuda":
+        refuse_unless_yes(args.yes, hint, need_bytes=on_device, free_bytes=free_memory(device))
 
 
 def run_main(args: argparse.Namespace) -> int:
-    """Run ``pagedattn run``; returns the exit status (1 if any impl fails)."""
+    """Run ``pagedattn run``; returns the exit status (1 if any impl fails). Settings
+    estimated past :data:`CPU_LIMIT_S` (CPU) or the memory free are refused before any
+    allocation unless ``--yes``: first the least they can cost (a token per sequence), so
+    that no batch too large to run is drawn, then the drawn batch's estimate."""
     if args.csv:
         checked_output(args.csv, "--csv")
     on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda") if on_gpu else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else \
+        torch.device("cpu")
     model = MODELS[args.model]
     batch = args.batch if args.batch is not None else (GPU_BATCH if on_gpu else CPU_BATCH)
+    dtype = DTYPES[args.dtype] if args.dtype else model.dtype
+    _refuse_costly(args, model, dtype, device, tokens=batch, seqs=batch, pages=batch)
     drawn = sample_context_lens(args.trace, batch, args.seed)
     max_context = args.max_context or (None if on_gpu else CPU_MAX_CONTEXT)
     lens = shrink_lengths(drawn, max_context) if max_context else drawn
-    dtype = DTYPES[args.dtype] if args.dtype else model.dtype
-    shape = make_shape(f"{args.trace}-b{batch}-{model.name}", model, lens, dtype=dtype)
+    shape = make_shape(f"{args.trace}-b{batch}-{model.name}", model, lens, dtype=dtype,
+                       page_size=RUN_PAGE_SIZE)
+    _refuse_costly(args, model, dtype, device, tokens=shape.num_tokens, seqs=batch,
+                   pages=sum(shape.pages_per_seq) + 2)
     print(f"{args.trace} trace, seed {args.seed}: {batch} requests, "
           f"{sum(drawn):,} KV tokens drawn (longest {max(drawn):,}).")
     if lens != drawn:

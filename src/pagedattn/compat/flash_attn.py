@@ -28,8 +28,10 @@ copied. What is mapped, and how:
   ours.
 - fp8 (e4m3/e5m2) caches: ``k_descale``/``v_descale`` ``[batch, heads_k]`` (FA3's shape; a
   float, 0-d or ``[heads_k]`` tensor also works). Per-batch descales are exact: ``k_descale``
-  is folded into the query, ``v_descale`` into the output. An fp8 query is dequantized to
-  bfloat16 with ``q_descale`` (FA3 returns bfloat16 for fp8 inputs too).
+  is folded into the query in float32 (the kernel scales a wide query into fp16's range by a
+  power of two: an fp16 ``q`` times ``k_descale`` past 65,504 stays finite), ``v_descale``
+  into the output. An fp8 query is dequantized with ``q_descale`` the same way (FA3 returns
+  bfloat16 for fp8 inputs, and so does this).
 - ``return_softmax_lse=True`` returns ``(out, lse)``: ``lse [batch, heads, seqlen_q]``
   float32, natural log (FA's convention), ``-inf`` for a row that sees no key (its out is 0).
 - ``num_splits``: 0 is the heuristic (ours), ``n >= 1`` forces ``n`` context splits.
@@ -39,23 +41,43 @@ copied. What is mapped, and how:
   ``qv``, ``attention_chunk``, ...) raises a ``ValueError`` naming it when it is not at its
   default; an unknown keyword is a ``TypeError``.
 
-The plan for a call is cached (keyed by the tables' and lengths' storage and every shape and
-option): an engine calling once per layer with the same ``page_table`` and ``cache_seqlens``
-tensors builds one :func:`pagedattn.plan_decode` per step, and the later layers run the plan
-(the plain one-token call through a shorter path, ``_fast``). The caches hold at most
-``_PLAN_CACHE_SIZE`` plans each (each keeps its tables alive).
+Every check runs before anything is written: a refused call leaves ``k_cache``/``v_cache`` as
+they were. An append past the table's capacity (``cache_seqlens + seqlen_new > pages x
+page_size``) is refused naming ``cache_seqlens``: on the CPU always, on a GPU with one host
+sync of the lengths per appending call, as FlashAttention-2's ``mha_fwd_kvcache`` does
+(Dao-AILab/flash-attention#2711); under CUDA-graph capture, which forbids the sync, the
+append skips the slots past the capacity and attention sees the lengths clamped to it. A
+decode call without ``k``/``v`` reads no length on a GPU (no sync: lengths past the capacity
+are clamped, as :func:`pagedattn.paged_decode` does). Errors name FlashAttention's arguments.
+
+Plans are cached by what decides them (batch, table width, heads, dims, dtypes, device,
+``num_splits``, the mask and soft-cap), never by a tensor's identity. A plan reads its own
+``block_tables``/``context_lens`` tensors, and each call copies its ``page_table`` (or
+``cache_batch_idx`` rows) and ``cache_seqlens`` (``+ seqlen_new`` with an append) into them
+on the device: no host sync, and a CUDA graph captured around the call copies again at each
+replay. So a call with freshly built tables or lengths costs two small copies and the plan's
+run, never a new plan or a new kernel binding; the plain one-token decode call finds its plan
+through a shorter key (its arguments' shapes, dtypes and options: ``_fast``). Each thread
+has its own caches of at most ``_PLAN_CACHE_SIZE`` plans (least recently used dropped), so
+threads never share a plan's tensors; a graph captured around a call reads that plan's
+tensors and workspace: replay it only while its plan is among its thread's
+``_PLAN_CACHE_SIZE`` most recently used.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import numbers
+import threading
 from collections import OrderedDict
 
 import torch
 
 from pagedattn import _validation as V
+from pagedattn import options as O
 from pagedattn.api import DecodeOutput, append_kv, plan_decode
+from pagedattn.compat._names import renamed
 
 #: FA arguments this layer has no kernel for, with their "off" values (given otherwise: error)
 _UNSUPPORTED = {"qv": None, "rotary_cos": None, "rotary_sin": None, "rotary_seqlens": None,
@@ -64,16 +86,33 @@ _UNSUPPORTED = {"qv": None, "rotary_cos": None, "rotary_sin": None, "rotary_seql
 #: FA arguments that change no value (schedules and hints): accepted and ignored
 _IGNORED = frozenset({"scheduler_metadata", "pack_gqa", "sm_margin", "rotary_interleaved"})
 _PLAN_CACHE_SIZE = 32
+_STRIDED = torch.strided  # the dense layout, tested by identity on the short path
 #: query rows (tokens x group) per kernel call: a longer multi-token query runs in chunks
 _MAX_TILE_ROWS = 64
-_plans: OrderedDict = OrderedDict()
-#: the repeated decode call (one query token, a table, tensor lengths, nothing appended or
-#: rescaled), keyed by the identity of its table and lengths and by every other argument that
-#: shapes the plan, and (the last plan of those tables) by the identities and options alone:
-#: the plan then checks the query's and caches' shapes and dtypes itself
-#: (``DecodePlan._run_4d``), cheaper than hashing them. An entry keeps its tensors alive, so
-#: an id names the same tensor, and their pointers and shapes are checked again on every hit
-_fast: dict = {}
+#: per thread (``_caches``): ``plans``, the static key of a plan (:func:`_plan_for`) -> the
+#: plan on its own metadata tensors, least recently used first; ``fast``, the signature of the
+#: plain one-token decode call (the shapes and dtypes of its q, caches, table and lengths,
+#: and its mask, soft-cap and split options) -> its plan, which checks the query's and the
+#: caches' shapes and dtypes itself (``DecodePlan._run_4d``)
+_local = threading.local()
+#: pagedattn's argument names in the errors of the API this layer calls -> FlashAttention's
+#: (the table's: as the caller named it); a name of a dimension keeps its name after the
+#: argument's (``q (head_dim): ...``)
+_FA_NAMES = {"query": "q", "key_cache": "k_cache", "value_cache": "v_cache",
+             "context_lens": "cache_seqlens", "scale": "softmax_scale",
+             "logits_soft_cap": "softcap", "window_left": "window_size", "k_scale": "k_descale",
+             "v_scale": "v_descale", "q_dtype": "q (q_dtype)", "num_q_heads": "q (num_q_heads)",
+             "head_dim": "q (head_dim)", "kv_dtype": "k_cache (kv_dtype)",
+             "num_kv_heads": "k_cache (num_kv_heads)", "page_size": "k_cache (page_size)"}
+
+
+def _caches() -> tuple[OrderedDict, dict]:
+    """This thread's ``(plans, fast)`` (see ``_local``)."""
+    try:
+        return _local.plans, _local.fast
+    except AttributeError:
+        _local.plans, _local.fast = OrderedDict(), {}
+        return _local.plans, _local.fast
 
 
 def _refuse_unsupported(kwargs: dict) -> None:
@@ -146,36 +185,50 @@ def _descale(name: str, s, batch: int, num_kv_heads: int, device) -> torch.Tenso
 
 @functools.cache
 def _rows(batch: int, device: torch.device) -> torch.Tensor:
-    """``arange(batch)``, one tensor per shape (a table's storage keys the plan cache)."""
-    return torch.arange(batch, device=device, dtype=torch.int32)
+    """``arange(batch)`` as a ``[batch, 1]`` int32 table (a contiguous cache: each sequence
+    is one page), one tensor per shape."""
+    return torch.arange(batch, device=device, dtype=torch.int32).view(batch, 1)
 
 
-def _key(t: torch.Tensor):
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+def _index(name: str, t, rank: int, device) -> None:
+    """An int32/int64 tensor of rank ``rank`` on ``device``."""
+    _tensor(name, t, rank)
+    if t.dtype not in V.INDEX_DTYPES:
+        raise TypeError(f"{name}: expected int32 or int64, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on q's device {device}, got {t.device}")
 
 
-def _plan(block_tables, context_lens, lens_key, appended, **options):
-    """The cached plan for these tables and options (see the module docstring)."""
-    key = (_key(block_tables), lens_key, appended, tuple(sorted(options.items())))
-    plan = _plans.get(key)
+def _plan_for(batch: int, max_pages: int, device, **options):
+    """This thread's plan of these shapes and options, built once on its own int32
+    ``block_tables [batch, max_pages]`` and ``context_lens [batch]`` (each call fills them:
+    :func:`_fill`)."""
+    plans = _caches()[0]
+    key = (batch, max_pages, device, *options.items())
+    plan = plans.get(key)
     if plan is None:
-        if appended:  # the lengths the kernel sees: cache_seqlens + seqlen_new, refreshed per call
-            context_lens = torch.empty_like(context_lens)
-        plan = plan_decode(block_tables, context_lens, **options)
-        _plans[key] = plan
-        if len(_plans) > _PLAN_CACHE_SIZE:
-            _plans.popitem(last=False)
+        plan = plan_decode(torch.zeros(batch, max_pages, dtype=torch.int32, device=device),
+                           torch.zeros(batch, dtype=torch.int32, device=device), **options)
+        plans[key] = plan
+        if len(plans) > _PLAN_CACHE_SIZE:
+            plans.popitem(last=False)
     else:
-        _plans.move_to_end(key)
+        plans.move_to_end(key)
     return plan
 
 
-def _is_live(entry, table, cache_seqlens) -> bool:
-    """A ``_fast`` entry (or ``None``) still names these tensors: the same objects, at the
-    same addresses and shapes."""
-    return (entry is not None and entry[0] is table and entry[1] is cache_seqlens
-            and table.data_ptr() == entry[2] and table.shape == entry[3]
-            and cache_seqlens.data_ptr() == entry[4] and cache_seqlens.shape == entry[5])
+def _fill(plan, table: torch.Tensor, lens, added: int) -> None:
+    """Copy a call's table rows and lengths (``lens + added``, at least 0; ``lens`` a tensor
+    or an int) into ``plan``'s own tensors: device copies, no host sync."""
+    plan.block_tables.copy_(table)
+    if isinstance(lens, int):
+        plan.context_lens.fill_(max(lens + added, 0))
+    elif added:
+        torch.add(lens, added, out=plan.context_lens)
+        if added < 0:  # a causal chunk before the query's last tokens
+            plan.context_lens.clamp_(min=0)
+    else:
+        plan.context_lens.copy_(lens)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
@@ -202,7 +255,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         softmax_scale: default ``dim ** -0.5``.
         causal: bottom-right aligned causal mask (FA's default ``False``).
         window_size: ``(left, right)``, ``-1`` unbounded.
-        softcap: ``> 0`` caps the logits as ``softcap * tanh(s / softcap)``.
+        softcap: ``> 0`` caps the logits as ``softcap * tanh(s / softcap)``; 0 is off.
         sinks, alibi_slopes: ``[heads]`` float32.
         q_descale, k_descale, v_descale: ``[batch, heads_k]`` float (fp8 inputs).
         num_splits: 0 (heuristic) or the number of context splits.
@@ -213,70 +266,115 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         ``(out, lse)``.
 
     Raises:
-        TypeError, ValueError: an argument of the wrong type or shape, an FA feature this layer
-            does not implement (named), or what :func:`pagedattn.paged_decode` refuses.
+        TypeError, ValueError: an argument of the wrong type, shape or value (a NaN, negative
+            or infinite ``softcap``; lengths past the table's capacity), an FA feature this
+            layer does not implement (named), or what :func:`pagedattn.paged_decode` refuses,
+            named as FlashAttention names it; before anything is written.
     """
+    try:
+        if not fa_kwargs and k is None and v is None and cache_batch_idx is None \
+                and q_descale is None and k_descale is None and v_descale is None \
+                and alibi_slopes is None and (page_table is None or block_table is None):
+            # the decode call an engine repeats per layer: its plan, by its signature
+            table = page_table if block_table is None else block_table
+            try:
+                fast = _local.fast
+            except AttributeError:
+                fast = _caches()[1]
+            try:
+                plan = fast.get((q.shape, q.dtype, k_cache.dtype, table.shape, table.dtype,
+                                 cache_seqlens.shape, cache_seqlens.dtype, causal, window_size,
+                                 softcap, num_splits))
+            except (AttributeError, TypeError):  # not tensors, an unhashable window
+                plan = None
+            if plan is not None and type(table) is torch.Tensor \
+                    and type(cache_seqlens) is torch.Tensor and table.layout is _STRIDED \
+                    and cache_seqlens.layout is _STRIDED and table.device == plan.device \
+                    and cache_seqlens.device == plan.device:
+                if plan._on_cpu:  # the lengths and page ids, named as FA names them
+                    V.check_values(table, cache_seqlens, k_cache.shape[0], plan.page_size,
+                                   window_left=plan.options.window_left,
+                                   names=("page_table" if block_table is None
+                                          else "block_table", "cache_seqlens"))
+                _fill(plan, table, cache_seqlens, 0)
+                if sinks is None:
+                    # the plan checks q's and the caches' shapes and dtypes, and runs FA's
+                    # [batch, 1, heads, dim] query as it is; None for anything else
+                    result = plan._run_4d(q, k_cache, v_cache, softmax_scale,
+                                          return_softmax_lse)
+                    if result is not None:
+                        return (DecodeOutput(result.out, result.lse.unsqueeze(-1))
+                                if return_softmax_lse else result)
+                else:
+                    result = plan.run(q.squeeze(1), k_cache, v_cache, scale=softmax_scale,
+                                      return_lse=bool(return_softmax_lse), sinks=sinks)
+                    if return_softmax_lse:
+                        return DecodeOutput(result.out.unsqueeze(1), result.lse.unsqueeze(-1))
+                    return result.unsqueeze(1)
+        return _call(q, k_cache, v_cache, k, v, cache_seqlens, page_table, block_table,
+                     cache_batch_idx, softmax_scale, causal, window_size, softcap, sinks,
+                     alibi_slopes, q_descale, k_descale, v_descale, num_splits,
+                     return_softmax_lse, fa_kwargs)
+    except (TypeError, ValueError) as e:
+        fa = renamed(e, {**_FA_NAMES, "block_tables": "page_table" if block_table is None
+                         else "block_table"})
+        if fa is e:
+            raise
+        raise fa from None
+
+
+def _call(q, k_cache, v_cache, k, v, cache_seqlens, page_table, block_table, cache_batch_idx,
+          softmax_scale, causal, window_size, softcap, sinks, alibi_slopes, q_descale,
+          k_descale, v_descale, num_splits, return_softmax_lse, fa_kwargs):
+    """The whole call: every check (the plans' included), then the append, then the runs."""
     if fa_kwargs:
         _refuse_unsupported(fa_kwargs)
-    elif k is None and v is None and cache_batch_idx is None and q_descale is None \
-            and k_descale is None and v_descale is None and alibi_slopes is None:
-        # the decode call an engine repeats per layer: a plan found by identity (see _fast)
-        table = page_table if block_table is None else block_table
-        try:
-            entry = _fast.get((id(table), id(cache_seqlens), causal, window_size, softcap,
-                               num_splits, page_table is None))
-        except TypeError:  # an unhashable window: the full path
-            entry = None
-        if sinks is None and _is_live(entry, table, cache_seqlens):
-            # the plan checks q's and the caches' shapes and dtypes, and runs FA's [batch, 1,
-            # heads, dim] query as it is (no view); None for anything else
-            result = entry[6]._run_4d(q, k_cache, v_cache, softmax_scale, return_softmax_lse)
-            if result is not None:
-                return (DecodeOutput(result.out, result.lse.unsqueeze(-1))
-                        if return_softmax_lse else result)
-        try:
-            entry = _fast.get((id(table), id(cache_seqlens), q.shape, q.dtype, k_cache.shape,
-                               k_cache.dtype, causal, window_size, softcap, num_splits,
-                               page_table is None))
-        except (AttributeError, TypeError):  # not tensors, an unhashable window: full path
-            entry = None
-        if _is_live(entry, table, cache_seqlens):
-            result = entry[6].run(q.squeeze(1), k_cache, v_cache, scale=softmax_scale,
-                                  return_lse=bool(return_softmax_lse), sinks=sinks)
-            if return_softmax_lse:
-                return DecodeOutput(result.out.unsqueeze(1), result.lse.unsqueeze(-1))
-            return result.unsqueeze(1)
     _tensor("q", q, 4)
     _tensor("k_cache", k_cache, 4)
     _tensor("v_cache", v_cache, 4)
+    V.check_device_runnable("q", q)
     batch, seqlen_q, num_heads, head_dim = q.shape
     device = q.device
     if page_table is not None and block_table is not None and page_table is not block_table:
         raise ValueError("page_table, block_table: give one (FA3's and FA2's name of the table)")
-    table = page_table if page_table is not None else block_table
-    num_kv_heads = k_cache.shape[2]
-    if table is None:  # a contiguous cache: each sequence is one page of seqlen_cache tokens
-        rows = _rows(batch, device) if cache_batch_idx is None else cache_batch_idx
-        _tensor("cache_batch_idx", rows, 1)
-        if rows.shape[0] != batch:
+    table_name = "page_table" if block_table is None else "block_table"
+    table = given_table = page_table if page_table is not None else block_table
+    num_pages, page_size, num_kv_heads = k_cache.shape[:3]
+    if cache_batch_idx is not None:
+        _index("cache_batch_idx", cache_batch_idx, 1, device)
+        if cache_batch_idx.shape[0] != batch:
             raise ValueError(f"cache_batch_idx: expected {batch} entries (q's batch), got "
-                             f"{rows.shape[0]}")
-        table = rows.view(batch, 1)
-    elif cache_batch_idx is not None:  # the rows of a table with batch_cache rows
-        _tensor("cache_batch_idx", cache_batch_idx, 1)
-        _tensor("page_table", table, 2)
-        table = table.index_select(0, cache_batch_idx)
-    _tensor("page_table", table, 2)
-    page_size = k_cache.shape[1]
-    capacity = table.shape[1] * page_size
-    # FA3 accepts an int length for every sequence
-    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
-        fill = capacity if cache_seqlens is None else int(cache_seqlens)
-        cache_seqlens = torch.full((batch,), fill, dtype=torch.int32, device=device)
-        lens_key = ("full", fill, batch, device)
+                             f"{cache_batch_idx.shape[0]}")
+    if table is None:  # a contiguous cache: each sequence is one page of seqlen_cache tokens
+        ids_name = "cache_batch_idx"
+        table = _rows(batch, device) if cache_batch_idx is None else cache_batch_idx.view(-1, 1)
     else:
-        _tensor("cache_seqlens", cache_seqlens, 1)
-        lens_key = _key(cache_seqlens)
+        _index(table_name, table, 2, device)
+        ids_name = table_name
+        if cache_batch_idx is not None:  # the rows of a table with batch_cache rows
+            if device.type == "cpu":
+                V.first_bad("cache_batch_idx", cache_batch_idx,
+                            (cache_batch_idx < 0) | (cache_batch_idx >= table.shape[0]),
+                            f"rows of {table_name} in [0, {table.shape[0]})")
+            table = table.index_select(0, cache_batch_idx)
+        elif table.shape[0] != batch:
+            raise ValueError(f"{table_name}: expected {batch} rows (q's batch), got "
+                             f"{table.shape[0]}")
+    capacity = table.shape[1] * page_size
+    if cache_seqlens is None:  # FA3: the whole table
+        lens = capacity
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        lens = int(cache_seqlens)  # FA3 accepts one int length for every sequence
+    else:
+        _index("cache_seqlens", cache_seqlens, 1, device)
+        if cache_seqlens.shape[0] != batch:
+            raise ValueError(f"cache_seqlens: expected {batch} entries (q's batch), got "
+                             f"{cache_seqlens.shape[0]}")
+        lens = cache_seqlens
+    appended = k is not None or v is not None
+    if appended:
+        _check_new_kv(k, v, k_cache, batch, device)
+    added = k.shape[1] if appended else 0
 
     out_dtype = q.dtype
     if q.dtype in V.FP8_DTYPES:  # FA3 returns bfloat16 for fp8 inputs
@@ -291,140 +389,160 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         raise ValueError(f"q: heads ({num_heads}) must be a multiple of k_cache's heads_k "
                          f"({num_kv_heads})")
     group = num_heads // max(num_kv_heads, 1)
-    qs = _descale("q_descale", q_descale, batch, num_kv_heads, device)
-    ks = _descale("k_descale", k_descale, batch, num_kv_heads, device)
-    vs = _descale("v_descale", v_descale, batch, num_kv_heads, device)
-    if qs is not None or ks is not None or q.dtype != out_dtype:
-        # dequantize q and fold the per-(batch, kv head) key scale into it (exact for scores)
-        factor = qs if ks is None else (ks if qs is None else qs * ks)
-        q5 = q.float().view(batch, seqlen_q, num_kv_heads, group, head_dim)
-        q = (q5 if factor is None else q5 * factor).view(q.shape).to(out_dtype)
-
-    appended = k is not None or v is not None
-    if appended:
-        _append(k, v, k_cache, v_cache, table, cache_seqlens, capacity)
-
+    scales = [(name, _descale(name, s, batch, num_kv_heads, device)) for name, s in
+              (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))]
+    (_, qs), (_, ks), (_, vs) = scales
     causal_kernel, window_left = _masks(causal, window_size, seqlen_q)
-    flat = not causal_kernel and seqlen_q > 1  # tokens become heads: all at the last position
-    if flat and alibi_slopes is not None:
-        raise ValueError("alibi_slopes: non-causal multi-token queries put every token at the "
-                         "last position, which changes ALiBi's distances; use causal=True")
-    if seqlen_q > 1 and seqlen_q * group > _MAX_TILE_ROWS:
-        total = cache_seqlens + k.shape[1] if appended else cache_seqlens
-        out, lse = _in_chunks(q, k_cache, v_cache, table, total, group, causal_kernel,
-                              window_left, dict(softmax_scale=softmax_scale, softcap=softcap,
-                                                sinks=sinks, alibi_slopes=alibi_slopes,
-                                                num_splits=num_splits))
-        if vs is not None:
-            out5 = out.view(batch, seqlen_q, num_kv_heads, group, head_dim)
-            out = (out5.float() * vs).to(out_dtype).view(batch, seqlen_q, num_heads, head_dim)
-        return DecodeOutput(out, lse) if return_softmax_lse else out
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):  # a NaN fails every comparison
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 is off), got {softcap!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
             or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits!r}")
     if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:
         raise ValueError("alibi_slopes: per-batch slopes [batch, heads] are not supported; "
                          "pass [heads]")
-    plan_heads, q_len = (num_kv_heads * seqlen_q * group, 1) if flat else (num_heads, seqlen_q)
-    plan = _plan(table, cache_seqlens, lens_key, appended,
-                 num_q_heads=plan_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 page_size=page_size, q_dtype=q.dtype, kv_dtype=k_cache.dtype,
-                 num_splits=num_splits or None, q_len=q_len, window_left=window_left,
-                 logits_soft_cap=float(softcap) if softcap > 0 else None)
-    if appended:
-        torch.add(cache_seqlens, k.shape[1], out=plan.context_lens)
-    elif seqlen_q == 1 and not fa_kwargs and cache_batch_idx is None and q_descale is None \
-            and k_descale is None and v_descale is None and alibi_slopes is None \
-            and table is (page_table if block_table is None else block_table) \
-            and lens_key == _key(cache_seqlens):
+    if not causal_kernel and seqlen_q > 1 and alibi_slopes is not None:
+        raise ValueError("alibi_slopes: non-causal multi-token queries put every token at the "
+                         "last position, which changes ALiBi's distances; use causal=True")
+    if qs is not None or ks is not None or q.dtype != out_dtype:
+        # dequantize q and fold the per-(batch, kv head) key scale into it (exact for the
+        # scores), in float32 for an fp8 cache: its kernel scales a wide query into fp16's
+        # range by a power of two, where a 16-bit product would overflow
+        factor = qs if ks is None else (ks if qs is None else qs * ks)
+        q5 = q.float().view(batch, seqlen_q, num_kv_heads, group, head_dim)
+        q = (q5 if factor is None else q5 * factor).view(q.shape).to(
+            torch.float32 if fp8_cache else out_dtype)
+
+    # one launch per chunk of at most _MAX_TILE_ROWS query rows (the decode kernel holds a
+    # call's query rows in one tile), each planned and checked before anything is written
+    step = seqlen_q if seqlen_q * group <= _MAX_TILE_ROWS else max(1, _MAX_TILE_ROWS // group)
+    launches = [_checked_launch(q[:, j0:min(j0 + step, seqlen_q)], k_cache, v_cache, table,
+                                causal_kernel, window_left, softcap, num_splits, softmax_scale,
+                                sinks, alibi_slopes, bool(return_softmax_lse),
+                                # a causal chunk keeps its positions: it ends seqlen_q - j1
+                                # tokens before the last
+                                added - (seqlen_q - min(j0 + step, seqlen_q)) * causal_kernel)
+                for j0 in range(0, seqlen_q, step)]
+    if seqlen_q == 1 and not (appended or fa_kwargs or alibi_slopes is not None) \
+            and isinstance(lens, torch.Tensor) and table is given_table and q.dtype == out_dtype \
+            and qs is None and ks is None and vs is None:  # the plain decode call: _fast
+        fast = _caches()[1]
+        sig = (q.shape, q.dtype, k_cache.dtype, table.shape, table.dtype, lens.shape,
+               lens.dtype, causal, window_size, softcap, num_splits)
         try:
-            sig = (id(table), id(cache_seqlens), q.shape, q.dtype, k_cache.shape,
-                   k_cache.dtype, causal, window_size, softcap, num_splits,
-                   page_table is None)
             hash(sig)
         except TypeError:  # an unhashable window (a tensor): no fast entry
             sig = None
         if sig is not None:
-            if len(_fast) >= 2 * _PLAN_CACHE_SIZE:
-                _fast.clear()
-            # under the full signature, and under the tables and options alone (the plan
-            # checks the rest: _run_4d), which a later plan of the same tables replaces
-            _fast[sig] = _fast[sig[:2] + sig[6:]] = (
-                table, cache_seqlens, table.data_ptr(), table.shape, cache_seqlens.data_ptr(),
-                cache_seqlens.shape, plan)
-
-    if flat:  # [b, sq, hk, g, d] -> [b, (hk sq g), d]
-        query = q.view(batch, seqlen_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4) \
-            .reshape(batch, plan_heads, head_dim)
-        if sinks is not None and isinstance(sinks, torch.Tensor) and sinks.dim() == 1 \
-                and sinks.shape[0] == num_heads:
-            sinks = sinks.view(num_kv_heads, 1, group).expand(num_kv_heads, seqlen_q, group) \
-                .reshape(plan_heads)
-    else:
-        query = q.squeeze(1) if seqlen_q == 1 else q
-    result = plan.run(query, k_cache, v_cache, scale=softmax_scale,
-                      return_lse=bool(return_softmax_lse), sinks=sinks,
-                      alibi_slopes=alibi_slopes)
-    out, lse = (result.out, result.lse) if return_softmax_lse else (result, None)
-    if flat:
-        out = out.view(batch, num_kv_heads, seqlen_q, group, head_dim).permute(0, 2, 1, 3, 4) \
-            .reshape(batch, seqlen_q, num_heads, head_dim)
-        if lse is not None:  # [b, (hk sq g)] -> [b, (hk g), sq]
-            lse = lse.view(batch, num_kv_heads, seqlen_q, group).permute(0, 1, 3, 2) \
-                .reshape(batch, num_heads, seqlen_q)
-    elif seqlen_q == 1:
-        out = out.unsqueeze(1)
-        lse = None if lse is None else lse.unsqueeze(-1)
-    elif lse is not None:
-        lse = lse.transpose(1, 2).contiguous()
-    if vs is not None:  # the per-(batch, kv head) value scale, on the normalized output
-        out5 = out.view(batch, seqlen_q, num_kv_heads, group, head_dim)
-        out = (out5.float() * vs).to(out_dtype).view(batch, seqlen_q, num_heads, head_dim)
-    return DecodeOutput(out, lse) if return_softmax_lse else out
-
-
-def _in_chunks(q, k_cache, v_cache, table, total, group, causal, window_left, options):
-    """A long multi-token query (a prefill, as FA's tests run) in chunks of at most
-    ``_MAX_TILE_ROWS`` query rows: the decode kernel holds all of a call's query rows in one
-    tile. Causal chunk ``[j0, j1)`` keeps its positions through ``total - (seqlen_q - j1)``
-    (FA's window bounds move with them); non-causal chunks all see ``total``."""
-    seqlen_q = q.shape[1]
-    step = max(1, _MAX_TILE_ROWS // group)
+            if len(fast) >= 2 * _PLAN_CACHE_SIZE:
+                fast.clear()
+            fast[sig] = launches[0][0]
+    if device.type == "cpu" or (appended and not torch.cuda.is_current_stream_capturing()):
+        # the lengths and the page ids they use (the only host sync, on a GPU with an append)
+        lens_t = torch.full((batch,), lens, device=device) if isinstance(lens, int) else lens
+        V.check_values(table, lens_t, num_pages, page_size, window_left=window_left,
+                       q_len=seqlen_q, added=added, names=(ids_name, "cache_seqlens"))
+        if device.type == "cpu":  # the values of the scales, sinks, slopes and data
+            V.check_scalar_values(scales)
+            for launch in launches:
+                O.check_values(launch[2])
+            V.check_value_ranges(q, k_cache, v_cache, table, lens_t, scale=softmax_scale,
+                                 window_left=window_left, q_len=seqlen_q,
+                                 appended=(k, v) if appended else None)
+    if appended:
+        _append(k, v, k_cache, v_cache, table, lens, capacity)
     outs, lses = [], []
-    for j0 in range(0, seqlen_q, step):
-        j1 = min(j0 + step, seqlen_q)
-        lens = (total - (seqlen_q - j1)).clamp_(min=0).to(torch.int32) if causal else total
-        out, lse = flash_attn_with_kvcache(
-            q[:, j0:j1], k_cache, v_cache, cache_seqlens=lens, page_table=table,
-            causal=causal, window_size=(window_left, 0) if causal else (-1, -1),
-            return_softmax_lse=True, **options)
+    for plan, query, calls, chunk_added, flat, sq in launches:
+        _fill(plan, table, lens, chunk_added)
+        result = plan._launch(query, k_cache, v_cache, softmax_scale, None, None, None,
+                              bool(return_softmax_lse), calls)
+        out, lse = (result.out, result.lse) if return_softmax_lse else (result, None)
+        if flat:  # [b, (hk sq g), d] -> [b, sq, (hk g), d]
+            out = out.view(batch, num_kv_heads, sq, group, head_dim).permute(0, 2, 1, 3, 4) \
+                .reshape(batch, sq, num_heads, head_dim)
+            if lse is not None:  # [b, (hk sq g)] -> [b, (hk g), sq]
+                lse = lse.view(batch, num_kv_heads, sq, group).permute(0, 1, 3, 2) \
+                    .reshape(batch, num_heads, sq)
+        elif query.dim() == 3:
+            out = out.unsqueeze(1)
+            lse = None if lse is None else lse.unsqueeze(-1)
+        elif lse is not None:
+            lse = lse.transpose(1, 2)
         outs.append(out)
         lses.append(lse)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if vs is not None or out.dtype != out_dtype:  # the per-(batch, kv head) value scale
+        out5 = out.view(batch, seqlen_q, num_kv_heads, group, head_dim).float()
+        out = (out5 if vs is None else out5 * vs).to(out_dtype).view(
+            batch, seqlen_q, num_heads, head_dim)
+    if not return_softmax_lse:
+        return out
+    lse = lses[0].contiguous() if len(lses) == 1 else torch.cat(lses, dim=2)
+    return DecodeOutput(out, lse)
 
 
-def _append(k, v, k_cache, v_cache, table, cache_seqlens, capacity) -> None:
-    """Write ``k``/``v`` ``[batch, seqlen_new, heads_k, dim]`` at positions ``cache_seqlens +
-    j`` (FA's in-place cache update); a position past the table's capacity is skipped."""
+def _checked_launch(q, k_cache, v_cache, table, causal, window_left, softcap, num_splits,
+                    softmax_scale, sinks, alibi_slopes, return_lse, added) -> tuple:
+    """One kernel call of ``q [batch, sq, heads, dim]`` (a chunk of the call's tokens), planned
+    and checked against its plan: ``(plan, query as the plan takes it, per-call variants,
+    tokens added to the lengths, tokens-as-heads?, sq)``. Non-causal multi-token attention
+    puts every token at the last position: the tokens become heads (``flat``)."""
+    batch, sq, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    flat = not causal and sq > 1
+    plan_heads, q_len = (num_kv_heads * sq * group, 1) if flat else (num_heads, sq)
+    plan = _plan_for(batch, table.shape[1], q.device, num_q_heads=plan_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=k_cache.shape[1],
+                     q_dtype=q.dtype, kv_dtype=k_cache.dtype, num_splits=num_splits or None,
+                     q_len=q_len, window_left=window_left,
+                     logits_soft_cap=float(softcap) if softcap > 0 else None)
+    if flat:  # [b, sq, hk, g, d] -> [b, (hk sq g), d]
+        query = q.view(batch, sq, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4) \
+            .reshape(batch, plan_heads, head_dim)
+        if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.shape[0] == num_heads:
+            sinks = sinks.view(num_kv_heads, 1, group).expand(num_kv_heads, sq, group) \
+                .reshape(plan_heads)
+    else:
+        query = q.squeeze(1) if sq == 1 else q
+    calls = plan._check_call(query, k_cache, v_cache, softmax_scale, None, None, None,
+                             return_lse, None, dict(sinks=sinks, alibi_slopes=alibi_slopes))
+    return plan, query, calls, added, flat, sq
+
+
+def _check_new_kv(k, v, k_cache, batch: int, device) -> None:
+    """``k``/``v``: given together, ``[batch, seqlen_new, heads_k, dim]`` of the cache's
+    dtype, on q's device."""
     if k is None or v is None:
         raise ValueError(f"{'v' if k is not None else 'k'}: give k and v together")
     _tensor("k", k, 4)
     _tensor("v", v, 4)
-    if k.shape != v.shape:
+    if v.shape != k.shape:
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+        raise ValueError(f"k: expected [batch={batch}, seqlen_new, heads_k={k_cache.shape[2]}, "
+                         f"dim={k_cache.shape[3]}] (q's batch, k_cache's heads and dim), got "
+                         f"{tuple(k.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != k_cache.dtype:
+            raise TypeError(f"{name}: expected the cache's dtype {k_cache.dtype}, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on q's device {device}, got {t.device}")
+
+
+def _append(k, v, k_cache, v_cache, table, lens, capacity) -> None:
+    """Write ``k``/``v`` ``[batch, seqlen_new, heads_k, dim]`` at positions ``lens + j``
+    (FA's in-place cache update; ``lens`` a tensor or an int); a position past the table's
+    capacity (possible only under CUDA-graph capture, where it is not checked) is skipped."""
     batch, seqlen_new, num_kv_heads, head_dim = k.shape
-    if batch != table.shape[0]:
-        raise ValueError(f"k: expected batch {table.shape[0]} (q's), got {batch}")
-    fp8 = k_cache.dtype in V.FP8_DTYPES
-    if k.dtype != k_cache.dtype:
-        raise TypeError(f"k: expected the cache's dtype {k_cache.dtype}, got {k.dtype}")
-    if fp8:  # raw fp8 values: widened losslessly, stored back unscaled
+    if k_cache.dtype in V.FP8_DTYPES:  # raw fp8 values: widened losslessly, stored back unscaled
         k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
     page_size = k_cache.shape[1]
-    pos = cache_seqlens.long().view(batch, 1) + torch.arange(seqlen_new, device=k.device)
-    page = table.long().gather(1, (pos // page_size).clamp_(max=table.shape[1] - 1))
+    start = lens.long().view(batch, 1) if isinstance(lens, torch.Tensor) else lens
+    pos = (start + torch.arange(seqlen_new, device=k.device)).expand(batch, seqlen_new)
+    page = table.long().gather(1, (pos // page_size).clamp_(max=max(table.shape[1] - 1, 0)))
     slots = torch.where(pos < capacity, page * page_size + pos % page_size, -1)
     append_kv(k.reshape(batch * seqlen_new, num_kv_heads, head_dim),
               v.reshape(batch * seqlen_new, num_kv_heads, head_dim), k_cache, v_cache,

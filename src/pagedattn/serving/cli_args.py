@@ -1,7 +1,8 @@
 """Argument checks shared by ``pagedattn generate`` and ``pagedattn bench-model``: argparse
-type functions that reject bad values at parse time (exit 2), a one-line parser error, and the
-device and model-file checks. All of it runs before any model is loaded; a GGUF file that still
-fails to load is reported as a bad ``--gguf`` too (:func:`reading_gguf`). The checks raise
+type functions that reject bad values at parse time (exit 2: one line, as every subcommand's,
+:class:`pagedattn._cli_types.OneLineParser`), and the device and model-file checks. All of it
+runs before any model is loaded; a GGUF file that still fails to load is reported as a bad
+``--gguf`` too (:func:`reading_gguf`). The checks raise
 :class:`pagedattn._cli_types.ArgumentError`, which :func:`pagedattn.cli.main` reports as one line
 with exit status 2."""
 
@@ -11,7 +12,6 @@ import argparse
 import contextlib
 import os
 import struct
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,15 +50,6 @@ def int_list_in(lo: int, hi: int):
         return values
     parse.__name__ = "int_list"  # argparse names the type in some messages
     return parse
-
-
-def _one_line_error(self: argparse.ArgumentParser, message: str):
-    self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """Make ``parser`` report a bad argument as one line (no usage block), exit status 2."""
-    parser.error = types.MethodType(_one_line_error, parser)  # type: ignore[method-assign]
 
 
 def resolve_device(name: str | None) -> torch.device:

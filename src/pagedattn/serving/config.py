@@ -62,6 +62,14 @@ class ModelConfig:
     logits_soft_cap: tuple[float, ...] = ()
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_q_heads", "num_kv_heads", "head_dim", "max_position"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads="
+                             f"{self.num_q_heads}, got {self.num_kv_heads}")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"activation: expected 'silu' or 'gelu_tanh', "
                              f"got {self.activation!r}")
@@ -91,19 +99,55 @@ _HF_LAYER_NAMES = {
 }
 
 
+def _bad(key: str, expected: str, got) -> None:
+    raise ValueError(f"config.json: {key}: expected {expected}, got {got!r}")
+
+
+def _int(c: dict, key: str, default=None, low: int = 1) -> int:
+    """``c[key]``, an int >= ``low`` (``default`` when absent or null; required without
+    one)."""
+    v = c.get(key)
+    if v is None:
+        if default is None:
+            raise ValueError(f"config.json: {key}: missing (an int >= {low})")
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        _bad(key, f"an int >= {low}", v)
+    return v
+
+
+def _float(c: dict, key: str, default: float, zero: bool = False) -> float:
+    """``c[key]``, a finite number > 0 (>= 0 with ``zero``: a soft-cap's off), ``default``
+    when absent or null."""
+    v = c.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v < 0 or (v == 0 and not zero):
+        _bad(key, f"a finite number {'>=' if zero else '>'} 0", v)
+    return float(v)
+
+
 def hf_config(c: dict) -> ModelConfig:
-    """A :class:`ModelConfig` from a parsed ``config.json``. Raises ValueError for a
-    ``model_type`` outside :data:`HF_MODEL_TYPES`, RoPE scaling, ``attention_bias`` /
-    ``mlp_bias`` (outside Qwen2's QKV bias), or an activation other than SiLU / tanh-GELU."""
+    """A :class:`ModelConfig` from a parsed ``config.json``, each field checked. Raises
+    ValueError naming the field for a ``model_type`` outside :data:`HF_MODEL_TYPES`, RoPE
+    scaling, ``attention_bias`` / ``mlp_bias`` (outside Qwen2's QKV bias), an activation
+    other than SiLU / tanh-GELU, a missing or malformed shape (``num_hidden_layers``,
+    ``num_attention_heads``, ...: ints >= 1, kv heads dividing the heads) or constant."""
+    if not isinstance(c, dict):
+        raise ValueError(f"config.json: expected a JSON object, got a {type(c).__name__}")
     mt = c.get("model_type")
     if mt not in HF_MODEL_TYPES:
         raise ValueError(f"config.json: model_type {mt!r} is not supported "
                          f"(expected one of {', '.join(HF_MODEL_TYPES)})")
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    key = "rope_scaling" if c.get("rope_scaling") is not None else "rope_parameters"
+    rope = c.get(key) or {}
+    if not isinstance(rope, dict):
+        _bad(key, "an object or null", rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"config.json: rope scaling {rope_type!r} is not supported")
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    theta = _float(c, "rope_theta", _float(rope, "rope_theta", 10000.0))
     for key in ("attention_bias", "mlp_bias"):  # Qwen2's QKV bias is implied, not this key
         if c.get(key) and mt != "qwen2":
             raise ValueError(f"config.json: {key} (biases on the output or FFN projections) "
@@ -113,89 +157,142 @@ def hf_config(c: dict) -> ModelConfig:
     if act not in acts:
         raise ValueError(f"config.json: activation {act!r} is not supported "
                          f"(expected one of {', '.join(acts)})")
-    layers, hidden = int(c["num_hidden_layers"]), int(c["hidden_size"])
-    heads = int(c["num_attention_heads"])
-    head_dim = c.get("head_dim") or hidden // heads
+    layers, hidden = _int(c, "num_hidden_layers"), _int(c, "hidden_size")
+    heads = _int(c, "num_attention_heads")
+    kv_heads = _int(c, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        _bad("num_key_value_heads", f"a divisor of num_attention_heads={heads}", kv_heads)
+    if c.get("head_dim") is None and hidden % heads:
+        _bad("head_dim", f"a value, as hidden_size={hidden} is no multiple of "
+             f"num_attention_heads={heads}", None)
+    head_dim = _int(c, "head_dim", hidden // heads)
     # sliding windows per layer: layer_types where the config has them (transformers >= 4.53
     # writes them), else Mistral's every-layer window
-    window = c.get("sliding_window")
+    window = _int(c, "sliding_window", 0) if c.get("sliding_window") is not None else None
     if mt in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
         window = None
     types = c.get("layer_types")
     if types is None:
         types = ["sliding_attention" if mt == "gemma2" and i % 2 == 0 or mt == "mistral"
                  else "full_attention" for i in range(layers)]
+    elif not (isinstance(types, list) and len(types) == layers and set(types) <= {
+            "sliding_attention", "full_attention"}):
+        _bad("layer_types", f"a list of num_hidden_layers={layers} 'sliding_attention' or "
+             "'full_attention'", types)
     windows = tuple(window - 1 if window and t == "sliding_attention" else -1 for t in types)
-    cap = c.get("attn_logit_softcapping") if mt == "gemma2" else None
     gemma = mt == "gemma2"
+    cap = _float(c, "attn_logit_softcapping", 0.0, zero=True) if gemma else 0.0
     return ModelConfig(
-        vocab_size=int(c["vocab_size"]), hidden_size=hidden,
-        intermediate_size=int(c["intermediate_size"]), num_layers=layers, num_q_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(head_dim),
-        rope_theta=float(theta), rms_eps=float(c.get("rms_norm_eps", 1e-6)),
-        max_position=int(c.get("max_position_embeddings", 2048)),
+        vocab_size=_int(c, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_int(c, "intermediate_size"), num_layers=layers, num_q_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta,
+        rms_eps=_float(c, "rms_norm_eps", 1e-6),
+        max_position=_int(c, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),
         bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"),
         activation=acts[act],
         qkv_bias=mt == "qwen2",
         qk_norm=mt == "qwen3", post_norms=gemma,
         embed_scale=math.sqrt(hidden) if gemma else None,
-        attn_scale=float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
-        final_logit_soft_cap=float(c.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+        attn_scale=_float(c, "query_pre_attn_scalar", 256.0) ** -0.5 if gemma else None,
+        final_logit_soft_cap=(_float(c, "final_logit_softcapping", 0.0, zero=True) if gemma
+                              else 0.0),
         window_left=windows if any(w >= 0 for w in windows) else (),
-        logits_soft_cap=(float(cap),) * layers if cap else ())
+        logits_soft_cap=(cap,) * layers if cap else ())
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight a model of ``cfg`` reads, by this module's names
+    (``nn.Linear``'s out x in)."""
+    h, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_q_heads * hd, cfg.num_kv_heads * hd
+    layer = {"attn_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
+             "ffn_norm": (h,), "w_gate": (inter, h), "w_up": (inter, h), "w_down": (h, inter)}
+    if cfg.qkv_bias:
+        layer.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.qk_norm:
+        layer.update(q_norm=(hd,), k_norm=(hd,))
+    if cfg.post_norms:
+        layer.update(post_attn_norm=(h,), post_ffn_norm=(h,))
+    shapes = {"embed": (cfg.vocab_size, h), "final_norm": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, h)
+    shapes.update({f"layers.{i}.{n}": s for i in range(cfg.num_layers) for n, s in layer.items()})
+    return shapes
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], names: dict[str, str],
+                  source: str) -> None:
+    """Every weight a model of ``cfg`` reads is present with the shape the config implies
+    (:func:`weight_shapes`): checked at load, not at the first forward. ``names``: each
+    weight's name in the file, for the error; ``source``: where the config came from
+    (``config.json``). Raises ValueError naming the tensor (the first few if missing)."""
+    shapes = weight_shapes(cfg)
+    missing = [n for n in shapes if n not in weights]
+    if missing:
+        raise ValueError(f"model: tensors missing (as {source} implies): {missing[:5]}")
+    for key, shape in shapes.items():
+        if tuple(weights[key].shape) != shape:
+            raise ValueError(f"{names.get(key, key)}: expected shape {shape} from {source}, "
+                             f"got {tuple(weights[key].shape)}")
 
 
 def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and fp32 CPU weights (the names of this module's docstring) of a Hugging Face
-    checkpoint directory: ``config.json`` and its ``*.safetensors`` (one file or shards).
+    checkpoint directory: ``config.json`` and its ``*.safetensors`` (one file or shards). An
+    FP8 checkpoint (a ``quantization_config`` of transformers' FP8 formats) is dequantized
+    (:mod:`pagedattn.serving.fp8_weights`).
 
     Raises FileNotFoundError without the directory, its ``config.json`` or any safetensors
-    file; ValueError for an unsupported ``model_type`` (see :func:`hf_config`) or a missing
-    tensor.
+    file; ValueError naming the field or the tensor for an unsupported ``model_type`` or a
+    malformed ``config.json`` (see :func:`hf_config`), another quantization (named:
+    ``quantization_config``, or the tensor of integer or unscaled weights), a missing tensor
+    or one whose shape contradicts ``config.json``.
     """
     from safetensors.torch import load_file
+
+    from pagedattn.serving.fp8_weights import dequantized
 
     d = Path(path)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"model: no config.json in {str(d)!r}")
-    cfg = hf_config(json.loads((d / "config.json").read_text()))
+    try:
+        raw = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config.json: not JSON ({e})") from None
+    cfg = hf_config(raw)
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model: no *.safetensors file in {str(d)!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
     gemma = cfg.embed_scale is not None
     norm_names = {"post_attention_layernorm.weight": "post_attn_norm" if gemma else "ffn_norm",
                   "pre_feedforward_layernorm.weight": "ffn_norm",
                   "post_feedforward_layernorm.weight": "post_ffn_norm"}
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, t in load_file(str(f)).items():
-            t = t.float()
-            if name == "model.embed_tokens.weight":
-                key = "embed"
-            elif name == "model.norm.weight":
-                key = "final_norm"
-            elif name == "lm_head.weight":
-                key = "lm_head"
-            elif name.startswith("model.layers."):
-                _, _, idx, suffix = name.split(".", 3)
-                short = _HF_LAYER_NAMES.get(suffix) or norm_names.get(suffix)
-                if short is None:
-                    continue
-                key = f"layers.{int(idx)}.{short}"
-            else:
+    names: dict[str, str] = {}
+    for name, t in dequantized(tensors, raw).items():
+        if name == "model.embed_tokens.weight":
+            key = "embed"
+        elif name == "model.norm.weight":
+            key = "final_norm"
+        elif name == "lm_head.weight":
+            key = "lm_head"
+        elif name.startswith("model.layers."):
+            _, _, idx, suffix = name.split(".", 3)
+            short = _HF_LAYER_NAMES.get(suffix) or norm_names.get(suffix)
+            if short is None:
                 continue
-            if gemma and (key.endswith("norm")):
-                t = t + 1.0  # Gemma's RMSNorm scales by (1 + w)
-            weights[key] = t
+            key = f"layers.{int(idx)}.{short}"
+        else:
+            continue
+        t = t.float()
+        if gemma and (key.endswith("norm")):
+            t = t + 1.0  # Gemma's RMSNorm scales by (1 + w)
+        weights[key], names[key] = t, name
     if cfg.tie_word_embeddings:
         weights.pop("lm_head", None)
-    per_layer = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
-    per_layer += ["bq", "bk", "bv"] * cfg.qkv_bias + ["q_norm", "k_norm"] * cfg.qk_norm
-    per_layer += ["post_attn_norm", "post_ffn_norm"] * cfg.post_norms
-    need = ["embed", "final_norm"] + ["lm_head"] * (not cfg.tie_word_embeddings)
-    need += [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer]
-    missing = [n for n in need if n not in weights]
-    if missing:
-        raise ValueError(f"model: tensors missing from {str(d)!r}: {missing[:5]}")
+    check_weights(cfg, weights, names, "config.json")
     return cfg, weights

@@ -48,7 +48,7 @@ import torch
 from pagedattn._validation import FP8_DTYPES
 from pagedattn.serving.cache import CacheFullError, PagedKVCache
 from pagedattn.serving.model import Transformer
-from pagedattn.serving.runner import DecodeRunner, DecodeStep
+from pagedattn.serving.runner import DecodeRunner, DecodeStep, buckets_up_to
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,7 @@ class Engine:
                         ("max_model_len", max_model_len)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
                 raise TypeError(f"{name}: expected an int, got {v!r}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
+        buckets_up_to(max_batch_size)  # 1..256: ValueError naming max_batch_size
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens: expected >= 1, got {max_prefill_tokens}")
         self.max_model_len = model.cfg.max_position if max_model_len is None else max_model_len

