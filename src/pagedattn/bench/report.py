@@ -249,7 +249,7 @@ def write_markdown(rows: list[dict[str, Any]], meta: dict[str, Any],
     lines = ["# pagedattn benchmark", "", *header_lines(meta, roofline_gbps)]
     if any(r.get("median_us") is not None for r in rows):
         lines.append("- times: median over cold-L2 repetitions; GB/s counts the minimal bytes "
-                     "(valid K/V, q, out, used block-table entries); host µs: one eager call's "
+                     "(valid K/V, used block-table entries, q); host µs: one eager call's "
                      "submission time (n/a under the interpreter); to beat: the fastest peer "
                      f"that passed its check in this run, beaten at <= {TO_BEAT_SLACK}x")
     else:
