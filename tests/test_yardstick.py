@@ -1,15 +1,17 @@
-"""The yardstick of the harness, on the CPU (issue 46, item 1): the minimal-bytes formula.
-Nothing is timed."""
+"""The yardstick of the harness, on the CPU (issue 46, item 1): the minimal-bytes formula, the
+size-matched limit's buffer, the clean flush (it reads its buffer and writes nothing there).
+Nothing is timed: the CUDA pieces are fakes that record what would run."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
-from pagedattn.bench import harness
-from pagedattn.bench.shapes import FP8_E4M3, get_shape, minimal_bytes
+from pagedattn.bench import harness, timing
+from pagedattn.bench.shapes import FP8_E4M3, get_shape, make_shape, minimal_bytes
 from pagedattn.testing import make_paged_inputs
 
 # --- minimal bytes: one formula, checked against the bytes of real tensors ------------------
@@ -75,3 +77,124 @@ def test_every_byte_count_of_the_bench_is_the_one_formula():
     with pytest.raises(ValueError, match="context_lens"):
         minimal_bytes([3, -1], num_q_heads=1, num_kv_heads=1, head_dim=16, page_size=16,
                       q_dtype=torch.float16, cache_dtype=torch.float16)
+
+
+# --- the size-matched limit's buffer and read --------------------------------------------
+
+@pytest.mark.parametrize("nbytes", [2, 1026, 4097, get_shape("smollm-b1-c2k").minimal_bytes])
+def test_the_limit_buffer_holds_exactly_the_bytes(nbytes):
+    x = timing.read_buffer(nbytes)
+    assert x.is_contiguous() and x.numel() * x.element_size() == nbytes
+    assert x.untyped_storage().nbytes() == nbytes
+    assert x.dtype == (torch.bfloat16 if nbytes % 2 == 0 else torch.uint8)
+    assert bool((x == 1).all())
+
+
+def test_the_limit_reads_every_byte_of_a_row():
+    """The streaming read over a shrunk row's buffer (interpreter) sums every element once,
+    in each tile shape the limit tries."""
+    nbytes = make_shape("t", "smollm2-135m", [1, 17, 40]).minimal_bytes
+    x = timing.read_buffer(nbytes)
+    for chunk, block, warps in timing.read_configs(x.numel(), num_sms=4)[-2:]:
+        partial = timing.stream_read(x, chunk=chunk, block=block, num_warps=warps)
+        assert partial.double().sum().item() == x.numel()
+    with pytest.raises(ValueError, match="nbytes"):
+        timing.read_buffer(0)
+
+
+@pytest.mark.parametrize("numel", [1, 786_432, 2**30])
+def test_read_configs_fill_the_sms(numel):
+    """Besides the fixed tile shapes, one per programs-per-SM target: at most that many
+    programs and more than half of it, unless the chunk is already one tile (the buffer is
+    too short to cut finer)."""
+    sms = 132
+    configs = timing.read_configs(numel, sms)
+    assert set(timing.READ_CONFIGS) <= set(configs) and len(set(configs)) == len(configs)
+    for chunk, block, _ in configs:
+        assert chunk % block == 0 and chunk & (chunk - 1) == 0  # power of two, whole tiles
+    fitted = configs[len(timing.READ_CONFIGS):]
+    for per_sm in timing.READ_PROGRAMS_PER_SM:
+        target = per_sm * sms
+        assert any(-(-numel // chunk) <= target
+                   and (2 * -(-numel // chunk) > target or chunk == block)
+                   for chunk, block, _ in fitted), (per_sm, fitted)
+
+
+# --- the flushes ---------------------------------------------------------------------------
+
+def test_the_flush_plans():
+    clean = timing.flush_plan("clean", 60 * 2**20)
+    assert clean.op == "read" and clean.nbytes >= 2 * 60 * 2**20
+    assert clean.nbytes >= timing.MIN_FLUSH_BYTES
+    big = timing.flush_plan("clean", 300 * 2**20)  # an L2 past half the floor: twice the L2
+    assert big.nbytes == 600 * 2**20
+    assert timing.flush_plan("dirty", 60 * 2**20) == ("dirty", "write", clean.nbytes)
+    assert timing.FLUSHES[0] == "clean"
+    with pytest.raises(ValueError, match="^flush: expected one of clean, dirty"):
+        timing.flush_plan("warm")
+
+
+def test_the_clean_flush_reads_its_buffer_and_writes_nothing_there():
+    l2 = 48 * 1024
+    f = timing.make_flush("clean", "cpu", l2_bytes=l2, min_bytes=0)
+    assert f.plan.op == "read" and f.buffer.numel() * f.buffer.element_size() >= 2 * l2
+    g = torch.Generator().manual_seed(0)
+    f.buffer.copy_(torch.randint(-4, 5, f.buffer.shape, generator=g).to(f.buffer.dtype))
+    before = f.buffer.clone()
+    f.sink.fill_(math.nan)
+    f()
+    assert torch.equal(f.buffer, before)  # read, not written
+    assert f.sink.double().sum().item() == before.double().sum().item()  # every element read
+    assert f.sink.numel() * 4 <= f.buffer.numel() * f.buffer.element_size() / 1000  # tiny sink
+    dirty = timing.make_flush("dirty", "cpu", l2_bytes=l2, min_bytes=0)
+    dirty.buffer.fill_(7)
+    dirty()
+    assert dirty.plan.op == "write" and dirty.sink is None and not dirty.buffer.any()
+
+
+class _FakeEvent:
+    """A CUDA event on the CPU: records the order of what ran."""
+
+    log: list[str] = []
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = len(self.log)
+        self.log.append("event")
+
+    def elapsed_time(self, other):
+        return float(other.at - self.at) / 1000
+
+
+def test_time_cold_flushes_clean_before_every_timed_call(monkeypatch):
+    """``time_cold`` with the CUDA pieces mocked: each repetition is flush, event, call,
+    event; the flush is the clean one (a read of at least twice the L2) unless asked."""
+    from types import SimpleNamespace
+
+    log = _FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(L2_cache_size=16 * 1024))
+    monkeypatch.setattr(timing, "WARMUP_S", 0.0)
+    made = []
+    real_call = timing.Flush.__call__
+
+    def spy(self):
+        made.append(self)
+        log.append(f"flush:{self.plan.op}:{self.plan.nbytes}")
+        real_call(self)
+
+    monkeypatch.setattr(timing.Flush, "__call__", spy)
+    monkeypatch.setattr(timing, "make_flush", functools.partial(timing.make_flush,
+                                                                min_bytes=0))
+    t = timing.time_cold(lambda: log.append("call"), reps=3, warmup=1, device="cpu")
+    assert t.reps == 3
+    timed = log[log.index("event") - 1:]
+    assert timed == ["flush:read:32768", "event", "call", "event"] * 3
+    assert all(torch.equal(f.buffer, torch.ones_like(f.buffer)) for f in made)
+    log.clear()
+    timing.time_cold(lambda: log.append("call"), reps=2, warmup=1, device="cpu", flush="dirty")
+    assert log[log.index("event") - 1:] == ["flush:write:32768", "event", "call", "event"] * 2
