@@ -1,17 +1,21 @@
 """The yardstick of the harness, on the CPU (issue 46, item 1): the minimal-bytes formula, the
-size-matched limit's buffer, the clean flush (it reads its buffer and writes nothing there).
-Nothing is timed: the CUDA pieces are fakes that record what would run."""
+size-matched limit's buffer, the clean flush (it reads its buffer and writes nothing there),
+the timers every % comes from, and the serving-condition step's distinct caches. Nothing is
+timed: the timers are fakes or record what they would run."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import pytest
 import torch
 
-from pagedattn.bench import harness, timing
-from pagedattn.bench.shapes import FP8_E4M3, get_shape, make_shape, minimal_bytes
+from pagedattn import cli
+from pagedattn.bench import harness, step, timing
+from pagedattn.bench.shapes import FP8_E4M3, build_batch, get_shape, make_shape, minimal_bytes
+from pagedattn.bench.timing import Timing
 from pagedattn.testing import make_paged_inputs
 
 # --- minimal bytes: one formula, checked against the bytes of real tensors ------------------
@@ -198,3 +202,147 @@ def test_time_cold_flushes_clean_before_every_timed_call(monkeypatch):
     log.clear()
     timing.time_cold(lambda: log.append("call"), reps=2, warmup=1, device="cpu", flush="dirty")
     assert log[log.index("event") - 1:] == ["flush:write:32768", "event", "call", "event"] * 2
+
+
+def test_every_timer_behind_a_percent_uses_the_clean_flush(monkeypatch):
+    """The harness's timers: eager, graph, the limit and the step after the clean flush (the
+    module's default), the dirty column alone after the zeroing one; the read rate too."""
+    from types import SimpleNamespace
+
+    for fn in (timing.time_cold, timing.time_graph, timing.time_read,
+               timing.measure_read_bandwidth):
+        assert inspect.signature(fn).parameters["flush"].default == "clean", fn
+    monkeypatch.setattr(timing, "measure_read_bandwidth", lambda device: 4000.0)
+    monkeypatch.setattr(harness.report, "environment_meta", lambda device: {"gpu": "fake"})
+    args = SimpleNamespace(reps=5, warmup=1, host_calls=3, graph=True, layers=32)
+    timers, roof, meta = harness._gpu_timers(args, torch.device("cpu"))
+    assert roof == 4000.0 and meta["flush"] == "clean"
+
+    def flush_of(timer):
+        default = inspect.signature(timer.func).parameters["flush"].default
+        return timer.keywords.get("flush", default)
+
+    assert {name: flush_of(getattr(timers, name)) for name in
+            ("eager", "graph", "limit", "step", "dirty")} == {
+        "eager": "clean", "graph": "clean", "limit": "clean", "step": "clean",
+        "dirty": "dirty"}
+    assert timers.limit.func is timing.time_read and timers.step.func is timing.time_graph
+    no_step = harness._gpu_timers(SimpleNamespace(**{**vars(args), "layers": 0}),
+                                  torch.device("cpu"))[0]
+    assert no_step.step is None
+
+
+# --- the serving-condition step --------------------------------------------------------------
+
+def test_the_step_gives_every_layer_a_cache_of_its_own():
+    shape = make_shape("t", "smollm2-135m", [5, 17], fp8=True)
+    b = build_batch(shape, "cpu", poison=False)
+    layers = step.layer_batches(b, step.STEP_LAYERS)
+    assert len(layers) == 32 and step.count_caches(layers) == 32
+    keys = {lb.key_cache.untyped_storage().data_ptr() for lb in layers}
+    values = {lb.value_cache.untyped_storage().data_ptr() for lb in layers}
+    queries = {lb.query.untyped_storage().data_ptr() for lb in layers}
+    assert len(keys) == len(values) == len(queries) == 32 and not keys & values
+    assert layers[0].key_cache is b.key_cache  # the batch's own cache is layer 0's
+    for lb in layers:  # one table and lengths for the step, as in serving
+        assert lb.block_tables is b.block_tables and lb.context_lens is b.context_lens
+        assert lb.scales == b.scales and lb.key_cache.dtype == FP8_E4M3
+        assert torch.equal(lb.key_cache.view(torch.uint8), b.key_cache.view(torch.uint8))
+    shared = step.layer_batches(b, 8, num_caches=3)
+    assert step.count_caches(shared) == 3
+    assert shared[4].key_cache is shared[1].key_cache is not shared[2].key_cache
+    with pytest.raises(ValueError, match="num_caches"):
+        step.layer_batches(b, 4, num_caches=5)
+
+
+def test_the_step_takes_the_caches_that_fit():
+    per_layer, reserve = 2 * 2**30, step.STEP_RESERVE_BYTES
+    assert step.distinct_caches(32, per_layer, reserve + 31 * per_layer) == 32
+    assert step.distinct_caches(32, per_layer, reserve + 31 * per_layer - 1) == 31
+    assert step.distinct_caches(32, per_layer, reserve + 10 * per_layer + 5) == 11
+    assert step.distinct_caches(32, per_layer, 1024) == 1  # the batch's own cache only
+    b = build_batch(make_shape("t", "smollm2-135m", [5, 17]), "cpu")
+    assert step.cache_bytes(b) == 2 * b.key_cache.numel() * b.key_cache.element_size()
+    with pytest.raises(ValueError, match="num_layers"):
+        step.distinct_caches(0, per_layer, 2**40)
+
+
+def test_the_harness_times_one_graph_of_every_layer(monkeypatch):
+    """``measure_shape`` with fake timers: the step timer gets one callable running every
+    layer (our plan: one plan for the step, run per layer), the row reports per layer, the
+    limit goes on every row of the shape, and finalize makes % of it."""
+    import pagedattn.api as api
+
+    shape = make_shape("tiny", "smollm2-135m", [5, 17], dtype=torch.float32)
+    plans, calls = [], []
+    real_plan = api.plan_decode
+
+    def counting_plan(*a, **k):
+        plans.append(k["num_q_heads"])
+        return real_plan(*a, **k)
+
+    monkeypatch.setattr(api, "plan_decode", counting_plan)
+
+    def fake_step(fn):
+        outs = fn()  # the step runs here once: every layer, in order
+        calls.append(len(outs))
+        assert all(torch.allclose(o, outs[0]) for o in outs)  # same data in every cache
+        return Timing(400.0, 390.0, 410.0, 3)
+
+    fake = lambda fn: Timing(10.0, 9.0, 11.0, 3)  # noqa: E731
+    limit_bytes = []
+    timers = harness.Timers(fake, fake, None, dirty=lambda fn: Timing(12.0, 11.0, 13.0, 3),
+                            limit=lambda n: limit_bytes.append(n) or Timing(8.0, 8.0, 8.0, 3),
+                            step=fake_step)
+    rows = harness.measure_shape(shape, harness.entries(["auto", "gqa_reuse_v3"], ["naive"]),
+                                 "cpu", timers=timers, layers=4)
+    harness.finalize(rows, {"flush": "clean"}, 1000.0)
+    assert calls == [4, 4, 4] and limit_bytes == [shape.minimal_bytes]
+    assert plans == [9, 9, 9]  # auto: eager, graph, and ONE for the 4-layer step
+    for r in rows:
+        assert r["status"] == "ok" and r["error"] == ""
+        assert r["step_us_per_layer"] == 100.0 and (r["step_layers"], r["step_caches"]) == (4, 4)
+        assert r["limit_us"] == 8.0 and r["dirty_median_us"] == 12.0
+        assert r["pct_limit"] == pytest.approx(80.0) and r["graph_pct_limit"] == pytest.approx(80.0)
+        assert r["pct_roofline"] == pytest.approx(100 * shape.minimal_bytes / 10e-6 / 1e9 / 1000)
+        assert r["flush"] == "clean"
+
+
+def test_a_limit_that_raises_is_an_error_of_every_row():
+    shape = make_shape("tiny", "smollm2-135m", [5], dtype=torch.float32)
+
+    def broken(n):
+        raise RuntimeError("time_read: the streaming read missed elements")
+
+    fake = lambda fn: Timing(10.0, 9.0, 11.0, 3)  # noqa: E731
+    rows = harness.measure_shape(shape, harness.entries([], ["naive"]), "cpu",
+                                 timers=harness.Timers(fake, limit=broken))
+    assert "limit timing: RuntimeError: time_read" in rows[0]["error"]
+    assert harness.errored(rows[0]) and "limit_us" not in rows[0]
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def test_dry_run_shows_the_new_columns_as_na(tmp_path, capsys):
+    rc = cli.main(["bench", "--dry-run", "--shapes", "llama8b-b1-c1k", "--impls", "auto",
+                   "--peers", "none", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    table = out[out.index("shape "):]
+    header, _, row = table.splitlines()[:3]
+    for column in ("clean µs", "dirty µs", "limit µs", "% limit", "% 2 GiB rate",
+                   "step µs/layer"):
+        assert column in header
+    assert row.split().count("n/a") >= 6
+    md = (tmp_path / "bench.md").read_text(encoding="utf-8")
+    assert "| clean µs" in md and "step µs/layer" in md
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--layers", "-1"], "argument --layers: expected a non-negative integer, got '-1'"),
+])
+def test_bad_yardstick_options_are_one_line(argv, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--dry-run", "--out-dir", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1
