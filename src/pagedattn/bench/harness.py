@@ -20,7 +20,9 @@ counts), each shape's size-matched limit (a contiguous streaming read of exactly
 minimal bytes, :func:`pagedattn.bench.shapes.minimal_bytes`, timed the same way in the same
 run: ``limit_us``; every row is reported as % of it, ``pct_limit``, and as % of the read rate,
 ``pct_roofline``), a "to beat" column (the fastest peer that passed its check, same run) and
-whether each impl is at most ``TO_BEAT_SLACK`` x that.
+whether each impl is at most ``TO_BEAT_SLACK`` x that. ``--schedules split,persistent`` adds
+a row of ``auto`` per schedule (``auto[split]``, ``auto[persistent]``: ``schedule=`` passed
+to ``plan_decode`` and ``paged_decode``; ``unsupported`` where they take no such keyword).
 Outputs in ``--out-dir`` (``bench.csv``, ``.json``, ``.md``, ``.png``) are rewritten after
 every shape and name the commit measured; every error is kept whole
 (the CSV/JSON as raised, the tables in numbered notes). Exit status
@@ -61,7 +63,12 @@ from pagedattn._cli_types import (
 )
 from pagedattn.bench import report, step
 from pagedattn.bench.cpu_time import interpreter_seconds, say_estimate
-from pagedattn.bench.entries import Entry, entries, impl_names
+from pagedattn.bench.entries import (
+    SCHEDULES,
+    Entry,
+    entries,
+    impl_names,
+)
 from pagedattn.bench.peers import DEFAULT_PEERS, PEERS, PeerUnsupported, peer_file
 from pagedattn.bench.report import TO_BEAT_SLACK
 from pagedattn.bench.shapes import (
@@ -381,6 +388,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="[NAME=]PATH[:FUNC]",
                         help="a Python file whose FUNC (default make_runner) builds a runner; "
                              "repeatable (see pagedattn.bench.peers)")
+    parser.add_argument("--schedules", default=[],
+                        type=name_list(SCHEDULES, what="schedule", allow_none=True),
+                        help=f"comma list of {', '.join(SCHEDULES)}: a row of auto per "
+                             "schedule (auto[split], ...), schedule= passed to plan_decode "
+                             "(default: none)")
     parser.add_argument("--graph", action="store_true",
                         help="also time CUDA-graph replays (FlashInfer with use_cuda_graph)")
     parser.add_argument("--layers", type=nonneg_int, default=step.STEP_LAYERS,
@@ -430,7 +442,7 @@ def main(args: argparse.Namespace) -> int:
     out_dir = check_report_files(args.out_dir)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     shapes = [resolve_shape(n, small=args.dry_run) for n in args.shapes]
-    columns = entries(args.impls, args.peers, args.peer_file)
+    columns = entries(args.impls, args.peers, args.peer_file, args.schedules)
     if args.dry_run:
         timers, roof_start, meta = UNTIMED, None, report.environment_meta(None)
         print("pagedattn bench --dry-run: shrunken shapes, outputs checked, nothing timed")
