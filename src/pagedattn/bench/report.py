@@ -146,7 +146,11 @@ def write_json(rows: list[dict[str, Any]], meta: dict[str, Any], path: str | Pat
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     units = {"*_us": "microseconds", "*_bytes": "bytes", "*gbps": "GB/s (1e9 bytes/s)",
-             "pct_*": "percent of roofline_gbps, the read bandwidth measured in this run"}
+             "*pct_roofline": "percent of roofline_gbps, the read bandwidth (2 GiB) measured in "
+                              "this run",
+             "*pct_limit": "percent of the size-matched limit: 100 * limit_us / the row's time",
+             "flush": "the L2 flush before each timed call: clean (a read); dirty_* after the "
+                      "zeroing flush"}
     doc = {"meta": meta, "units": units,
            "rows": [{k: clean(v) for k, v in r.items() if not k.startswith("_")} for r in rows]}
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
