@@ -7,9 +7,13 @@
 #             holds them one after the other); with $PEERS carried, the compat layer's
 #             comparisons with FlashInfer and FA3 run too (FlashInfer's JIT: TESTS_S=420)
 #   bench     `pagedattn bench` of auto beside every peer found (the floor and FA3 peer files,
-#             FlashInfer 0.7.4 TC and XQA), eager and graph, roofline in the run; host time and
-#             the variant rows; appends the run to bench-runs.csv and regenerates the GPU's page
-#             -> $OUT/results/ (copy over docs/results/; then `scripts/results.py readme-table`)
+#             FlashInfer 0.7.4 TC and XQA), eager and graph after the clean L2 flush, eager
+#             after the dirty (zeroing) one, each row's size-matched limit and the 32-layer
+#             step (one CUDA graph), roofline in the run; host time and the variant rows;
+#             appends the run to bench-runs.csv and regenerates the GPU's page
+#             -> $OUT/results/ (copy over docs/results/; then `scripts/results.py readme-table`).
+#             The limit and the step add minutes to the harness step: BENCH_ARGS="--layers 0"
+#             leaves the step out, SHAPES=... splits the rows over calls
 #   serving   `pagedattn bench-model` on a GGUF -> $OUT/results/serving-$GPU.{md,json}
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck over scripts/sanitize_driver.py,
 #             and memcheck over its CUDA-graph replays -> $OUT/sanitize-*.log, sanitizer-summary.md

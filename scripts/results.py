@@ -9,7 +9,15 @@ current page of one GPU, built from that GPU's results files.
 ``docs/results/bench-runs.csv``, one line per (shape, impl), in the manner of Liger-Kernel's
 ``benchmark/data/all_benchmark_data.csv``: the commit measured, the date, the GPU, the versions,
 the timings and the roofline of that run. A run already in the file (same commit, date, shape
-and impl) is not added again. ``page`` writes the current page of a GPU (``h200.md``) from
+and impl) is not added again. The columns from ``flush`` on came with the clean flush: a line
+with an empty ``flush`` was timed after the zeroing flush (``triton.testing.do_bench``'s,
+"dirty"; every run before them), a line with ``flush`` ``clean`` after a read of twice the L2,
+its zeroing-flush time in ``dirty_median_us``, its size-matched limit in ``limit_us`` (a
+contiguous read of its minimal bytes, same run), ``pct_limit`` = ``100 * limit_us /
+median_us``, and its decode step of ``step_layers`` layers over ``step_caches`` distinct caches
+in ``step_us_per_layer``; ``pct_roofline`` is the % of the 2 GiB read rate. A runs CSV of the
+older header is rewritten with the new columns (empty on its lines) when a run is appended.
+``page`` writes the current page of a GPU (``h200.md``) from
 ``bench-<gpu>.json``, ``host-time-<gpu>.log``, ``variants-<gpu>.json`` and ``fa3-<gpu>.log``
 (each optional but the first). ``readme-table`` prints README's Results table from the same
 run. ``scripts/check_doc_figures.py`` checks the figures README and DESIGN quote against these
@@ -34,10 +42,15 @@ RUN_COLUMNS = (
     "commit", "date", "gpu", "torch", "triton", "shape", "impl", "dtype", "cache_dtype",
     "batch", "median_us", "p20_us", "p80_us", "graph_median_us", "gbps", "pct_roofline",
     "graph_pct_roofline", "roofline_gbps", "host_us", "rel_l2_error", "status", "source",
+    # the yardstick (issue 46): empty on the lines of earlier runs
+    "flush", "dirty_median_us", "limit_us", "pct_limit", "graph_pct_limit",
+    "step_us_per_layer", "step_layers", "step_caches",
 )
 _FORMATS = {"median_us": ".2f", "p20_us": ".2f", "p80_us": ".2f", "graph_median_us": ".2f",
             "gbps": ".1f", "pct_roofline": ".2f", "graph_pct_roofline": ".2f",
-            "roofline_gbps": ".1f", "host_us": ".1f", "rel_l2_error": ".3e"}
+            "roofline_gbps": ".1f", "host_us": ".1f", "rel_l2_error": ".3e",
+            "dirty_median_us": ".2f", "limit_us": ".2f", "pct_limit": ".2f",
+            "graph_pct_limit": ".2f", "step_us_per_layer": ".2f"}
 #: how the pages name a peer
 PEER_NAMES = {"floor": "floor", "flashinfer-tc": "FI TC", "flashinfer-xqa": "FI XQA",
               "fa3": "FA3"}
@@ -116,22 +129,41 @@ def _key(line: dict) -> tuple:
     return line["commit"], line["date"], line["shape"], line["impl"]
 
 
+def upgrade_runs(runs_csv: str | Path = RUNS_CSV) -> bool:
+    """Rewrite a runs CSV whose header is an earlier one (a prefix of :data:`RUN_COLUMNS`)
+    with the current header, its lines' new cells empty; returns whether it did. Raises
+    ValueError for a CSV of another header."""
+    runs_csv = Path(runs_csv)
+    with runs_csv.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        header = tuple(reader.fieldnames or ())
+        if header == RUN_COLUMNS:
+            return False
+        if not header or header != RUN_COLUMNS[:len(header)]:
+            raise ValueError(f"{runs_csv}: header is not the runs CSV's {RUN_COLUMNS}")
+        lines = list(reader)
+    with runs_csv.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=RUN_COLUMNS, restval="")
+        writer.writeheader()
+        writer.writerows(lines)
+    return True
+
+
 def append_runs(rows: list[dict], runs_csv: str | Path = RUNS_CSV, meta: dict | None = None,
                 *, commit: str | None = None, source: str = "") -> int:
-    """Append a harness run's rows to the runs CSV (created with its header if absent); rows
-    already there (same commit, date, shape, impl) are skipped. Returns how many were added.
-    Raises ValueError for a run that timed nothing (a dry run) or a CSV of another header."""
+    """Append a harness run's rows to the runs CSV (created with its header if absent, its
+    header brought up to date by :func:`upgrade_runs`); rows already there (same commit,
+    date, shape, impl) are skipped. Returns how many were added. Raises ValueError for a run
+    that timed nothing (a dry run) or a CSV of another header."""
     if not any(_float(r.get(k)) is not None for r in rows for k in ("median_us",
                                                                      "graph_median_us")):
         raise ValueError("nothing was timed in this run (a dry run or no GPU): not a measurement")
     runs_csv = Path(runs_csv)
     have = set()
     if runs_csv.exists():
+        upgrade_runs(runs_csv)
         with runs_csv.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            if tuple(reader.fieldnames or ()) != RUN_COLUMNS:
-                raise ValueError(f"{runs_csv}: header is not the runs CSV's {RUN_COLUMNS}")
-            have = {_key(line) for line in reader}
+            have = {_key(line) for line in csv.DictReader(f)}
     new = [line for line in run_rows(rows, meta, commit=commit, source=source)
            if _key(line) not in have]
     new = list({_key(line): line for line in new}.values())
@@ -256,6 +288,45 @@ def _targets_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def run_flush(rows: list[dict], meta: dict | None = None) -> str:
+    """The L2 flush a run's times and % follow: its ``flush`` (``clean``), or ``dirty`` for a
+    run that recorded none (every run before the clean flush zeroed a buffer)."""
+    return (meta or {}).get("flush") or next((r["flush"] for r in rows if r.get("flush")),
+                                             "dirty")
+
+
+#: what the pages say of a run's flush
+FLUSH_WORDS = {
+    "clean": "Every time and % follows a clean L2 flush (a read of twice the L2); the dirty "
+             "µs, do_bench's zeroing flush.",
+    "dirty": "Every time and % of this run follows the zeroing L2 flush of "
+             "`triton.testing.do_bench` (the timed call writes the L2's dirty lines back): it "
+             "predates the clean flush, the size-matched limit and the decode step.",
+}
+
+
+def _yardstick_table(rows: list[dict]) -> list[str]:
+    """Every impl and peer against the size-matched limit and the 2 GiB read rate, with the
+    dirty-flush time and the decode step per layer; one line for a run without them."""
+    if not any(_float(r.get("limit_us")) is not None for r in rows):
+        return ["This run measured no size-matched limit, dirty-flush time or decode step "
+                "(it predates them): `pagedattn bench` on a GPU writes this table."]
+    lines = ["| shape | impl | clean µs (eager / graph) | dirty µs | size-matched limit µs | "
+             "% of limit (eager / graph) | % of 2 GiB rate (eager / graph) | 32 layers, "
+             "µs/layer (distinct caches) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if _float(r.get("median_us")) is None:
+            continue
+        caches = r.get("step_caches")
+        layer = _us(r.get("step_us_per_layer")) + (f" ({caches})" if caches else "")
+        lines.append(f"| {r['shape']} | {PEER_NAMES.get(r['impl'], r['impl'])} | "
+                     f"{_pair(r['median_us'], r.get('graph_median_us'))} | "
+                     f"{_us(r.get('dirty_median_us'))} | {_us(r.get('limit_us'))} | "
+                     f"{_pair(r.get('pct_limit'), r.get('graph_pct_limit'))} | "
+                     f"{_pair(r.get('pct_roofline'), r.get('graph_pct_roofline'))} | {layer} |")
+    return lines
+
+
 def _host_table(path: Path) -> list[str]:
     keys = ("plan_run_us", "plan_run_out_us", "paged_decode_us", "flashinfer_run_us")
     lines = ["| batch | plan.run | plan.run with `out` | paged_decode | FlashInfer `run()` |",
@@ -350,8 +421,10 @@ def _command(rows: list[dict]) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     builtin = [i for i in impls if i.startswith("flashinfer")]
     files = "".join(f" --peer-file {PEER_FILE_ARGS[i]}" for i in impls if i in PEER_FILE_ARGS)
+    schedules = [i[len("auto["):-1] for i in impls if i.startswith("auto[")]
     return (f"pagedattn bench --shapes peers --impls auto --peers {','.join(builtin) or 'none'}"
-            f"{files} --graph --reps 40")
+            + (f" --schedules {','.join(schedules)}" if schedules else "")
+            + f"{files} --graph --reps 40")
 
 
 def _older(results: Path) -> dict[str, str]:
@@ -387,7 +460,8 @@ def page(results: Path, gpu: str) -> str:
            *_since(results),
            f"One {meta.get('gpu', gpu)}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
            f"run of {meta.get('date')}. Read roofline measured in the same run by a "
-           f"streaming-read kernel: {roof:,.0f} GB/s (the % columns use it)." if roof else "",
+           f"streaming-read kernel: {roof:,.0f} GB/s (the % columns use it). "
+           + FLUSH_WORDS[run_flush(rows, meta)] if roof else "",
            "",
            f"Command (`scripts/gpu_check.sh bench`): `{_command(rows)}`. "
            "`auto` is planned once per batch and timed on "
@@ -399,7 +473,9 @@ def page(results: Path, gpu: str) -> str:
            f"chart `bench-{gpu}-roofline.png`).", "",
            "## Every row against the fastest peer of the same run", "",
            *_peer_table(rows), "", _reached_line(rows), "",
-           "## Roofline targets (% of the read roofline, same run)", "", *_targets_table(rows)]
+           "## Roofline targets (% of the read roofline, same run)", "", *_targets_table(rows),
+           "", "## Against the size-matched limit (a contiguous read of the row's minimal bytes, "
+           "same run)", "", *_yardstick_table(rows)]
     older = _older(results)
     for name, title, intro, table in _SECTIONS:
         path = results / name.format(gpu=gpu)
@@ -415,11 +491,17 @@ def page(results: Path, gpu: str) -> str:
 
 
 def readme_table(results: Path, gpu: str) -> str:
-    """README's Results table: ``auto`` eager and graph, % of roofline, the fastest peer."""
-    rows, _ = read_bench(results / f"bench-{gpu}.json")
+    """README's Results table: ``auto`` eager and graph after the clean flush and after the
+    dirty one (a run before the clean flush has its times in the dirty column), the
+    size-matched limit, % of it and of the 2 GiB read rate, the decode step per layer, the
+    fastest peer."""
+    rows, meta = read_bench(results / f"bench-{gpu}.json")
+    clean = run_flush(rows, meta) == "clean"
     fails = {(r["shape"], r["impl"]): r for r in rows if r.get("status") == "FAIL"}
-    lines = ["| shape (bf16 unless named) | auto µs | auto graph µs | % roofline | fastest peer "
-             "µs, same run |", "|---|---|---|---|---|"]
+    lines = ["| shape (bf16 unless named) | auto µs, clean flush (eager / graph) | auto µs, "
+             "dirty flush (eager / graph) | size-matched limit µs | % of limit | % of 2 GiB "
+             "rate | 32 layers, µs/layer | fastest peer µs, same run |",
+             "|---|---|---|---|---|---|---|---|"]
     for x in ranked(rows):
         r = x["row"]
         note = SHAPE_NOTES.get(x["shape"])
@@ -427,6 +509,8 @@ def readme_table(results: Path, gpu: str) -> str:
         us = _us(r["median_us"])
         if x["ratio"] is not None and x["ratio"] <= SLACK:
             us = f"**{us}**"
+        timed = f"{us} / {_us(r.get('graph_median_us'))}"
+        dirty = _pair(r.get("dirty_median_us"), None) if clean else timed
         if x["fast"] is None:
             peer = "— (no peer at fp32 accuracy)"
         else:
@@ -434,8 +518,10 @@ def readme_table(results: Path, gpu: str) -> str:
         for (shape, impl), f in fails.items():
             if shape == x["shape"] and impl != "floor":
                 peer += f"; {PEER_NAMES.get(impl, impl)} {_us(f['median_us'])} fails its check"
-        lines.append(f"| {name} | {us} | {_us(r.get('graph_median_us'))} | "
-                     f"{float(r['pct_roofline']):.1f} | {peer} |")
+        lines.append(f"| {name} | {timed if clean else '—'} | {dirty} | "
+                     f"{_us(r.get('limit_us'))} | {_us(r.get('pct_limit'))} | "
+                     f"{float(r['pct_roofline']):.1f} | {_us(r.get('step_us_per_layer'))} | "
+                     f"{peer} |")
     return "\n".join(lines) + "\n"
 
 

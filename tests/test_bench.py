@@ -158,7 +158,7 @@ def test_byte_counts_by_hand():
     s = make_shape("t", "smollm2-135m", [1, 17, 40])  # bf16, 9/3 heads, head_dim 64
     kv = 2 * 58 * 3 * 64 * 2
     assert s.kv_bytes == kv
-    assert s.minimal_bytes == kv + 2 * (3 * 9 * 64 * 2) + 4 * (1 + 2 + 3)
+    assert s.minimal_bytes == kv + 3 * 9 * 64 * 2 + 4 * (1 + 2 + 3)  # K/V, q, table (read)
     assert make_shape("t", "llama-3-8b", [16], fp8=True).kv_bytes == 2 * 16 * 8 * 128
     assert get_shape("llama8b-b64-c8k").kv_bytes == 2 * 64 * 8192 * 8 * 128 * 2
 

@@ -95,6 +95,61 @@ def test_what_is_not_a_run_is_refused(tmp_path):
     assert not (tmp_path / "runs.csv").exists()
 
 
+def _clean_run(commit: str, date: str) -> list[dict]:
+    """A run timed after the clean flush: the yardstick's columns filled."""
+    rows = _fake_run(commit, date)
+    for r in rows:
+        r.update(flush="clean", dirty_median_us=r["median_us"] + 7.9, limit_us=120.4,
+                 pct_limit=100 * 120.4 / r["median_us"],
+                 graph_pct_limit=100 * 120.4 / r["graph_median_us"],
+                 step_us_per_layer=r["median_us"] - 3.1, step_layers=32, step_caches=32,
+                 to_beat_us=143.912 * 0.99, to_beat_peer="floor", graph_to_beat_us=142.0,
+                 graph_to_beat_peer="floor", graph_pct_roofline=84.2)
+    return rows
+
+
+def test_an_older_runs_csv_takes_the_new_columns(tmp_path):
+    """A runs CSV of the header before the yardstick: rewritten with the new columns, its
+    lines kept with those cells empty; a clean run's lines fill them."""
+    old_header = results.RUN_COLUMNS[:results.RUN_COLUMNS.index("flush")]
+    runs = tmp_path / "runs.csv"
+    with runs.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=old_header)
+        writer.writeheader()
+        writer.writerow({**{k: "" for k in old_header}, "commit": "0a80df7", "shape": "s",
+                         "impl": "auto", "median_us": "281.60", "status": "ok"})
+    assert results.append_runs(_clean_run("d" * 40, "2026-12-06T00:00:00+00:00"), runs) == 4
+    lines = _lines(runs)
+    assert list(lines[0]) == list(results.RUN_COLUMNS) and len(lines) == 5
+    assert lines[0]["median_us"] == "281.60" and lines[0]["flush"] == lines[0]["limit_us"] == ""
+    new = lines[1]
+    assert (new["flush"], new["limit_us"], new["step_layers"]) == ("clean", "120.40", "32")
+    assert new["dirty_median_us"] == "151.81" and new["pct_limit"] == "83.66"
+    assert results.upgrade_runs(runs) is False  # already current
+
+
+def test_the_pages_put_a_clean_run_in_its_columns(tmp_path):
+    """README's table and the page of a clean run: the clean and dirty columns, the limit,
+    % of it, the step per layer; a run without a flush (every run before) has its times in
+    the dirty column (the committed page: see the test above)."""
+    rows = _clean_run("e" * 40, "2026-12-06T00:00:00+00:00")
+    report.write_json(rows, {"git_commit": "e" * 40, "flush": "clean", "gpu": "NVIDIA H200",
+                             "roofline_gbps": 4466.33}, tmp_path / "bench-h200.json")
+    table = results.readme_table(tmp_path, "h200").splitlines()
+    assert "clean flush" in table[0] and "size-matched limit" in table[0]
+    first = [c.strip() for c in table[2].strip("|").split("|")]
+    us = 143.912  # auto's eager median; bold: within 1.02 x the floor's (0.99 x it)
+    assert first[:7] == ["llama8b-b64-c2k", f"**{us:.1f}** / {us - 0.6:.1f}",
+                         f"{us + 7.9:.1f} / —", "120.4", f"{100 * 120.4 / us:.1f}", "83.7",
+                         f"{us - 3.1:.1f}"]
+    page = results.page(tmp_path, "h200")
+    assert "Every time and % follows a clean L2 flush" in page
+    floor = us * 0.99
+    assert (f"| llama8b-b64-c2k | floor | {floor:.1f} / {floor - 0.6:.1f} | {floor + 7.9:.1f} | "
+            f"120.4 | {100 * 120.4 / floor:.1f} / {100 * 120.4 / (floor - 0.6):.1f} | "
+            f"83.7 / 84.2 | {floor - 3.1:.1f} (32) |") in page
+
+
 def test_the_runs_csv_holds_the_current_run():
     """Every (shape, impl) of the current bench page is a line of bench-runs.csv."""
     rows, meta = results.read_bench(ROOT / "docs" / "results" / "bench-h200.json")
@@ -139,10 +194,12 @@ def test_quoted_figures_have_a_source():
 
 def _first_table_figure(readme: str) -> tuple[str, str, str]:
     """``(old cell, planted cell, expected message)`` for the first number of the README
-    results table's first data row."""
+    results table's first data row (in its first cell holding one: a column the run did not
+    measure holds —)."""
     rows = [line for line in readme.split("## Results", 1)[1].splitlines()
             if line.startswith("|") and not set(line) <= set("|-: ")]
-    shape, cell = (c.strip() for c in rows[1].strip("|").split("|")[:2])  # rows[0]: header
+    shape, *cells = (c.strip() for c in rows[1].strip("|").split("|"))  # rows[0]: header
+    cell = next(c for c in cells if re.search(r"\d[\d,]*\.\d+", c))
     number = re.search(r"\d[\d,]*\.\d+", cell).group(0)
     planted = f"{float(number.replace(',', '')) + 0.7:.1f}"
     where = f"{shape.split(' (')[0]}: {planted}"

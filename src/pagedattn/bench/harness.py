@@ -3,18 +3,28 @@
 :func:`measure` is the pipeline every command shares (``run``, ``bench``, and the fallback of
 ``profile`` and ``ladder``): build the callable, run it once (for our impls through
 :func:`pagedattn.bench.profile.compiled_kernels`, which also yields Triton's compile metadata),
-check the output against the float64 oracle, then time it: cold-L2 median (eager), optionally
-CUDA-graph replays, and the host time of one eager call. A failing impl or peer is a row
-(``FAIL``, ``error`` or ``unsupported``), never a crash.
+check the output against the float64 oracle, then time it: cold-L2 median (eager, after the
+clean flush of :mod:`pagedattn.bench.timing`: a read), optionally CUDA-graph replays, the
+eager median after do_bench's zeroing flush (``dirty_median_us``, for continuity with the runs
+before the clean flush), the host time of one eager call, and optionally one decode step of
+``--layers`` layers on caches of their own as one CUDA graph (:mod:`pagedattn.bench.step`,
+``step_us_per_layer``). A failing impl or peer is a row (``FAIL``, ``error`` or
+``unsupported``), never a crash.
 
 ``pagedattn run`` (the main job): every impl on one real-trace batch with poisoned pages;
 shrunk for the CPU interpreter, where it checks correctness only.
 
 ``pagedattn bench``: every shape x (impls + peers), interleaved by shape, with the read
-roofline measured at the start and the end of the same run (the higher counts), a "to beat"
-column (the fastest peer that passed its check, same run) and whether each impl is at most
-``TO_BEAT_SLACK`` x that. Outputs in ``--out-dir`` (``bench.csv``, ``.json``, ``.md``, ``.png``)
-are rewritten after every shape and name the commit measured; every error is kept whole
+roofline (the read rate of 2 GiB) measured at the start and the end of the same run (the higher
+counts), each shape's size-matched limit (a contiguous streaming read of exactly the row's
+minimal bytes, :func:`pagedattn.bench.shapes.minimal_bytes`, timed the same way in the same
+run: ``limit_us``; every row is reported as % of it, ``pct_limit``, and as % of the read rate,
+``pct_roofline``), a "to beat" column (the fastest peer that passed its check, same run) and
+whether each impl is at most ``TO_BEAT_SLACK`` x that. ``--schedules split,persistent`` adds
+a row of ``auto`` per schedule (``auto[split]``, ``auto[persistent]``: ``schedule=`` passed
+to ``plan_decode`` and ``paged_decode``; ``unsupported`` where they take no such keyword).
+Outputs in ``--out-dir`` (``bench.csv``, ``.json``, ``.md``, ``.png``) are rewritten after
+every shape and name the commit measured; every error is kept whole
 (the CSV/JSON as raised, the tables in numbered notes). Exit status
 (:func:`bench_status`): 1 when one of our impls gives a wrong result, or when any impl or peer
 raised an error (an ``error`` cell, or a timing that raised) unless ``--allow-errors``; an
@@ -44,7 +54,6 @@ import torch
 
 from pagedattn._cli_types import (
     CPU_LIMIT_S,
-    ArgumentError,
     checked_output,
     dtype_name,
     name_list,
@@ -55,8 +64,14 @@ from pagedattn._cli_types import (
     refuse_unless_yes,
 )
 from pagedattn._env import free_memory
-from pagedattn.bench import report
+from pagedattn.bench import report, step
 from pagedattn.bench.cpu_time import batch_bytes, interpreter_seconds, say_estimate, seconds_for
+from pagedattn.bench.entries import (
+    SCHEDULES,
+    Entry,
+    entries,
+    impl_names,
+)
 from pagedattn.bench.peers import DEFAULT_PEERS, PEERS, PeerUnsupported, peer_file
 from pagedattn.bench.report import TO_BEAT_SLACK
 from pagedattn.bench.shapes import (
@@ -81,65 +96,22 @@ RUN_PAGE_SIZE = 16  # the pages of ``pagedattn run``'s batch
 #: ``--dtype`` (``_cli_types.dtype_name``: fp32/fp16/bf16 also)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Timer = Callable[[Callable[[], object]], Timing]
-Factory = Callable[[BenchShape, BenchBatch, bool], Callable[[], torch.Tensor]]
-
 
 class Timers(NamedTuple):
-    """What :func:`measure` times: each ``None`` leaves its columns empty."""
+    """What :func:`measure` times: each ``None`` leaves its columns empty. ``eager`` and
+    ``graph`` after the clean flush, ``dirty`` eager after the zeroing one, ``limit`` a
+    streaming read of a byte count (the size-matched limit), ``step`` a decode step of
+    several layers (a graph timer)."""
 
     eager: Timer | None = None
     graph: Timer | None = None
     host: Callable[[Callable[[], object]], float] | None = None
+    dirty: Timer | None = None
+    limit: Callable[[int], Timing] | None = None
+    step: Timer | None = None
 
 
 UNTIMED = Timers()  # check only: the CPU interpreter and --dry-run
-
-
-class Entry(NamedTuple):
-    """One column of a run: ``kind`` is "ours" (an impl name) or "peer"."""
-
-    name: str
-    kind: str
-    make: Factory
-
-
-def _impl_names() -> tuple[str, ...]:
-    from pagedattn.api import IMPLS
-
-    return tuple(IMPLS)
-
-
-def impl_entry(impl: str) -> Entry:
-    """Our ``impl`` as an :class:`Entry`: ``paged_decode(..., impl=impl)`` on the batch."""
-    import pagedattn.api as api
-
-    def make(shape: BenchShape, b: BenchBatch, for_graph: bool = False):
-        if not api.IMPLS[impl].fp8 and shape.cache_dtype != shape.dtype:
-            raise PeerUnsupported(f"{impl}: {impl!r} takes no fp8 cache")
-        if api.IMPLS[impl].planned:  # planned once per batch, like the peers' plan() calls
-            m = shape.model
-            plan = api.plan_decode(b.block_tables, b.context_lens, num_q_heads=m.num_q_heads,
-                                   num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                                   page_size=shape.page_size, q_dtype=shape.dtype,
-                                   kv_dtype=shape.cache_dtype,
-                                   host_context_lens=list(shape.context_lens))
-            return lambda: plan.run(*b.tensors[:3], **b.scales)
-        return lambda: api.paged_decode(*b.tensors, impl=impl, **b.scales)
-
-    return Entry(impl, "ours", make)
-
-
-def entries(impls: list[str], peers: list[str], peer_files=()) -> list[Entry]:
-    """Our impls, then the built-in peers, then peers loaded with ``--peer-file``. Raises
-    ArgumentError (a ValueError) when two rows would share a name (the table keys on it)."""
-    rows = ([impl_entry(i) for i in impls] + [Entry(p, "peer", PEERS[p]) for p in peers]
-            + [Entry(p.name, "peer", p.factory) for p in peer_files])
-    names = [e.name for e in rows]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise ArgumentError(f"--peer-file: the row name {dup!r} is taken twice; name the peer "
-                            "with NAME=PATH[:FUNC]")
-    return rows
 
 
 def base_row(shape: BenchShape, name: str, kind: str) -> dict[str, Any]:
@@ -153,19 +125,28 @@ def base_row(shape: BenchShape, name: str, kind: str) -> dict[str, Any]:
 
 
 def _first_call(entry: Entry, fn, b: BenchBatch):
-    """Run the entry once; for our impls through ``compiled_kernels`` (compile metadata)."""
-    if entry.kind != "ours":
+    """Run the entry once; through its ``check`` (ours: ``compiled_kernels``, with compile
+    metadata) when it has one."""
+    if entry.check is None:
         return fn(), {}
-    from pagedattn.api import compiled_kernels
-
-    out, kernels = compiled_kernels(*b.tensors, impl=entry.name, **b.scales)
+    out, kernels = entry.check(b)
     return out, {k: report.compile_metadata(v) for k, v in kernels.items()}
 
 
+def _time_step(entry: Entry, shape: BenchShape, layers: list[BenchBatch], time_it: Timer,
+               row: dict[str, Any]) -> None:
+    """The decode step of ``layers`` as one CUDA graph (``time_it``: a graph timer), per
+    layer, into ``row``."""
+    make_step = entry.make_step or functools.partial(step.per_layer_step, entry.make)
+    t = time_it(make_step(shape, layers))
+    row["step_us_per_layer"] = t.median_us / len(layers)
+
+
 def measure(entry: Entry, shape: BenchShape, b: BenchBatch, ref: torch.Tensor | None,
-            timers: Timers = UNTIMED) -> dict[str, Any]:
+            timers: Timers = UNTIMED, layers: list[BenchBatch] | None = None) -> dict[str, Any]:
     """One row: build the callable, run and check it against ``ref`` (float64, or None for
-    no check), then time it with ``timers``."""
+    no check), then time it with ``timers`` (the step over ``layers`` when both
+    ``timers.step`` and ``layers`` are given)."""
     from pagedattn.testing import rel_l2_error, tolerance_for
 
     row = base_row(shape, entry.name, entry.kind)
@@ -193,10 +174,17 @@ def measure(entry: Entry, shape: BenchShape, b: BenchBatch, ref: torch.Tensor | 
         row["status"] = "ok" if row["rel_l2_error"] <= row["tolerance"] else "FAIL"
     del out
     problems: list[str] = []
-    for prefix, time_it, for_graph in (("", timers.eager, False), ("graph_", timers.graph, True)):
+    steps: list[tuple[str, Timer | None, bool | None]] = [
+        ("", timers.eager, False), ("graph_", timers.graph, True), ("dirty_", timers.dirty, False)]
+    if timers.step is not None and layers:
+        steps.append(("step_", timers.step, None))
+    for prefix, time_it, for_graph in steps:
         if time_it is None:
             continue
         try:
+            if for_graph is None:
+                _time_step(entry, shape, layers or [], time_it, row)
+                continue
             t = time_it(entry.make(shape, b, True) if for_graph else fn)
             row[f"{prefix}median_us"], row[f"{prefix}p20_us"], row[f"{prefix}p80_us"] = t[:3]
             row[f"{prefix}gbps"] = gb_per_s(shape.minimal_bytes, t.median_us)
@@ -215,20 +203,51 @@ def measure(entry: Entry, shape: BenchShape, b: BenchBatch, ref: torch.Tensor | 
     return row
 
 
+def _limit(shape: BenchShape, timers: Timers) -> dict[str, Any]:
+    """The shape's size-matched limit: a streaming read of exactly its minimal bytes, timed
+    by ``timers.limit`` (nothing without it; a read that raised is the rows' error)."""
+    if timers.limit is None:
+        return {}
+    try:
+        t = timers.limit(shape.minimal_bytes)
+    except Exception as e:  # noqa: BLE001 - every row of the shape says so
+        return {"_limit_error": f"limit timing: {type(e).__name__}: {e}"}
+    return {"limit_us": t.median_us, "limit_gbps": gb_per_s(shape.minimal_bytes, t.median_us)}
+
+
+def _layers(b: BenchBatch, num_layers: int) -> list[BenchBatch]:
+    """The step's layers: one cache each while the device's free memory holds them
+    (:func:`pagedattn.bench.step.distinct_caches`); the CPU builds every one."""
+    free = torch.cuda.mem_get_info(b.query.device)[0] if b.query.is_cuda else None
+    caches = num_layers if free is None else step.distinct_caches(
+        num_layers, step.cache_bytes(b), free)
+    return step.layer_batches(b, num_layers, caches)
+
+
 def measure_shape(shape: BenchShape, columns: list[Entry], device, *, timers: Timers = UNTIMED,
                   check: bool = True, seed: int = 0, poison: bool = False,
-                  progress=None) -> list[dict[str, Any]]:
-    """Every entry on one shape's batch. ``bench`` leaves caches unpoisoned (the naive peer
-    would read NaN tails); ``run`` poisons them (the test suite always does)."""
+                  progress=None, layers: int = 0) -> list[dict[str, Any]]:
+    """Every entry on one shape's batch, with the shape's size-matched limit (``timers.limit``)
+    and, given ``timers.step`` and ``layers``, the decode step of that many layers. ``bench``
+    leaves caches unpoisoned (the naive peer would read NaN tails); ``run`` poisons them (the
+    test suite always does)."""
     from pagedattn.reference import paged_decode_reference
 
     b = build_batch(shape, device, seed, poison=poison)
     ref = paged_decode_reference(*b.tensors, **b.scales).out if check else None
+    limit = _limit(shape, timers)
+    layer_list = _layers(b, layers) if timers.step is not None and layers else None
     rows = []
     for entry in columns:
         if progress is not None:
             progress.set_description(f"{shape.name} / {entry.name}")
-        rows.append(measure(entry, shape, b, ref, timers))
+        row = measure(entry, shape, b, ref, timers, layer_list)
+        if layer_list and row.get("step_us_per_layer") is not None:
+            row["step_layers"], row["step_caches"] = layers, step.count_caches(layer_list)
+        if "_limit_error" in limit:
+            row["error"] = "; ".join(x for x in (row.get("error"), limit["_limit_error"]) if x)
+            row["_timing_error"] = True
+        rows.append({**row, **{k: v for k, v in limit.items() if not k.startswith("_")}})
         if progress is not None:
             progress.update(1)
     return rows
@@ -261,15 +280,17 @@ def add_to_beat(rows: list[dict[str, Any]]) -> None:
 
 
 def finalize(rows: list[dict[str, Any]], meta: dict[str, Any], roofline: float | None) -> None:
-    """The run's environment, % of roofline and the to-beat columns on every row (in place)."""
+    """The run's environment, % of roofline (the read rate), % of the size-matched limit
+    (``100 * limit_us / median_us``) and the to-beat columns on every row (in place)."""
     from pagedattn.bench.timing import pct_of
 
     add_to_beat(rows)
     for r in rows:
-        r.update({k: meta[k] for k in report.META_KEYS if k in meta})
+        r.update({k: meta[k] for k in report.RUN_KEYS if k in meta})
         r["roofline_gbps"] = roofline
         for p in ("", "graph_"):
             r[f"{p}pct_roofline"] = pct_of(r.get(f"{p}gbps"), roofline)
+            r[f"{p}pct_limit"] = pct_of(r.get("limit_us"), r.get(f"{p}median_us"))
 
 
 def report_files(out_dir: str | Path, stem: str = "bench") -> dict[str, Path]:
@@ -304,17 +325,29 @@ def write_reports(rows, meta, roofline, out_dir: str | Path, *,
 
 
 def _gpu_timers(args, device) -> tuple[Timers, float | None, dict[str, Any]]:
-    """Timers, the start roofline and the environment, when a GPU is present."""
-    from pagedattn.bench.timing import host_us, measure_read_bandwidth, time_cold, time_graph
+    """Timers, the start roofline and the environment, when a GPU is present: every time
+    and % after the clean flush; the dirty eager column after the zeroing one."""
+    from pagedattn.bench.timing import (
+        host_us,
+        measure_read_bandwidth,
+        time_cold,
+        time_graph,
+        time_read,
+    )
 
-    meta = report.environment_meta(device)
+    meta = {**report.environment_meta(device), "flush": "clean"}
     roofline = measure_read_bandwidth(device)
-    print(f"{meta['gpu']}: read roofline {roofline:,.0f} GB/s (streaming read, 2 GiB bf16)")
+    print(f"{meta['gpu']}: read roofline {roofline:,.0f} GB/s (streaming read, 2 GiB bf16, "
+          "clean flush)")
     kw = dict(reps=args.reps, warmup=args.warmup, device=device)
     graph = getattr(args, "graph", False)
     timers = Timers(functools.partial(time_cold, **kw),
                     functools.partial(time_graph, **kw) if graph else None,
-                    functools.partial(host_us, calls=args.host_calls))
+                    functools.partial(host_us, calls=args.host_calls),
+                    dirty=functools.partial(time_cold, **kw, flush="dirty"),
+                    limit=functools.partial(time_read, **kw),
+                    step=functools.partial(time_graph, **kw)
+                    if getattr(args, "layers", 0) else None)
     return timers, roofline, meta
 
 
@@ -349,7 +382,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         type=name_list(SHAPES, what="shape", presets=SHAPE_PRESETS),
                         help="'peers' (the peers table, default), 'all', or a comma list")
     parser.add_argument("--impls", default=list(DEFAULT_IMPLS),
-                        type=name_list(_impl_names(), what="impl"),
+                        type=name_list(impl_names(), what="impl"),
                         help=f"comma list of pagedattn impls (default: {','.join(DEFAULT_IMPLS)})")
     parser.add_argument("--peers", default=list(DEFAULT_PEERS),
                         type=name_list(PEERS, what="peer", allow_none=True),
@@ -359,8 +392,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="[NAME=]PATH[:FUNC]",
                         help="a Python file whose FUNC (default make_runner) builds a runner; "
                              "repeatable (see pagedattn.bench.peers)")
+    parser.add_argument("--schedules", default=[],
+                        type=name_list(SCHEDULES, what="schedule", allow_none=True),
+                        help=f"comma list of {', '.join(SCHEDULES)}: a row of auto per "
+                             "schedule (auto[split], ...), schedule= passed to plan_decode "
+                             "(default: none)")
     parser.add_argument("--graph", action="store_true",
                         help="also time CUDA-graph replays (FlashInfer with use_cuda_graph)")
+    parser.add_argument("--layers", type=nonneg_int, default=step.STEP_LAYERS,
+                        help="layers of the serving-condition step: one decode step over that "
+                             "many caches as one CUDA graph, reported per layer; 0 skips it "
+                             f"(default {step.STEP_LAYERS})")
     parser.add_argument("--reps", type=positive_int, default=100,
                         help="timed repetitions (default 100)")
     parser.add_argument("--warmup", type=nonneg_int, default=10,
@@ -404,7 +446,7 @@ def main(args: argparse.Namespace) -> int:
     out_dir = check_report_files(args.out_dir)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     shapes = [resolve_shape(n, small=args.dry_run) for n in args.shapes]
-    columns = entries(args.impls, args.peers, args.peer_file)
+    columns = entries(args.impls, args.peers, args.peer_file, args.schedules)
     if args.dry_run:
         timers, roof_start, meta = UNTIMED, None, report.environment_meta(None)
         print("pagedattn bench --dry-run: shrunken shapes, outputs checked, nothing timed")
@@ -422,7 +464,7 @@ def main(args: argparse.Namespace) -> int:
     for shape in shapes:
         t0 = time.perf_counter()
         rows += measure_shape(shape, columns, device, timers=timers, check=not args.no_check,
-                              seed=args.seed, progress=progress)
+                              seed=args.seed, progress=progress, layers=args.layers)
         write_reports(rows, meta, roof_start, out_dir)
         tqdm.write(f"{shape.describe()}  [{time.perf_counter() - t0:.0f} s]")
         gc.collect()
@@ -455,9 +497,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=positive_int, default=None,
                         help="scale the lengths down so the longest is this many tokens "
                              f"(default: none on a GPU, {CPU_MAX_CONTEXT} on the CPU)")
-    parser.add_argument("--impls", default=list(_impl_names()),
-                        type=name_list(_impl_names(), what="impl",
-                                       presets={"all": _impl_names()}),
+    parser.add_argument("--impls", default=list(impl_names()),
+                        type=name_list(impl_names(), what="impl",
+                                       presets={"all": impl_names()}),
                         help="comma list of impls, or 'all' (default)")
     parser.add_argument("--dtype", type=dtype_name(DTYPES), default=None,
                         help="query/cache dtype: float32 (fp32), float16 (fp16) or bfloat16 "

@@ -193,7 +193,8 @@ def profile_fallback(impl: str, shape: BenchShape, note: str = "") -> ImplProfil
     the compile metadata of the kernels it launched."""
     import functools
 
-    from pagedattn.bench.harness import UNTIMED, Timers, impl_entry, measure
+    from pagedattn.bench.entries import impl_entry
+    from pagedattn.bench.harness import UNTIMED, Timers, measure
     from pagedattn.reference import paged_decode_reference
 
     on_gpu = torch.cuda.is_available()

@@ -3,10 +3,15 @@ run's environment (with the commit measured), Triton compile metadata, and the n
 every page of the bench package uses.
 
 A row is a flat dict (one per shape and impl) whose keys carry their units: ``*_us``
-microseconds, ``*_bytes`` bytes, ``*_gbps`` GB/s (1e9 bytes/s), ``pct_*`` percent of the read
-roofline measured in the same run. Every CSV/JSON row also carries the run's environment (GPU,
-torch/triton versions, git commit and whether ``src/`` had uncommitted changes, date) and the
-roofline, so rows from different files can be concatenated. Keys starting with ``_`` are
+microseconds, ``*_bytes`` bytes, ``*_gbps`` GB/s (1e9 bytes/s), ``*pct_roofline`` percent of the
+read rate (2 GiB) measured in the same run, ``*pct_limit`` percent of the shape's size-matched
+limit (``100 * limit_us / median_us``). ``median_us``, ``graph_median_us`` and every % are
+timed after the run's ``flush`` (``clean``: a read); ``dirty_median_us`` after the zeroing
+flush of ``triton.testing.do_bench`` (every run before the ``flush`` key). ``step_us_per_layer``
+is one decode step of ``step_layers`` layers over ``step_caches`` distinct caches, one CUDA
+graph, per layer. Every CSV/JSON row also carries the run's environment (GPU, torch/triton
+versions, git commit and whether ``src/`` had uncommitted changes, date) and the roofline, so
+rows from different files can be concatenated. Keys starting with ``_`` are
 in-memory only (never written).
 """
 
@@ -29,12 +34,17 @@ COLUMNS = (
     "shape", "impl", "kind", "batch", "num_q_heads", "num_kv_heads", "head_dim", "dtype",
     "cache_dtype", "num_tokens", "kv_bytes", "minimal_bytes",
     "median_us", "p20_us", "p80_us", "graph_median_us", "graph_p20_us", "graph_p80_us",
-    "gbps", "graph_gbps", "pct_roofline", "graph_pct_roofline", "roofline_gbps", "host_us",
+    "dirty_median_us", "dirty_p20_us", "dirty_p80_us", "limit_us", "step_us_per_layer",
+    "step_layers", "step_caches", "gbps", "graph_gbps", "dirty_gbps", "limit_gbps",
+    "pct_roofline", "graph_pct_roofline", "pct_limit", "graph_pct_limit", "roofline_gbps",
+    "host_us",
     "to_beat_us", "to_beat_peer", "beats", "graph_to_beat_us", "graph_to_beat_peer",
     "graph_beats", "rel_l2_error", "tolerance", "status", "error", "kernels", "peer_info",
-    "gpu", "torch", "triton", "git_commit", "src_dirty", "date",
+    "gpu", "torch", "triton", "git_commit", "src_dirty", "date", "flush",
 )
 META_KEYS = ("gpu", "torch", "triton", "git_commit", "src_dirty", "date")
+#: the run's keys every row carries: the environment and the flush of its timings
+RUN_KEYS = (*META_KEYS, "flush")
 NA = "n/a"
 #: the contract's "at least as fast": an impl beats a peer at <= 1.02 x its median
 TO_BEAT_SLACK = 1.02
@@ -136,7 +146,11 @@ def write_json(rows: list[dict[str, Any]], meta: dict[str, Any], path: str | Pat
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     units = {"*_us": "microseconds", "*_bytes": "bytes", "*gbps": "GB/s (1e9 bytes/s)",
-             "pct_*": "percent of roofline_gbps, the read bandwidth measured in this run"}
+             "*pct_roofline": "percent of roofline_gbps, the read bandwidth (2 GiB) measured in "
+                              "this run",
+             "*pct_limit": "percent of the size-matched limit: 100 * limit_us / the row's time",
+             "flush": "the L2 flush before each timed call: clean (a read); dirty_* after the "
+                      "zeroing flush"}
     doc = {"meta": meta, "units": units,
            "rows": [{k: clean(v) for k, v in r.items() if not k.startswith("_")} for r in rows]}
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
@@ -173,18 +187,32 @@ def status_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     return cells, notes
 
 
+def _fmt_na(v, spec: str) -> str:
+    """:func:`_fmt`, but ``n/a`` for a value not measured: the yardstick's columns stay in
+    every table, a dry run's included (:func:`_drop_empty_columns` drops only ``—``)."""
+    cell = _fmt(v, spec)
+    return NA if cell == "—" else cell
+
+
 def display_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The columns people read: shape, impl, KV MB, µs, graph µs, GB/s, % of roofline,
-    status (see :func:`status_cells` for a long error)."""
+    """The columns people read: shape, impl, KV MB, clean µs, graph µs, dirty µs, the
+    size-matched limit µs, % of it, GB/s, % of the 2 GiB read rate, µs per layer of the decode
+    step (32 layers by default), status (see :func:`status_cells` for a long error)."""
     out = []
     for r, status in zip(rows, status_cells(rows)[0], strict=True):
         out.append({
             "shape": r["shape"], "impl": r["impl"],
             "KV MB": _fmt(r.get("kv_bytes") and r["kv_bytes"] / 1e6, ",.1f"),
-            "µs": _fmt(r.get("median_us"), ".1f"),
+            "clean µs": _fmt_na(r.get("median_us"), ".1f"),
             "graph µs": _fmt(r.get("graph_median_us"), ".1f"),
-            "GB/s": _fmt(r.get("gbps"), ",.0f"), "% roof": _fmt(r.get("pct_roofline"), ".1f"),
-            "graph % roof": _fmt(r.get("graph_pct_roofline"), ".1f"),
+            "dirty µs": _fmt_na(r.get("dirty_median_us"), ".1f"),
+            "limit µs": _fmt_na(r.get("limit_us"), ".1f"),
+            "% limit": _fmt_na(r.get("pct_limit"), ".1f"),
+            "graph % limit": _fmt(r.get("graph_pct_limit"), ".1f"),
+            "GB/s": _fmt(r.get("gbps"), ",.0f"),
+            "% 2 GiB rate": _fmt_na(r.get("pct_roofline"), ".1f"),
+            "graph % 2 GiB rate": _fmt(r.get("graph_pct_roofline"), ".1f"),
+            "step µs/layer": _fmt_na(r.get("step_us_per_layer"), ".1f"),
             "host µs": _fmt(r.get("host_us"), ".1f"),
             "to beat µs": _fmt(r.get("to_beat_us"), ".1f"),
             "≤ to beat": r.get("beats") or "—",
@@ -248,10 +276,23 @@ def write_markdown(rows: list[dict[str, Any]], meta: dict[str, Any],
 
     lines = ["# pagedattn benchmark", "", *header_lines(meta, roofline_gbps)]
     if any(r.get("median_us") is not None for r in rows):
-        lines.append("- times: median over cold-L2 repetitions; GB/s counts the minimal bytes "
-                     "(valid K/V, q, out, used block-table entries); host µs: one eager call's "
-                     "submission time (n/a under the interpreter); to beat: the fastest peer "
-                     f"that passed its check in this run, beaten at <= {TO_BEAT_SLACK}x")
+        lines.append("- times: median over cold-L2 repetitions after the clean flush (a read "
+                     "of twice the L2: no dirty line left); dirty µs: after do_bench's zeroing "
+                     "flush (the runs before the clean flush); GB/s counts the minimal bytes "
+                     "(valid K/V, used block-table entries, q); limit µs: a contiguous streaming "
+                     "read of exactly those bytes, same flush, same run; % limit: limit µs / "
+                     "µs; % 2 GiB rate: GB/s over the read rate of 2 GiB; step µs/layer: one "
+                     "decode step of `step_layers` layers (32 unless --layers), each on a cache "
+                     "of its own of the row's shape, one CUDA graph, per layer; host "
+                     "µs: one eager call's submission time (n/a under the interpreter); to "
+                     "beat: the fastest peer that passed its check in this run, beaten at <= "
+                     f"{TO_BEAT_SLACK}x")
+        fewer = sorted({(r["step_caches"], r["step_layers"]) for r in rows
+                        if r.get("step_caches") and r["step_caches"] < r["step_layers"]})
+        if fewer:
+            lines.append("- **the decode step shared caches** on some rows (the device's "
+                         "memory held fewer): " + ", ".join(f"{c} distinct caches for {n} "
+                                                            "layers" for c, n in fewer))
     else:
         lines.append("- **nothing was timed** (dry run or no GPU): outputs were checked against "
                      "the float64 oracle only")

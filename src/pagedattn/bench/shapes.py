@@ -3,9 +3,10 @@ and the builder of a shape's decode batch.
 
 A :class:`BenchShape` is one decode batch: a model's head layout, a dtype, a cache dtype and
 the KV length of every sequence. ``page_size`` is 16 throughout. Names follow the peers table,
-so our rows line up with the peers' numbers. The byte counts follow ``API.md``: GB = 1e9 bytes;
-"KV bytes" are the K and V bytes of the valid tokens; the minimal bytes of one call add q,
-out and the used block-table entries (int32).
+so our rows line up with the peers' numbers. GB = 1e9 bytes; "KV bytes" are the K and V bytes of
+the valid tokens; the minimal bytes of one call (:func:`minimal_bytes`, the one formula of the
+bench package: GB/s, % of the read rate and the size-matched limit all count it) add the used
+block-table entries and the query.
 
 Context lengths are computed lazily (the trace shapes read a CSV): :func:`get_shape` builds a
 shape on first use; importing this module does no I/O.
@@ -62,6 +63,44 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+class MinimalBytes(NamedTuple):
+    """The bytes one decode call must read, by tensor (:func:`minimal_bytes`)."""
+
+    kv: int  # K and V of the valid tokens
+    block_table: int  # the used block-table entries
+    query: int
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.block_table + self.query
+
+
+def minimal_bytes(context_lens, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  page_size: int, q_dtype: torch.dtype, cache_dtype: torch.dtype,
+                  q_len: int = 1, table_dtype: torch.dtype = torch.int32) -> MinimalBytes:
+    """The bytes a decode call over sequences of ``context_lens`` tokens must read, exactly:
+
+    * K/V: ``sum(context_lens) * num_kv_heads * head_dim * 2 * cache element size`` (1 byte
+      for an fp8 cache),
+    * block table: ``sum(ceil(len / page_size)) * table element size`` (only the entries a
+      sequence uses are read: 4 bytes int32, 8 int64),
+    * query: ``batch * q_len * num_q_heads * head_dim * query element size``.
+
+    Not counted: ``context_lens`` itself (4 or 8 bytes a sequence) and the output (written,
+    not read). Raises ValueError for a negative length, ``page_size < 1`` or ``q_len < 1``.
+    The one minimal-bytes formula: GB/s, % of the read rate and the size-matched limit's
+    buffer (:func:`pagedattn.bench.timing.read_buffer`) all come from it."""
+    lens = [int(n) for n in context_lens]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"context_lens: expected lengths >= 0, got {min(lens)}")
+    if page_size < 1 or q_len < 1:
+        raise ValueError(f"page_size, q_len: expected >= 1, got {page_size}, {q_len}")
+    kv = sum(lens) * num_kv_heads * head_dim * 2 * _element_size(cache_dtype)
+    pages = sum(-(-n // page_size) for n in lens)
+    query = len(lens) * q_len * num_q_heads * head_dim * _element_size(q_dtype)
+    return MinimalBytes(kv, pages * _element_size(table_dtype), query)
+
+
 @dataclass(frozen=True)
 class BenchShape:
     """One benchmark decode batch. ``context_lens[b]`` is sequence ``b``'s KV length (tokens)."""
@@ -88,17 +127,24 @@ class BenchShape:
         return [math.ceil(n / self.page_size) for n in self.context_lens]
 
     @property
+    def byte_counts(self) -> MinimalBytes:
+        """What one decode call of this batch must read (:func:`minimal_bytes`; one query
+        token, the int32 block table :func:`build_batch` makes)."""
+        m = self.model
+        return minimal_bytes(self.context_lens, num_q_heads=m.num_q_heads,
+                             num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                             page_size=self.page_size, q_dtype=self.dtype,
+                             cache_dtype=self.cache_dtype)
+
+    @property
     def kv_bytes(self) -> int:
         """Bytes of the valid K and V tokens: ``2 * tokens * num_kv_heads * head_dim * elem``."""
-        m = self.model
-        return 2 * self.num_tokens * m.num_kv_heads * m.head_dim * _element_size(self.cache_dtype)
+        return self.byte_counts.kv
 
     @property
     def minimal_bytes(self) -> int:
-        """Bytes one decode call must move: valid K/V + q + out + used block-table entries."""
-        m = self.model
-        q_bytes = self.batch * m.num_q_heads * m.head_dim * _element_size(self.dtype)
-        return self.kv_bytes + 2 * q_bytes + 4 * sum(self.pages_per_seq)
+        """Bytes one decode call must read: valid K/V + used block-table entries + query."""
+        return self.byte_counts.total
 
     def describe(self) -> str:
         m = self.model

@@ -1,9 +1,11 @@
-"""The roofline's streaming-read kernel: a sum over a large buffer, read exactly once.
+"""The streaming-read kernel: a sum over a buffer, read exactly once.
 
 Grid ``(num_programs,)``; program ``p`` owns the contiguous chunk
 ``[p * CHUNK, (p + 1) * CHUNK)`` of the flat input, reads it in ``BLOCK``-element tiles with
 fp32 accumulation, and writes one partial sum. The work per byte is one add, so the time is
-the time to stream the buffer from HBM: ``bytes / time`` is the read roofline of ``API.md``.
+the time to stream the buffer from HBM: ``bytes / time`` is the read rate (of 2 GiB: the
+roofline), and over a row's minimal bytes its size-matched limit; it is also the clean L2
+flush between timed calls (a read: no dirty line left in the L2).
 The host side (tile configs, launch, timing) lives in :mod:`pagedattn.bench.timing`, which
 imports this module lazily so that importing the bench package does not import Triton.
 """
