@@ -326,9 +326,13 @@ def test_a_limit_that_raises_is_an_error_of_every_row():
 _ABSENT = "<absent>"
 
 
+def _given(schedule) -> dict:
+    return {} if schedule is _ABSENT else {"schedule": schedule}
+
+
 def _api_with_schedules(monkeypatch) -> list[tuple[str, str]]:
-    """``plan_decode`` / ``paged_decode`` / the one-shot path taking ``schedule=`` (as the
-    schedules branch adds), recording what each call got and running today's code."""
+    """``plan_decode`` / ``paged_decode`` / the one-shot path recording the ``schedule=`` each
+    call got (``_ABSENT``: none), then running the real one with it."""
     import pagedattn.api as api
 
     seen: list[tuple[str, str]] = []
@@ -336,15 +340,15 @@ def _api_with_schedules(monkeypatch) -> list[tuple[str, str]]:
 
     def plan_decode(*a, schedule=_ABSENT, **k):
         seen.append(("plan_decode", schedule))
-        return real_plan(*a, **k)
+        return real_plan(*a, **_given(schedule), **k)
 
     def paged_decode(*a, schedule=_ABSENT, **k):
         seen.append(("paged_decode", schedule))
-        return real_decode(*a, **k)
+        return real_decode(*a, **_given(schedule), **k)
 
     def _decode(*a, schedule=_ABSENT, **k):
         seen.append(("paged_decode", schedule))
-        return real_one_shot(*a, **k)
+        return real_one_shot(*a, **_given(schedule), **k)
 
     monkeypatch.setattr(api, "plan_decode", plan_decode)
     monkeypatch.setattr(api, "paged_decode", paged_decode)

@@ -5,8 +5,7 @@
 ``--schedules split,persistent`` adds ``auto`` once per schedule, as rows named
 ``auto[split]`` and ``auto[persistent]``: ``schedule=`` goes to ``plan_decode`` (the timed
 ``plan.run``) and to the one-shot call that checks the output, only for those rows, so plain
-``auto`` calls today's API unchanged; where ``plan_decode`` and ``paged_decode`` take no
-``schedule`` keyword the rows are ``unsupported``.
+``auto`` passes none (the API's default schedule).
 """
 
 from __future__ import annotations
@@ -47,20 +46,11 @@ def impl_names() -> tuple[str, ...]:
     return tuple(IMPLS)
 
 
-def _takes_schedule(api) -> bool:
-    """Whether this tree's ``plan_decode`` and ``paged_decode`` take ``schedule=``."""
-    import inspect
-
-    return all("schedule" in inspect.signature(f).parameters
-               for f in (api.plan_decode, api.paged_decode))
-
-
 def impl_entry(impl: str, schedule: str | None = None) -> Entry:
     """Our ``impl`` as an :class:`Entry`: ``paged_decode(..., impl=impl)`` on the batch (a
     planned impl: ``plan_decode`` once per batch, then ``plan.run``). With a ``schedule``
     (``auto`` only) the row is ``impl[schedule]`` and ``schedule=`` goes to ``plan_decode``
-    and ``paged_decode`` (``unsupported`` where they do not take it); without one, no
-    ``schedule`` keyword is passed."""
+    and ``paged_decode``; without one, no ``schedule`` keyword is passed."""
     import pagedattn.api as api
 
     name = impl if schedule is None else f"{impl}[{schedule}]"
@@ -69,9 +59,6 @@ def impl_entry(impl: str, schedule: str | None = None) -> Entry:
     def supported(shape: BenchShape) -> None:
         if not api.IMPLS[impl].fp8 and shape.cache_dtype != shape.dtype:
             raise PeerUnsupported(f"{name}: {impl!r} takes no fp8 cache")
-        if schedule is not None and not _takes_schedule(api):
-            raise PeerUnsupported(f"{name}: this pagedattn's plan_decode/paged_decode take no "
-                                  "schedule= keyword")
 
     def plan_for(shape: BenchShape, b: BenchBatch):
         m = shape.model
