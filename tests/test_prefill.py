@@ -229,3 +229,25 @@ def test_prefill_kernels_compile_for_sm90():
             assert int(regs.group(1)) <= 168, line
             loop = re.search(r"(\d+) spill instructions in the token loop", line)
             assert loop is None or loop.group(1) == "0", line
+
+
+def test_the_prefill_bench_checks_its_rows_on_the_cpu():
+    """``scripts/bench_prefill.py --dry-run``: the three rows, interpreter-sized, checked
+    against the oracle (exit 0, an error per row); a bad ``--rows`` exits 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
+    script = str(root / "scripts" / "bench_prefill.py")
+    run = subprocess.run([sys.executable, script, "--dry-run"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    errs = [float(line.split("pagedattn err ")[1].split()[0])
+            for line in run.stdout.splitlines() if "pagedattn err" in line]
+    assert len(errs) == 3 and max(errs) <= tolerance_for(torch.float32)
+    bad = subprocess.run([sys.executable, script, "--dry-run", "--rows", "nope"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedattn.reference import paged_decode_reference
+from pagedattn.reference import paged_attention_reference, paged_decode_reference
 from pagedattn.testing import rel_l2_error
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -26,8 +26,9 @@ def python_blocks() -> list[str]:
 
 def test_readme_has_the_usage_and_variant_examples():
     blocks = python_blocks()
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     assert "pagedattn.paged_decode(" in blocks[0] and "merge_states" in blocks[1]
+    assert "pagedattn.paged_attention(" in blocks[2]
     assert 'device="cuda"' in blocks[0]  # the substitution below has something to do
 
 
@@ -86,3 +87,15 @@ def test_readme_flashinfer_example_runs_on_the_cpu():
     ref = paged_decode_reference(ns["q"], kv[:, 0], kv[:, 1], table, lens)
     assert rel_l2_error(ns["out"], ref.out) <= 2e-3
     assert torch.allclose(ns["lse"].double() * math.log(2), ref.lse, atol=1e-3)  # base 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU user's path")
+def test_readme_prefill_example_runs_on_the_cpu():
+    ns: dict = {}
+    torch.manual_seed(0)
+    exec(compile(_block("paged_attention("), str(README), "exec"), ns)  # noqa: S102
+    args = [ns[k] for k in ("q_new", "k_pages", "v_pages", "tables", "seq_lens",
+                            "query_start_loc")]
+    ref = paged_attention_reference(*args)
+    for name in ("attn", "attn2"):
+        assert rel_l2_error(ns[name], ref.out) <= 1e-2, name
