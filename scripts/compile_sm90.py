@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             res = resources(c.asm["ptx"])
             spills = loop_spills(c.asm["cubin"]) if res is not None else None
             print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines"
-                  f"{_resources_text(res)}"
+                  f"{_resources_text(res)}, {c.metadata.shared} bytes of shared memory"
                   + ("" if spills is None else f", {spills} spill instructions in the token loop"),
                   flush=True)
             if args.ptx_dir:
