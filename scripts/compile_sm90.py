@@ -4,20 +4,25 @@ Triton's interpreter never runs the code generator, so a kernel that passes ever
 may still fail to compile for a GPU (a non-constexpr global, a branch whose types differ).
 This drives :class:`~pagedattn.launch.decode.AutoLauncher` with its kernels swapped for a
 stand-in that compiles ``kernel[grid](**kwargs)`` with ``triton.compile`` for ``cuda:90``
-(Triton's front end, its GPU passes and the bundled ``ptxas``) instead of launching, for each
-variant combination below. ``--ptx-dir`` writes each binary's PTX (to compare the plain
+(Triton's front end, its GPU passes and its ``ptxas``; ``_triton_compat.compile_for``, the
+version seam) instead of launching, for each variant combination below, on whichever Triton
+is installed (3.6-3.9 read). ``--ptx-dir`` writes each binary's PTX (to compare the plain
 kernel's code before and after a change); ``--compare DIR`` checks each PTX against DIR's
 file of the same name, instructions only (the ``.loc``/``.file`` lines and the DWARF sections
 that follow the code hold source line numbers, which any edit above a kernel shifts, and the
 ``$L__tmpN:`` labels mark where an inlined ``@triton.jit`` helper's code starts and ends for
-those sections: no branch targets them), and exits 1 if any differs. Where Triton bundles
-``ptxas``, each kernel's registers and spilled bytes are printed (``ptxas -v`` with Triton's
-own flags) and ``--compare`` requires them equal too: a label splits ptxas's basic blocks, so a
-helper's scope inside the token loop once changed the registers of identical instructions
-(``docs/perf-notes.md``, step 31). Run without ``TRITON_INTERPRET``; to compare with an older
-commit's ``src/``::
+those sections: no branch targets them), and exits 1 if any differs. Where a ``ptxas`` is
+found (the one the installed Triton assembles sm_90 with, which on 3.9 is its
+``ptxas-blackwell``; else ``$TRITON_PTXAS_PATH``, else the system's: ``_triton_compat.ptxas``),
+each kernel's registers and spilled bytes are printed (``ptxas -v`` with Triton's own flags),
+with the spills inside the token loop read off ``nvdisasm``'s SASS, and ``--compare`` requires
+them equal too: a label splits ptxas's basic blocks, so a helper's scope inside the token loop
+once changed the registers of identical instructions (``docs/perf-notes.md``, step 31).
+``--bindings`` compiles nothing: it checks that each case's recorded launch hands Triton's C
+launch what ``kernel[grid](**kwargs)`` hands it (:func:`check_bindings`). Run without
+``TRITON_INTERPRET``; to compare with an older commit's ``src/``::
 
-    PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx-dir DIR] [--compare OLD_DIR]
+    PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx-dir DIR] [--compare OLD_DIR] [--bindings]
     git archive OLD src | tar x -C /tmp/old
     PYTHONPATH=/tmp/old/src python3 scripts/compile_sm90.py --ptx-dir /tmp/old-ptx
     PYTHONPATH=src python3 scripts/compile_sm90.py --ptx-dir /tmp/new-ptx --compare /tmp/old-ptx

@@ -3,10 +3,16 @@
 ``paged_decode`` is the entry point, ``plan_decode`` its plan/run form for serving;
 ``merge_states`` merges attention states (cascade serving); ``paged_decode_reference`` is
 the float64 oracle.
-Importing this package does not import Triton (the launchers load on first use).
+Importing this package does not import Triton (the launchers load on first use); below the
+supported torch and triton (``pagedattn._env.MIN_TORCH``, ``MIN_TRITON``) it raises one
+``ImportError`` naming the version found.
 """
 
-from pagedattn.api import (
+from pagedattn._env import check_versions
+
+check_versions()
+
+from pagedattn.api import (  # noqa: E402
     IMPLS,
     STAGES,
     DecodeOutput,
@@ -18,7 +24,7 @@ from pagedattn.api import (
     paged_decode,
     plan_decode,
 )
-from pagedattn.reference import paged_decode_reference
+from pagedattn.reference import paged_decode_reference  # noqa: E402
 
 __all__ = ["IMPLS", "STAGES", "DecodeOutput", "DecodePlan", "ImplSpec", "append_kv",
            "compiled_kernels", "merge_states", "paged_decode", "paged_decode_reference",
