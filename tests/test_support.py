@@ -74,6 +74,9 @@ def test_readme_table_and_ci_name_every_read_triton():
 
 
 def test_the_wheel_ships_a_license_and_no_stale_entries():
+    """The license is the Apache-2.0 text and pyproject names it; every package-data pattern
+    and ruff per-file entry names files that exist (the tuned tables' pattern excepted: the
+    launcher reads a GPU's table there once one is written)."""
     project = _project()
     assert project["project"]["license"] == "Apache-2.0"
     assert project["project"]["license-files"] == ["LICENSE"]
@@ -81,8 +84,9 @@ def test_the_wheel_ships_a_license_and_no_stale_entries():
     assert text.lstrip().startswith("Apache License\n                           Version 2.0")
     assert "END OF TERMS AND CONDITIONS" in text
     package = ROOT / "src" / "pagedattn"
+    tables = "launch/tuned/*.json"  # a GPU's tuned table ships once written (test_tuning.py)
     for pattern in project["tool"]["setuptools"]["package-data"]["pagedattn"]:
-        assert list(package.glob(pattern)), pattern
+        assert list(package.glob(pattern)) or pattern == tables, pattern
     for path in project["tool"]["ruff"]["lint"]["per-file-ignores"]:
         assert list(ROOT.glob(path)), path
 
