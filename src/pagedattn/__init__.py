@@ -5,10 +5,16 @@
 prefill, mixed batches);
 ``merge_states`` merges attention states (cascade serving); ``paged_decode_reference`` is
 the float64 oracle.
-Importing this package does not import Triton (the launchers load on first use).
+Importing this package does not import Triton (the launchers load on first use); below the
+supported torch and triton (``pagedattn._env.MIN_TORCH``, ``MIN_TRITON``) it raises one
+``ImportError`` naming the version found.
 """
 
-from pagedattn.api import (
+from pagedattn._env import check_versions
+
+check_versions()
+
+from pagedattn.api import (  # noqa: E402
     IMPLS,
     STAGES,
     DecodeOutput,
@@ -20,8 +26,8 @@ from pagedattn.api import (
     paged_decode,
     plan_decode,
 )
-from pagedattn.attention import AttentionPlan, paged_attention, plan_attention
-from pagedattn.reference import paged_attention_reference, paged_decode_reference
+from pagedattn.attention import AttentionPlan, paged_attention, plan_attention  # noqa: E402
+from pagedattn.reference import paged_attention_reference, paged_decode_reference  # noqa: E402
 
 __all__ = ["IMPLS", "STAGES", "AttentionPlan", "DecodeOutput", "DecodePlan", "ImplSpec",
            "append_kv", "compiled_kernels", "merge_states", "paged_attention",
