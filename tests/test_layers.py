@@ -1,6 +1,6 @@
 """The import rules DESIGN.md states, read from the source with ``ast`` (nothing is imported):
-one-way layers ``cli → bench/serving → api → launch → kernels`` (``compat → api`` beside
-bench/serving: nothing below imports it), leaves that import no
+one-way layers ``cli → bench/serving → api → launch → kernels`` (``compat → api`` and
+``integrations → api`` beside bench/serving: nothing else imports them), leaves that import no
 ``pagedattn`` layer, no cycles, and dispatch through real import statements. Imports inside
 functions count: they are what a reader (and a tool such as import-linter) follows too."""
 
@@ -52,7 +52,7 @@ GRAPH = _import_graph()
 
 
 def _layer(module: str) -> str:
-    for prefix in ("kernels", "launch", "bench", "serving", "compat"):
+    for prefix in ("kernels", "launch", "bench", "serving", "compat", "integrations"):
         if module.startswith(f"pagedattn.{prefix}"):
             return prefix
     return {"pagedattn.api": "api", "pagedattn.attention": "api", "pagedattn": "api",
@@ -63,6 +63,9 @@ def _layer(module: str) -> str:
 ALLOWED = {"kernels": {"kernels"}, "launch": {"launch", "kernels", "leaf"},
            "api": {"api", "launch", "leaf"}, "bench": {"bench", "api", "leaf"},
            "serving": {"serving", "api", "leaf"}, "compat": {"compat", "api", "leaf"},
+           # the serving frameworks' plugins (vLLM's backend) use the API as a user does, as
+           # compat/ does; a framework's process imports them by name, the library never
+           "integrations": {"integrations", "api", "leaf"},
            "cli": {"bench", "serving", "leaf"}}
 
 
@@ -87,6 +90,13 @@ def test_compat_sits_above_the_api():
     assert "pagedattn.compat.flash_attn" in GRAPH and "pagedattn.compat.flashinfer" in GRAPH
     assert not [m for m, targets in GRAPH.items() if _layer(m) != "compat"
                 and any(_layer(t) == "compat" for t in targets)]
+
+
+def test_integrations_sit_above_the_api():
+    assert {"pagedattn.integrations.vllm.backend", "pagedattn.integrations.vllm.step"} <= set(
+        GRAPH)
+    assert not [m for m, targets in GRAPH.items() if _layer(m) != "integrations"
+                and any(_layer(t) == "integrations" for t in targets)]
 
 
 def test_nothing_imports_the_cli():

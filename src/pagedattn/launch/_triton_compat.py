@@ -224,6 +224,24 @@ def patch_interpreter_lang() -> bool:
     return True
 
 
+def on_interpreter_launch(callback) -> None:
+    """Call ``callback(kernel)`` (the ``@triton.jit`` function) at the start of every launch
+    Triton's interpreter runs from now on (a test's launch counter: ``tests/_vllm_test_plugin
+    .py``). Wraps the interpreter's ``GridExecutor.__call__``, read in Triton 3.6-3.9."""
+    import functools
+
+    from triton.runtime import interpreter
+
+    grid_call = interpreter.GridExecutor.__call__
+
+    @functools.wraps(grid_call)
+    def counted(self, *args, **kwargs):
+        callback(self.fn)
+        return grid_call(self, *args, **kwargs)
+
+    interpreter.GridExecutor.__call__ = counted
+
+
 # the interpreter's int32: the tests' GPU arithmetic (tests/test_numerics.py)
 #
 # GPU int32 arithmetic in Triton's interpreter, and a record of every overflow.
