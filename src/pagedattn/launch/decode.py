@@ -343,9 +343,11 @@ class AutoLauncher:
             # the binding: what Triton specializes on beyond the launcher's fixed choices (the
             # workspace's parts are aligned with its base: their offsets are multiples of 16
             # bytes)
-            key = (lse is None, query.dtype, query.stride(), key_cache.dtype,
+            # (of the query and out, the strides the kernels take: a single-token query
+            # binds the same as 3-D [batch, heads, dim] or 4-D [batch, 1, heads, dim])
+            key = (lse is None, query.dtype, _kernel_strides(query), key_cache.dtype,
                    key_cache.stride(), value_cache.dtype, value_cache.stride(), out.dtype,
-                   out.stride(), block_tables.dtype, block_tables.stride(),
+                   _kernel_strides(out), block_tables.dtype, block_tables.stride(),
                    context_lens.dtype, context_lens.stride(), q_ptr % 16 == 0,
                    k_ptr % 16 == 0, v_ptr % 16 == 0, bt_ptr % 16 == 0, cl_ptr % 16 == 0,
                    out_ptr % 16 == 0, ml_ptr % 16 == 0,
@@ -473,6 +475,14 @@ class AutoLauncher:
 #: shared one-shot launchers kept, at most (least recently used dropped first): each holds its
 #: launch configuration and at most ``_MAX_BINDINGS`` records, no tensor and no address
 ONE_SHOT_CACHE_SIZE = 64
+
+
+def _kernel_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a query or output that the kernels take: batch, heads and dim, and the
+    token stride of a multi-token 4-D tensor (dim 1 of a single-token 4-D view is never
+    read)."""
+    s = t.stride()
+    return (s[0], s[1], s[-2], s[-1]) if t.dim() == 4 and t.shape[1] > 1 else (s[0], *s[-2:])
 
 
 @functools.lru_cache(maxsize=ONE_SHOT_CACHE_SIZE)
