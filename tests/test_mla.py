@@ -65,7 +65,7 @@ def test_deepseek_v3_dims(device, num_q_heads):
 
 
 @pytest.mark.parametrize("num_q_heads, latent_dim, rope_dim", [
-    (1, 32, 16), (3, 48, 8), (7, 64, 64), (12, 16, 1), (65, 32, 16)])
+    (1, 32, 16), (3, 48, 8), (7, 64, 64), (12, 16, 1), (65, 32, 16), (4, 32, 0)])
 def test_small_latents_and_head_counts(device, num_q_heads, latent_dim, rope_dim):
     """Latent and rope dims that are no power of two (masked lanes), head counts 1 to 65 (65:
     five blocks of 13 heads)."""
@@ -290,7 +290,7 @@ def test_plan_checks_its_arguments(device):
                              device=device)
     kw = dict(num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8, q_dtype=torch.bfloat16)
     for change, exc, name in [(dict(latent_dim=1024), ValueError, "latent_dim"),
-                              (dict(rope_dim=0), ValueError, "rope_dim"),
+                              (dict(rope_dim=-1), ValueError, "rope_dim"),
                               (dict(q_len=65), ValueError, "q_len"),
                               (dict(kv_dtype=torch.float16), TypeError, "kv_dtype"),
                               (dict(num_q_heads=0), ValueError, "num_q_heads"),

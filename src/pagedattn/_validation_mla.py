@@ -16,7 +16,7 @@ from pagedattn import _validation as V
 
 #: the latent dims a tile holds (DeepSeek-V2/V3 and Kimi K2: 512); the rope dims
 MIN_LATENT_DIM, MAX_LATENT_DIM = 16, 512
-MIN_ROPE_DIM, MAX_ROPE_DIM = 1, 256
+MIN_ROPE_DIM, MAX_ROPE_DIM = 0, 256
 #: query tokens per sequence (speculative decoding): the tile's rows are q_len x heads, at
 #: most 64 (launch.policy_mla.MLA_MAX_ROWS), so 64 tokens of one head at the most
 MAX_Q_LEN = 64

@@ -152,7 +152,7 @@ def plan_mla_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *,
             read at each run.
         num_q_heads: query heads (an int >= 1; DeepSeek-V3: 128, or 128 / TP).
         latent_dim: the latent's dims (``kv_lora_rank``), an int in [16, 512].
-        rope_dim: the rope key's dims (``qk_rope_head_dim``), an int in [1, 256].
+        rope_dim: the rope key's dims (``qk_rope_head_dim``), an int in [0, 256] (0: no rope part).
         page_size: tokens per page (an int >= 1: 1 as SGLang's, 64 as FlashMLA's, ...).
         q_dtype: float32, float16 or bfloat16.
         kv_dtype: the caches' dtype: ``q_dtype`` (default) or float8_e4m3fn/float8_e5m2
@@ -206,7 +206,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
         ckv_cache: ``[num_pages, page_size, latent_dim]``, ``latent_dim`` in [16, 512]:
             ``q_nope``'s dtype, or float8_e4m3fn/float8_e5m2 with ``kv_scale``; any strides
             (a view of a combined ``[num_pages, page_size, latent_dim + rope_dim]`` cache).
-        kpe_cache: ``[num_pages, page_size, rope_dim]``, ``rope_dim`` in [1, 256], the
+        kpe_cache: ``[num_pages, page_size, rope_dim]``, ``rope_dim`` in [0, 256], the
             dtype and pages of ``ckv_cache``.
         block_tables: ``[batch, max_pages]`` int32/int64 page ids; entries past
             ``ceil(context_lens[b] / page_size)`` are never read.

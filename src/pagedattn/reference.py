@@ -207,8 +207,8 @@ def mla_decode_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: to
         if n <= 0:
             continue
         pages = block_tables[b, :-(-n // page_size)].long()
-        ckv = ckv_cache[pages].to(torch.float64).reshape(-1, d_latent)[:n] * s_kv
-        kpe = kpe_cache[pages].to(torch.float64).reshape(-1, kpe_cache.shape[-1])[:n] * s_kv
+        ckv = ckv_cache[pages].to(torch.float64).flatten(0, 1)[:n] * s_kv
+        kpe = kpe_cache[pages].to(torch.float64).flatten(0, 1)[:n] * s_kv
         scores = (q_nope[b].to(torch.float64) @ ckv.T
                   + q_pe[b].to(torch.float64) @ kpe.T) * float(scale)  # [num_heads, n]
         if logits_soft_cap is not None:

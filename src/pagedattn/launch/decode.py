@@ -238,7 +238,8 @@ class AutoLauncher:
         record: record each binding's launch for the direct path of later launches (see the
             module docstring); ``False`` for a launcher that launches once, which saves the
             record's host time.
-        rope_dim: absorbed MLA (``pagedattn.mla``) when > 0: the keys' rope dims; then
+        rope_dim: absorbed MLA (``pagedattn.mla``) when not ``None``: the keys' rope dims
+            (0: no rope part); then
             ``num_kv_heads`` is 1 (the latent), ``head_dim`` the latent's dims, and the
             launcher cuts the query heads into blocks (:mod:`pagedattn.launch.policy_mla`),
             each a kv head of the kernel's; :meth:`launch` takes ``[num_pages, page_size,
@@ -257,12 +258,12 @@ class AutoLauncher:
                  options: DecodeOptions = DEFAULT, record: bool = True,
                  workspace: bool = True, schedule: str = "split",
                  num_programs: int | None = None, num_tokens: int | None = None,
-                 rope_dim: int = 0):
+                 rope_dim: int | None = None):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         window_left, batch_invariant = options.window_left, options.batch_invariant
         #: absorbed MLA: the query heads in blocks that each read the one latent
-        self.mla = rope_dim > 0
+        self.mla = rope_dim is not None
         if self.mla:
             num_kv_heads = policy_mla.mla_head_blocks(
                 num_q_heads, q_len, policy_mla.mla_max_rows(kv_dtype, schedule))
@@ -584,7 +585,7 @@ def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads
                       kv_dtype: torch.dtype, device: torch.device, num_splits: int | None,
                       q_len: int, options: DecodeOptions = DEFAULT,
                       schedule: str = "split", num_programs: int | None = None,
-                      rope_dim: int = 0) -> AutoLauncher:
+                      rope_dim: int | None = None) -> AutoLauncher:
     """The launcher that every one-shot ``paged_decode`` of these shapes, dtypes, device and
     plan-time variants (``options``, per-call fields off) shares (its arguments are the key;
     ``ragged`` is off, as a one-shot call has no host copy of the lengths).
