@@ -57,7 +57,7 @@ class CleanFlush:
         self.sink = torch.empty((), dtype=torch.int64, device=device)
 
     def __call__(self):
-        torch.sum(self.buf, out=self.sink)
+        torch.sum(self.buf, dim=0, out=self.sink)
 
 
 def graph_of(fn):
@@ -111,16 +111,22 @@ VARIANTS = ("k2:persistent_ctas_per_sm=2;k4:persistent_ctas_per_sm=4;"
 
 @contextlib.contextmanager
 def patched_config(fields: dict):
-    """The policy's configs with ``fields`` replaced, while the block runs."""
-    if not fields:
-        yield
-        return
+    """The policy's configs with ``fields`` replaced, while the block runs; a field named
+    ``_NAME`` sets the policy's module constant ``_NAME`` instead (``_PERSISTENT_MERGE_*``)."""
+    consts = {k: v for k, v in fields.items() if k.startswith("_")}
+    fields = {k: v for k, v in fields.items() if not k.startswith("_")}
+    saved = {k: getattr(policy, k) for k in consts}  # AttributeError: a misspelled name
     base = policy.choose_config
-    policy.choose_config = lambda *a, **k: replace(base(*a, **k), **fields)
+    if fields:
+        policy.choose_config = lambda *a, **k: replace(base(*a, **k), **fields)
+    for k, v in consts.items():
+        setattr(policy, k, v)
     try:
         yield
     finally:
         policy.choose_config = base
+        for k, v in saved.items():
+            setattr(policy, k, v)
 
 
 def main(argv=None) -> int:
@@ -134,6 +140,9 @@ def main(argv=None) -> int:
     ap.add_argument("--oracle-mb", type=float, default=150.0)
     ap.add_argument("--stress", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true",
+                    help="only run each plan twice, eagerly after the flush (under ncu: "
+                         "-k regex:paged_decode)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -156,7 +165,8 @@ def main(argv=None) -> int:
         b = build_batch(shape, dev)
         m = shape.model
         row = {"row": name, "mb": shape.minimal_bytes / 1e6}
-        row["limit"] = limit_us(shape.minimal_bytes, flush, args.reps, dev)
+        row["limit"] = 0.0 if args.profile else limit_us(shape.minimal_bytes, flush, args.reps,
+                                                         dev)
         common = dict(num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
                       head_dim=m.head_dim, page_size=shape.page_size, q_dtype=shape.dtype,
                       kv_dtype=shape.cache_dtype)
@@ -172,6 +182,13 @@ def main(argv=None) -> int:
             def call(plan=plan, out=out, b=b):
                 return plan.run(*b.tensors[:3], out=out, **b.scales)
 
+            if args.profile:
+                with patched_config(fields):
+                    for _ in range(2):
+                        flush()
+                        call()
+                torch.cuda.synchronize()
+                continue
             try:
                 with patched_config(fields):  # the plan's launcher is built at its first run
                     g = graph_of(call)
@@ -181,6 +198,8 @@ def main(argv=None) -> int:
                 outs[label] = out.clone()
             except Exception as e:  # noqa: BLE001 (a row that fails is reported, not fatal)
                 row[label] = f"error: {e!r}"[:200]
+        if args.profile:
+            continue
         if floor is not None:
             try:
                 run, cfg = floor.best_floor_runner(*b.tensors, m.head_dim ** -0.5)
@@ -204,7 +223,7 @@ def main(argv=None) -> int:
         if isinstance(row.get("floor"), float):
             line += f" | floor {row['floor']:7.1f} ({100 * row['limit'] / row['floor']:5.1f}%)"
         print(line, flush=True)
-        errs = {k: f"{v:.1e}" for k, v in row.items() if k.endswith(("err", "split"))
+        errs = {k: f"{v:.1e}" for k, v in row.items() if k.endswith(("err", " split"))
                 and isinstance(v, float)}
         print("    " + " ".join(f"{k}={v}" for k, v in errs.items()), flush=True)
         results.append(row)

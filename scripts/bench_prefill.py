@@ -107,23 +107,20 @@ def flashinfer_prefill(inputs, query, qsl, row: Row):
 
 
 def fa3_varlen(path: str):
-    """FA3's ``flash_attn_varlen_func`` with a block table (``page_table``, ``seqused_k``),
-    from the peers' FA3 unpacked by ``fa3_peer.py``'s loader."""
+    """FA3's paged varlen call: ``flash_attn_with_kvcache`` with ``cu_seqlens_q``,
+    ``max_seqlen_q``, ``page_table`` and ``cache_seqlens`` (its ``flash_attn_varlen_func``
+    takes no page table), from the peers' FA3 unpacked by ``fa3_peer.py``'s loader."""
     spec = importlib.util.spec_from_file_location("fa3_peer", path)
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
-    peer._load()
-    from flash_attn_interface import flash_attn_varlen_func  # noqa: PLC0415
+    fa = peer._load()  # flash_attn_interface.flash_attn_with_kvcache
 
     def make(inputs, query, qsl, row: Row):
         lens = inputs.context_lens.int()
-        cu_k = torch.tensor([0, *lens.cumsum(0).tolist()], dtype=torch.int32,
-                            device=query.device)
         table = inputs.block_tables.int()
-        return lambda: flash_attn_varlen_func(
-            query, inputs.key_cache, inputs.value_cache, qsl, cu_k, max(row.new),
-            max(c + n for c, n in zip(row.cached, row.new, strict=True)), causal=True,
-            page_table=table, seqused_k=lens)
+        return lambda: fa(query, inputs.key_cache, inputs.value_cache, cache_seqlens=lens,
+                          page_table=table, cu_seqlens_q=qsl, max_seqlen_q=max(row.new),
+                          causal=True)
     return make
 
 

@@ -4,20 +4,25 @@ Triton's interpreter never runs the code generator, so a kernel that passes ever
 may still fail to compile for a GPU (a non-constexpr global, a branch whose types differ).
 This drives :class:`~pagedattn.launch.decode.AutoLauncher` with its kernels swapped for a
 stand-in that compiles ``kernel[grid](**kwargs)`` with ``triton.compile`` for ``cuda:90``
-(Triton's front end, its GPU passes and the bundled ``ptxas``) instead of launching, for each
-variant combination below. ``--ptx-dir`` writes each binary's PTX (to compare the plain
+(Triton's front end, its GPU passes and its ``ptxas``; ``_triton_compat.compile_for``, the
+version seam) instead of launching, for each variant combination below, on whichever Triton
+is installed (3.6-3.9 read). ``--ptx-dir`` writes each binary's PTX (to compare the plain
 kernel's code before and after a change); ``--compare DIR`` checks each PTX against DIR's
 file of the same name, instructions only (the ``.loc``/``.file`` lines and the DWARF sections
 that follow the code hold source line numbers, which any edit above a kernel shifts, and the
 ``$L__tmpN:`` labels mark where an inlined ``@triton.jit`` helper's code starts and ends for
-those sections: no branch targets them), and exits 1 if any differs. Where Triton bundles
-``ptxas``, each kernel's registers and spilled bytes are printed (``ptxas -v`` with Triton's
-own flags) and ``--compare`` requires them equal too: a label splits ptxas's basic blocks, so a
-helper's scope inside the token loop once changed the registers of identical instructions
-(``docs/perf-notes.md``, step 31). Run without ``TRITON_INTERPRET``; to compare with an older
-commit's ``src/``::
+those sections: no branch targets them), and exits 1 if any differs. Where a ``ptxas`` is
+found (the one the installed Triton assembles sm_90 with, which on 3.9 is its
+``ptxas-blackwell``; else ``$TRITON_PTXAS_PATH``, else the system's: ``_triton_compat.ptxas``),
+each kernel's registers and spilled bytes are printed (``ptxas -v`` with Triton's own flags),
+with the spills inside the token loop read off ``nvdisasm``'s SASS, and ``--compare`` requires
+them equal too: a label splits ptxas's basic blocks, so a helper's scope inside the token loop
+once changed the registers of identical instructions (``docs/perf-notes.md``, step 31).
+``--bindings`` compiles nothing: it checks that each case's recorded launch hands Triton's C
+launch what ``kernel[grid](**kwargs)`` hands it (:func:`check_bindings`). Run without
+``TRITON_INTERPRET``; to compare with an older commit's ``src/``::
 
-    PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx-dir DIR] [--compare OLD_DIR]
+    PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx-dir DIR] [--compare OLD_DIR] [--bindings]
     git archive OLD src | tar x -C /tmp/old
     PYTHONPATH=/tmp/old/src python3 scripts/compile_sm90.py --ptx-dir /tmp/old-ptx
     PYTHONPATH=src python3 scripts/compile_sm90.py --ptx-dir /tmp/new-ptx --compare /tmp/old-ptx
@@ -26,6 +31,7 @@ commit's ``src/``::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -37,18 +43,11 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("compile_sm90: unset TRITON_INTERPRET (the interpreter does not compile)")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 import pagedattn.launch.decode as L  # noqa: E402
+from pagedattn.launch import _triton_compat as tc  # noqa: E402
 from pagedattn.launch.policy import varlen_block_m  # noqa: E402
 from pagedattn.options import OPTIONS, plan_options  # noqa: E402
-
-_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-          torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
-          torch.float8_e5m2: "fp8e5"}
-TARGET = GPUTarget("cuda", 90, 32)
 
 #: name -> (AutoLauncher table width, q_len, LSE and plan-time options (pagedattn.options),
 #: per-call options, dtype, cache dtype, batch, kv heads)
@@ -159,41 +158,28 @@ for _name in OPTIONS:
 
 
 class _Compile:
-    """Stands in for a ``@triton.jit`` kernel: ``[grid](**kwargs)`` compiles for sm_90."""
+    """Stands in for a ``@triton.jit`` kernel: ``[grid](**kwargs)`` compiles for sm_90
+    (``_triton_compat.compile_for``: Triton's own specialization); what is not a parameter
+    of the kernel is a launch option."""
 
     def __init__(self, kernel):
         self.kernel = kernel
 
     def __getitem__(self, grid):
-        def compile_(num_warps=4, num_stages=1, maxnreg=None, **kwargs):
-            # Triton's own specialization (runtime/jit.py): 16-byte aligned pointers and
-            # integers divisible by 16 get tt.divisibility (what vectorizes the loads), an
-            # integer equal to 1 becomes a constant; do_not_specialize params get neither
-            signature, constexprs, attrs = {}, {}, {}
-            for i, p in enumerate(self.kernel.params):
-                v = kwargs[p.name]
-                if p.is_constexpr or v is None:  # Triton makes a None argument a constexpr
-                    signature[p.name], constexprs[p.name] = "constexpr", v
-                elif isinstance(v, torch.Tensor):
-                    signature[p.name] = "*" + _TYPES[v.dtype]
-                    if v.data_ptr() % 16 == 0:
-                        attrs[(i,)] = [["tt.divisibility", 16]]
-                elif isinstance(v, int) and not p.do_not_specialize and v == 1:
-                    signature[p.name], constexprs[p.name] = "constexpr", 1
-                else:
-                    signature[p.name] = "i32" if isinstance(v, int) else "fp32"
-                    if isinstance(v, int) and not p.do_not_specialize and v % 16 == 0:
-                        attrs[(i,)] = [["tt.divisibility", 16]]
-            return triton.compile(ASTSource(self.kernel, signature, constexprs, attrs),
-                                  target=TARGET,
-                                  options=dict(num_warps=num_warps, num_stages=num_stages,
-                                               maxnreg=maxnreg))
+        names = {p.name for p in self.kernel.params}
+
+        def compile_(**kwargs):
+            options = {k: kwargs.pop(k) for k in list(kwargs) if k not in names}
+            options.pop("launch_pdl", None)  # a launch attribute, not a compile option
+            return tc.compile_for(self.kernel, kwargs, arch=90, **options)
         return compile_
 
 
-def compile_case(name: str) -> dict:
-    """Compile one case's main and merge kernels (the main kernel only for a one-unit
-    table); returns them by name."""
+def case_launcher(name: str):
+    """One case's :class:`~pagedattn.launch.decode.AutoLauncher` (CPU device) and a function
+    that launches it on zero tensors made once (the same addresses at every launch)."""
+    if name in MLA_CASES:
+        return mla_case_launcher(name)
     options, per_call, dtype, kv_dtype, batch, kv_heads = CASES[name]
     options = dict(options)
     max_pages = options.pop("max_pages", 64)  # 1,024 tokens: splits and a merge
@@ -220,16 +206,15 @@ def compile_case(name: str) -> dict:
     tables = torch.zeros(batch, max_pages, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
     tensors = {k: torch.zeros(32) for k in per_call}
-    return launcher.launch(query, cache, cache, tables, lens, torch.empty_like(query),
-                           torch.empty(query.shape[:-1]) if with_lse else None, scale=0.1,
-                           calls=tensors, query_start_loc=torch.zeros(batch + 1,
-                                                                      dtype=torch.int32)
-                           if num_tokens is not None else None)
+    out, lse = torch.empty_like(query), torch.empty(query.shape[:-1]) if with_lse else None
+    qsl = torch.zeros(batch + 1, dtype=torch.int32) if num_tokens is not None else None
+    return launcher, lambda: launcher.launch(query, cache, cache, tables, lens, out, lse,
+                                             scale=0.1, calls=tensors, query_start_loc=qsl)
 
 
-def compile_mla_case(name: str) -> dict:
-    """Compile one MLA case (:data:`MLA_CASES`): the main kernel with ``MLA`` on (and its
-    merge kernel where the plan launches one)."""
+def mla_case_launcher(name: str):
+    """One MLA case's (:data:`MLA_CASES`) launcher, as :func:`case_launcher`: the main
+    kernel with ``MLA`` on (and its merge kernel where the plan launches one)."""
     (heads, latent, rope, page_size, batch, max_pages, q_len, with_lse, dtype, kv_dtype,
      schedule, one_shot, per_call, options) = MLA_CASES[name]
     kv_dtype = kv_dtype or dtype
@@ -245,10 +230,61 @@ def compile_mla_case(name: str) -> dict:
     cache = torch.zeros(pages, page_size, latent + rope, dtype=kv_dtype)  # one combined buffer
     tables = torch.zeros(batch, max_pages, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
-    return launcher.launch(q_nope, cache[..., :latent], cache[..., latent:], tables, lens,
-                           torch.empty_like(q_nope),
-                           torch.empty(lead) if with_lse else None, scale=0.1,
-                           calls={k: torch.zeros(heads) for k in per_call}, q_pe=q_pe)
+    out, lse = torch.empty_like(q_nope), torch.empty(lead) if with_lse else None
+    tensors = {k: torch.zeros(heads) for k in per_call}
+    return launcher, lambda: launcher.launch(q_nope, cache[..., :latent], cache[..., latent:],
+                                             tables, lens, out, lse, scale=0.1, calls=tensors,
+                                             q_pe=q_pe)
+
+
+def compile_case(name: str) -> dict:
+    """Compile one case's main and merge kernels (the main kernel only for a one-unit
+    table); returns them by name."""
+    return case_launcher(name)[1]()
+
+
+def _first_difference(a, b) -> str:
+    """Where two C launch calls first differ (``argument i``, ``[j]`` within a tuple)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            inner = f"[{_first_difference(x, y)}]" if isinstance(x, list) and isinstance(
+                y, list) else f": {x!r} != {y!r}"
+            return f"{i}{inner}"
+    return f"the length: {len(a)} != {len(b)}"
+
+
+def check_bindings(name: str) -> str | None:
+    """Whether one case's recorded launch hands Triton's C launch what ``kernel[grid](
+    **kwargs)`` hands it (``_triton_compat.recording_compiles``: Triton binds and specializes,
+    then a launcher of the installed Triton's ``CudaLauncher`` records its C call instead of
+    compiling and launching): the first launch of a binding goes through ``kernel[grid]``,
+    the next through the record (the C launch itself without a hook, ``CompiledKernel.run``
+    with one). Returns ``None``, or what differs."""
+    seen: list = []
+    with tc.recording_compiles(seen):
+        launcher, launch = case_launcher(name)
+        launcher._direct, launcher._get_stream = True, tc.current_stream  # as on a GPU
+        if launcher.workspace is None:  # one-shot: the same fresh workspace every launch
+            work = launcher.new_workspace()
+            launcher.new_workspace = lambda: work
+        kernels = 1 + launcher.launches_merge
+        calls = {}
+        for hook in (None, lambda metadata: None):
+            with tc.launch_hook(hook) if hook else contextlib.nullcontext():
+                launcher._bindings.clear()
+                launch()  # kernel[grid]: Triton binds
+                launch()  # the record
+                with_hook = "hook" if hook else "no hook"
+                calls[with_hook] = (seen[-2 * kernels:-kernels], seen[-kernels:])
+    if len(seen) != 4 * kernels or len(launcher._bindings) != 1:
+        return f"{len(seen)} C launches for {kernels} kernel(s) x 4, " \
+               f"{len(launcher._bindings)} binding(s)"
+    for with_hook, (triton_calls, recorded_calls) in calls.items():
+        for k, (a, b) in enumerate(zip(triton_calls, recorded_calls, strict=True)):
+            if a != b:
+                return f"{'merge' if k else 'main'} kernel, {with_hook}: C launch differs " \
+                       f"at {_first_difference(a, b)}"
+    return None
 
 
 _SCOPE_LABEL = re.compile(r"\$L__tmp\d+:")
@@ -271,13 +307,14 @@ def ptx_code(ptx: str) -> list[str]:
     return lines
 
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+PTXAS = tc.ptxas(90)
 
 
 def resources(ptx: str) -> tuple[int, int, int] | None:
     """``(registers, spill store bytes, spill load bytes)`` of a PTX file, as Triton's own
-    ``ptxas -lineinfo -v`` reports them for sm_90a; ``None`` where no ``ptxas`` is bundled."""
-    if not PTXAS.is_file():
+    ``ptxas -lineinfo -v`` reports them for sm_90a; ``None`` where no ``ptxas`` is found
+    (``_triton_compat.ptxas``: ``$TRITON_PTXAS_PATH``, the installed Triton's, the system's)."""
+    if PTXAS is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "k.ptx")
@@ -289,7 +326,7 @@ def resources(ptx: str) -> tuple[int, int, int] | None:
         r"Used (\d+) registers", r"(\d+) bytes spill stores", r"(\d+) bytes spill loads"))
 
 
-NVDISASM = PTXAS.with_name("nvdisasm")
+NVDISASM = tc.nvdisasm()
 _SASS_INST = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _SASS_LABEL = re.compile(r"\s*\.(L_x_\d+):")
 
@@ -297,10 +334,11 @@ _SASS_LABEL = re.compile(r"\s*\.(L_x_\d+):")
 def loop_spills(cubin: bytes) -> int | None:
     """Spill instructions (``STL``/``LDL``) inside the token loop of a compiled kernel: the
     smallest backward-branch loop that holds tensor-core instructions (``HMMA``), read off
-    the bundled ``nvdisasm``'s SASS; ``None`` where none is bundled or no such loop exists.
+    ``nvdisasm``'s SASS (``_triton_compat.nvdisasm``); ``None`` where there is none or no such
+    loop exists.
     A spill outside the loop costs an L1 round trip a piece; one inside costs it every tile
     (docs/perf-notes.md, step 40)."""
-    if not NVDISASM.is_file():
+    if NVDISASM is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "k.cubin")
@@ -341,15 +379,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", metavar="DIR",
                    help="compare each kernel's instructions with DIR/<case>.<kind>.ptx (exit 1 "
                         "if any differs or is missing)")
+    p.add_argument("--bindings", action="store_true",
+                   help="compile nothing: check that each case's recorded launch hands Triton's "
+                        "C launch what kernel[grid](**kwargs) hands it (exit 1 if any differs)")
     args = p.parse_args(argv)
+    cases = [c for word in args.cases.split(",")
+             for c in (NEW_OPTION_CASES if word == "new-options" else [word])]
+    unknown = [c for c in cases if c not in CASES and c not in MLA_CASES]
+    if unknown or (args.bindings and (args.ptx_dir or args.compare)):
+        print("compile_sm90: error: " + (
+            f"unknown case {unknown[0]!r} (see CASES, MLA_CASES)" if unknown
+            else "--bindings compiles nothing: no --ptx-dir or --compare"), file=sys.stderr)
+        return 2
+    if args.bindings:
+        print(f"triton {tc.triton.__version__}: recorded launch "
+              f"{'on' if tc.VERSION in tc.LAUNCH_FORMS else 'OFF (an unread Triton)'}, "
+              f"C launch form {tc.LAUNCH_FORMS.get(tc.VERSION)}", flush=True)
+        bad = checked = 0
+        for case in cases:
+            if "num_tokens" in CASES.get(case, ({},))[0]:  # varlen launchers record nothing
+                print(f"{case}: never recorded (varlen: every launch through kernel[grid])")
+                continue
+            checked += 1
+            verdict = check_bindings(case)
+            bad += verdict is not None
+            print(f"{case}: {verdict or 'same C launch arguments'}", flush=True)
+        print(f"bindings: {bad} of {checked} case(s) differ")
+        return 1 if bad else 0
     differ = 0
     for name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
         setattr(L, name, _Compile(getattr(L, name)))
-    L._direct_launch_supported = lambda: False
-    cases = [c for word in args.cases.split(",")
-             for c in (NEW_OPTION_CASES if word == "new-options" else [word])]
+    print(f"triton {tc.triton.__version__}, ptxas {PTXAS}, nvdisasm {NVDISASM}", flush=True)
     for case in cases:
-        compiled = compile_mla_case(case) if case in MLA_CASES else compile_case(case)
+        compiled = compile_case(case)
         for kind, c in compiled.items():
             res = resources(c.asm["ptx"])
             spills = loop_spills(c.asm["cubin"]) if res is not None else None

@@ -1,7 +1,8 @@
 """CPU exploration (not a GPU figure): the Python host path of ``paged_decode`` and
 ``plan.run`` with every kernel launch replaced by a no-op (Triton's C launch: its Python
-launcher runs), on CPU tensors, without the interpreter, as a GPU with Triton 3.6 would take
-it (recorded launches on, value checks off as under ``validate=None`` on CUDA). Triton's own
+launcher runs), on CPU tensors, without the interpreter, as a GPU with the installed Triton
+(3.6-3.9) would take it (recorded launches on, value checks off as under ``validate=None``
+on CUDA). Triton's own
 ``kernel[grid]`` binding is stubbed too, so a path that goes through it costs more on a GPU
 than shown here. Prints the minimum of ``REPEATS`` (default 5) timings of 500 calls, µs per
 call. Usage (repo root, no GPU needed)::
@@ -13,27 +14,22 @@ import functools
 import pstats
 import sys
 import time
-import types
 
 import torch
 
 import pagedattn
 from pagedattn import _validation as V
 from pagedattn import api
+from pagedattn.launch import _triton_compat as tc
 from pagedattn.launch import decode as L
 from pagedattn.testing import make_paged_inputs
 
 
 def _launcher():
-    """Triton 3.6's Python launcher (``CudaLauncher``, its ``__call__`` as on a GPU) around a
-    C launch that does nothing."""
-    from triton.backends.nvidia.driver import CudaLauncher
-
-    run = object.__new__(CudaLauncher)
+    """The installed Triton's Python launcher (``CudaLauncher``, its ``__call__`` as on a GPU:
+    the version seam's recording launcher) around a C launch that does nothing."""
+    run = tc.recording_launcher([])
     run.launch = lambda *args: None
-    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, False
-    run.global_scratch_size = run.profile_scratch_size = 0
-    run.global_scratch_align = run.profile_scratch_align = 1
     return run
 
 
@@ -63,13 +59,13 @@ V.check_device_runnable = lambda *args: None
 api._run_value_checks = lambda *args, **kwargs: None  # validate=None on a GPU skips them
 for _name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
     setattr(L, _name, FakeKernel(getattr(L, _name)))
-L.driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda i: 0))
+tc.cpu_driver(stream=0).__enter__()  # Triton's driver: a stand-in for the whole run
 _init = L.AutoLauncher.__init__
 
 
 def _init_as_on_a_gpu(self, *args, **kwargs):
     _init(self, *args, **kwargs)
-    self._direct = kwargs.get("record", True)  # what a GPU with Triton 3.6 does
+    self._direct = kwargs.get("record", True)  # what a GPU with Triton 3.6-3.9 does
     self._get_stream = lambda index: 0
 
 

@@ -83,14 +83,13 @@ def test_interpreter_turned_off_leaves_bench_list_working(capsys, monkeypatch):
 
 
 def test_is_interpreter_reads_the_variable_as_triton_does(monkeypatch):
-    from triton._C.libtriton import getenv_bool
-
     from pagedattn._env import is_interpreter
+    from pagedattn.launch._triton_compat import triton_reads_true
 
     for value in ("1", "0", "true", "false", "TRUE", "on", "off", "yes", "no", "y", "2", "",
                   " 1"):
         monkeypatch.setenv("TRITON_INTERPRET", value)
-        assert is_interpreter() == getenv_bool("TRITON_INTERPRET", False), value
+        assert is_interpreter() == triton_reads_true("TRITON_INTERPRET"), value
 
 
 @cpu_only

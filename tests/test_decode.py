@@ -155,30 +155,80 @@ def test_repeat_runs_launch_the_bound_kernels(monkeypatch):
 
 
 def test_c_launch_passes_what_triton_passes():
-    """The direct C launch of a recorded launch (``_c_launch``/``_launch_c``) hands Triton
-    3.6's C launch exactly the arguments ``CudaLauncher.__call__`` hands it; a kernel that
-    needs scratch memory keeps Triton's own call (``None``)."""
+    """The fast path of a recorded launch (the C launch itself: ``c_launch``/``launch_c`` of
+    the version seam) and its fallback (``CompiledKernel.run``, which is
+    ``CudaLauncher.__call__``) hand the installed Triton's C launch the same arguments, with
+    the launch flags passed through; a kernel that needs scratch memory keeps Triton's own
+    call (``None``). On the CPU: Triton's driver is a stand-in for the call."""
     from types import SimpleNamespace
 
-    from triton.backends.nvidia.driver import CudaLauncher
+    from pagedattn.launch import _triton_compat as tc
 
-    from pagedattn.launch import decode as launch_decode
+    for cooperative, pdl in ((False, True), (True, False)):
+        seen: list = []
+        run = tc.recording_launcher(seen, cooperative=cooperative, pdl=pdl)
+        compiled = SimpleNamespace(run=run, function=1234, packed_metadata=(4, 1, 0))
+        args = [11, 2.5, None, 7, torch.zeros(4)]
+        c = tc.c_launch(compiled)
+        assert c is not None or tc.VERSION not in tc.LAUNCH_FORMS
+        if c is None:
+            continue
+        with tc.cpu_driver():
+            tc.launch_compiled(compiled, (5, 2, 1), 99, args, None, None)
+        tc.launch_c(c, (5, 2, 1), 99, args)
+        tc.launch_c(c, (5, 2, 1), 99, args[:-1] + [3])  # another argument: another call
+        assert len(seen) == 3 and seen[0] == seen[1] and seen[2] != seen[1]
+        assert seen[0][:7] == [5, 2, 1, 99, 1234, cooperative, pdl]
+    for scratch in (dict(global_scratch=64), dict(profile_scratch=8)):
+        compiled = SimpleNamespace(run=tc.recording_launcher([], **scratch), function=1,
+                                   packed_metadata=())
+        assert tc.c_launch(compiled) is None
 
-    seen = []
-    run = object.__new__(CudaLauncher)  # Triton's Python launcher; its C launch records
-    run.launch = lambda *args: seen.append(args)
-    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, True
-    run.global_scratch_size = run.profile_scratch_size = 0
-    run.global_scratch_align = run.profile_scratch_align = 1
-    compiled = SimpleNamespace(run=run, function=1234, packed_metadata=(4, 1, 0))
-    args = [11, 2.5, None, 7]
-    launch_decode._launch_compiled(compiled, (5, 2, 1), 99, args, None, None)
-    launch_decode._launch_c(launch_decode._c_launch(compiled), (5, 2, 1), 99, args)
-    assert len(seen) == 2 and seen[0] == seen[1]
-    run.global_scratch_size = 64
-    assert launch_decode._c_launch(compiled) is None
-    run.global_scratch_size, run.profile_scratch_size = 0, 8
-    assert launch_decode._c_launch(compiled) is None
+
+def test_the_seam_names_every_read_triton(monkeypatch):
+    """The recorded launch is on for the Tritons whose launch path was read (3.6-3.9), in the
+    form each takes; an unread Triton takes every fallback (each launch binds through
+    ``kernel[grid]``, no C launch, an unpatched interpreter); versions parse with local and
+    dev suffixes; an empty hook chain reads as no hook, a set hook as itself."""
+    from types import SimpleNamespace
+
+    from pagedattn.launch import _triton_compat as tc
+
+    assert tc._minor("3.7.1+git1234") == (3, 7) and tc._minor("3.10.0.dev0") == (3, 10)
+    assert tc.LAUNCH_FORMS == {(3, 6): "spread", (3, 7): "packed", (3, 8): "packed",
+                               (3, 9): "packed"}
+    assert tc.launch_hooks() == (None, None)
+    with tc.launch_hook(print):
+        assert tc.launch_hooks()[0] is not None
+    assert tc.launch_hooks() == (None, None)
+    compiled = SimpleNamespace(run=tc.recording_launcher([]), function=1, packed_metadata=())
+    assert (tc.c_launch(compiled) is not None) is (tc.VERSION in tc.LAUNCH_FORMS)
+    monkeypatch.setattr(tc, "VERSION", (3, 10))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not tc.direct_launch_supported() and tc.c_launch(compiled) is None
+    assert tc.patch_interpreter_lang() is False
+
+
+def test_recorded_launch_binds_what_triton_binds_for_every_compiled_case():
+    """For every case ``scripts/compile_sm90.py`` compiles for sm_90, the recorded launch
+    (the C launch without a hook, ``CompiledKernel.run`` with one) hands the installed
+    Triton's C launch exactly what ``kernel[grid](**kwargs)`` hands it: Triton binds and
+    specializes the arguments itself (interpreter off, in a subprocess), and a recording
+    ``CudaLauncher`` stands in for the compiled binary. No GPU, no compile."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src")
+    run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"),
+                          "--bindings"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    same = [line for line in run.stdout.splitlines() if line.endswith(": same C launch arguments")]
+    assert len(same) >= 24 and f"bindings: 0 of {len(same)} case(s) differ" in run.stdout, \
+        run.stdout
 
 
 @pytest.mark.parametrize("per_group", [True, False])

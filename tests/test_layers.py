@@ -1,6 +1,6 @@
 """The import rules DESIGN.md states, read from the source with ``ast`` (nothing is imported):
-one-way layers ``cli → bench/serving → api → launch → kernels`` (``compat → api`` beside
-bench/serving: nothing below imports it), leaves that import no
+one-way layers ``cli → bench/serving → api → launch → kernels`` (``compat → api`` and
+``integrations → api`` beside bench/serving: nothing else imports them), leaves that import no
 ``pagedattn`` layer, no cycles, and dispatch through real import statements. Imports inside
 functions count: they are what a reader (and a tool such as import-linter) follows too."""
 
@@ -53,7 +53,7 @@ GRAPH = _import_graph()
 
 
 def _layer(module: str) -> str:
-    for prefix in ("kernels", "launch", "bench", "serving", "compat"):
+    for prefix in ("kernels", "launch", "bench", "serving", "compat", "integrations"):
         if module.startswith(f"pagedattn.{prefix}"):
             return prefix
     return {"pagedattn.api": "api", "pagedattn.attention": "api", "pagedattn.mla": "api",
@@ -65,6 +65,9 @@ def _layer(module: str) -> str:
 ALLOWED = {"kernels": {"kernels"}, "launch": {"launch", "kernels", "leaf"},
            "api": {"api", "launch", "leaf"}, "bench": {"bench", "api", "leaf"},
            "serving": {"serving", "api", "leaf"}, "compat": {"compat", "api", "leaf"},
+           # the serving frameworks' plugins (vLLM's backend) use the API as a user does, as
+           # compat/ does; a framework's process imports them by name, the library never
+           "integrations": {"integrations", "api", "leaf"},
            "cli": {"bench", "serving", "leaf"}}
 
 
@@ -89,6 +92,13 @@ def test_compat_sits_above_the_api():
     assert "pagedattn.compat.flash_attn" in GRAPH and "pagedattn.compat.flashinfer" in GRAPH
     assert not [m for m, targets in GRAPH.items() if _layer(m) != "compat"
                 and any(_layer(t) == "compat" for t in targets)]
+
+
+def test_integrations_sit_above_the_api():
+    assert {"pagedattn.integrations.vllm.backend", "pagedattn.integrations.vllm.step"} <= set(
+        GRAPH)
+    assert not [m for m, targets in GRAPH.items() if _layer(m) != "integrations"
+                and any(_layer(t) == "integrations" for t in targets)]
 
 
 def test_nothing_imports_the_cli():
@@ -132,3 +142,50 @@ def test_the_launch_policy_is_pure():
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not {m for m in imported if m.split(".")[0] == "triton"}, imported
     assert not {m for m in GRAPH["pagedattn.launch.policy"] if _layer(m) == "kernels"}
+
+
+#: Triton's modules under its public surface (``triton``, ``triton.language``, ``triton.jit``,
+#: ``triton.testing``): what only the version seam may import or reach
+_PRIVATE_TRITON = ("triton.knobs", "triton.runtime", "triton.backends", "triton.compiler",
+                   "triton._C", "triton._utils")
+_PRIVATE_NAMES = {"knobs", "CudaLauncher", "_patch_lang", "_LangPatchScope", "_do_compile",
+                  "get_ptxas", "getenv_bool", "InterpreterBuilder"}
+SEAM = "src/pagedattn/launch/_triton_compat.py"
+
+
+def _private_triton_uses(source: str) -> list[str]:
+    """The imports and attribute or name uses of Triton's private API in ``source`` (code
+    only: docstrings, comments and strings do not count)."""
+    uses = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            uses += [n for n in names if n.startswith(_PRIVATE_TRITON)]
+        elif isinstance(node, ast.Import):
+            uses += [a.name for a in node.names if a.name.startswith(_PRIVATE_TRITON)]
+        elif isinstance(node, ast.Attribute) and node.attr in _PRIVATE_NAMES:
+            uses.append(f".{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in _PRIVATE_NAMES:
+            uses.append(node.id)
+    return uses
+
+
+def test_private_triton_api_lives_in_the_seam():
+    """Every use of Triton's private API (``knobs``, the runtime and its driver and
+    interpreter, the backends' launcher and tools, the compiler's entry points, ``_C``) is in
+    ``launch/_triton_compat.py``, the version seam, where each has a version-checked
+    fallback: in the library, the scripts and the tests alike."""
+    assert _private_triton_uses("from triton.runtime import driver\nfrom triton import knobs\n"
+                                "import triton.backends.nvidia.driver\nx.CudaLauncher\n") == [
+        "triton.runtime.driver", "triton.knobs", "triton.backends.nvidia.driver",
+        ".CudaLauncher"]
+    root = SRC.parent
+    found = {}
+    for folder in ("src", "scripts", "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            uses = _private_triton_uses(path.read_text(encoding="utf-8"))
+            if uses and rel != SEAM:
+                found[rel] = uses
+    assert found == {}
+    assert _private_triton_uses((root / SEAM).read_text(encoding="utf-8"))

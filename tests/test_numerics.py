@@ -177,7 +177,7 @@ def test_multi_token_huge_window_is_int32_safe(window_left, num_splits):
     tokens and a length-0 sequence in the batch: the planner's ``n - q_len - window_left``
     overflowed int32 (an interpreter traceback; with a GPU's wrapping the other sequences'
     outputs were left unwritten). Now no int32 operation of the kernels overflows."""
-    from _int32 import gpu_int32
+    from pagedattn.launch._triton_compat import gpu_int32
 
     inputs = make_paged_inputs([5, 0, 200], num_q_heads=4, num_kv_heads=2, head_dim=16,
                                page_size=16, dtype=torch.float32, max_pages=20, seed=1)
@@ -194,7 +194,7 @@ def test_table_capacity_past_int32_is_safe(impl):
     """``max_pages * page_size >= 2^31`` (a table of 2^19 pages of 4096 tokens): the kernels'
     int32 ``max_pages * page_size`` wrapped to a negative capacity (the stages returned zeros,
     ``auto`` read outside the cache). The kernels now see at most ``MAX_CONTEXT_LEN``."""
-    from _int32 import gpu_int32
+    from pagedattn.launch._triton_compat import gpu_int32
 
     lens = [4100, 0, 9] if impl in ("auto", "gqa_reuse_v3") else [20, 0, 9]
     inputs = make_paged_inputs(lens, num_q_heads=2, num_kv_heads=1, head_dim=16,
@@ -369,7 +369,7 @@ def test_value_bounds_ignore_unread_data():
 def test_no_int32_overflow_across_variants(kw):
     """Every variant of ``auto`` with a GPU's int32 wrapping: no int32 operation of the
     kernels overflows, and the result is the oracle's (the 2^31 table: see above)."""
-    from _int32 import gpu_int32
+    from pagedattn.launch._triton_compat import gpu_int32
 
     kw = dict(kw)
     q_len = kw.pop("q_len", 1)

@@ -6,10 +6,16 @@ prefill, mixed batches);
 ``mla_decode`` / ``plan_mla_decode`` are absorbed multi-head latent attention (DeepSeek-V2/V3);
 ``merge_states`` merges attention states (cascade serving); ``paged_decode_reference`` (and
 ``mla_decode_reference``) is the float64 oracle.
-Importing this package does not import Triton (the launchers load on first use).
+Importing this package does not import Triton (the launchers load on first use); below the
+supported torch and triton (``pagedattn._env.MIN_TORCH``, ``MIN_TRITON``) it raises one
+``ImportError`` naming the version found.
 """
 
-from pagedattn.api import (
+from pagedattn._env import check_versions
+
+check_versions()
+
+from pagedattn.api import (  # noqa: E402
     IMPLS,
     STAGES,
     DecodeOutput,
@@ -21,9 +27,9 @@ from pagedattn.api import (
     paged_decode,
     plan_decode,
 )
-from pagedattn.attention import AttentionPlan, paged_attention, plan_attention
-from pagedattn.mla import MLADecodePlan, mla_decode, plan_mla_decode
-from pagedattn.reference import (
+from pagedattn.attention import AttentionPlan, paged_attention, plan_attention  # noqa: E402
+from pagedattn.mla import MLADecodePlan, mla_decode, plan_mla_decode  # noqa: E402
+from pagedattn.reference import (  # noqa: E402
     mla_decode_reference,
     paged_attention_reference,
     paged_decode_reference,

@@ -1,9 +1,11 @@
-"""Environment predicates and provenance, as functions: nothing here runs at import time."""
+"""Environment predicates, the supported versions and provenance, as functions: nothing here
+runs at import time."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import subprocess
 import threading
@@ -12,6 +14,61 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+#: the lowest torch and triton that pagedattn's tests have passed on (README's support table;
+#: pyproject.toml's bounds): torch 2.11 with triton 3.6 on the H200, triton 3.6-3.9 on the CPU
+MIN_TORCH, MIN_TRITON = (2, 11), (3, 6)
+#: the distributions that install the ``triton`` module, in the order they are looked for
+TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "triton-rocm")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string (``"2.13.0+cpu"`` -> ``(2, 13, 0)``)."""
+    numbers = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) < len(part):
+            break
+    return tuple(numbers)
+
+
+def installed_triton() -> str | None:
+    """The installed Triton's version, read from its package metadata (``triton`` is not
+    imported), or ``None`` where no distribution of it is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in TRITON_DISTRIBUTIONS:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def version_problem(torch_version: str, triton_version: str | None) -> str | None:
+    """What is below the supported bounds (:data:`MIN_TORCH`, :data:`MIN_TRITON`), in one
+    sentence naming the version found, or ``None``. No Triton at all is no problem here:
+    ``import pagedattn`` and the oracle need torch only (a launch needs Triton)."""
+    low = [(name, found, need) for name, found, need in (
+        ("torch", torch_version, MIN_TORCH), ("triton", triton_version, MIN_TRITON))
+        if found is not None and _release(found)[:2] < need]
+    if not low:
+        return None
+    return "pagedattn needs " + " and ".join(
+        f"{name} >= {need[0]}.{need[1]} (found {name} {found})" for name, found, need in low) \
+        + ": pip install -U " + " ".join(f"'{n}>={m[0]}.{m[1]}'" for n, _, m in low)
+
+
+def check_versions() -> None:
+    """Raise one ``ImportError`` naming the version found when torch or triton is below the
+    supported bounds (``import pagedattn`` calls it)."""
+    problem = version_problem(torch.__version__, installed_triton())
+    if problem:
+        raise ImportError(problem)
+
 
 #: the values Triton's ``getenv_bool`` reads as true (case-insensitive); any other value, an
 #: empty one included, is false (``TRITON_INTERPRET=false`` must not read as on)

@@ -33,12 +33,13 @@ counters would need a fill).
 
 Launching. The first launch of a binding (the tensors' dtypes, strides and 16-byte alignment,
 LSE on or off) goes through Triton's own ``kernel[grid](...)``, which compiles or finds the
-binary. On Triton 3.6, where the call signature of a compiled kernel's ``run`` is known, the
+binary. On the Tritons whose launch path was read (3.6-3.9:
+:mod:`pagedattn.launch._triton_compat`, the one module that touches Triton's private API), the
 launcher records that launch's argument list, and later launches of the binding fill in the
 per-call pointers and scales and call ``CompiledKernel.run`` directly (the host path of
 ``kernel[grid]`` re-derives the specialization from every argument each call), or, for a
-kernel without scratch memory and no launch hook set, the C launch behind it (``_c_launch``:
-what ``CudaLauncher.__call__`` would pass it). Everything
+kernel without scratch memory and no launch hook set, the C launch behind it
+(``_triton_compat.c_launch``: what ``CudaLauncher.__call__`` would pass it). Everything
 else Triton specializes on (constexprs, integers, launch options) is fixed by the launcher,
 so the records live in the launcher object (one per plan). Every tensor argument, the
 workspace's included, is a per-call slot, so a record holds no tensor and no address. A
@@ -58,10 +59,7 @@ import functools
 from dataclasses import replace
 
 import torch
-import triton
 import triton.language as tl
-from triton import knobs
-from triton.runtime import driver
 
 from pagedattn._env import device_name_for, is_interpreter, num_sms
 from pagedattn._validation import FP8_DTYPES
@@ -70,6 +68,7 @@ from pagedattn.kernels.decode import (
     _merge_per_head_kernel,
     _paged_decode_kernel,
 )
+from pagedattn.launch import _triton_compat as tc
 from pagedattn.launch import policy, policy_mla
 from pagedattn.launch._common import LOG2E, block_d
 from pagedattn.launch.policy import DecodeConfig
@@ -117,13 +116,6 @@ def slot_offsets_fit_int32(cache: torch.Tensor, page_size: int, num_kv_heads: in
     return (page_size - 1) * cache.stride(1) + (num_kv_heads - 1) * cache.stride(2) < 2**31
 
 
-def _direct_launch_supported() -> bool:
-    """``CompiledKernel[grid](*args)`` takes every argument of the kernel in order (constexpr
-    slots included) on Triton 3.6 (checked by the GPU tests against ``kernel[grid]``);
-    elsewhere every launch binds through ``kernel[grid](**kwargs)``."""
-    return triton.__version__.split(".")[:2] == ["3", "6"] and not is_interpreter()
-
-
 #: the per-call arguments of each kernel, in the order :meth:`AutoLauncher.launch` fills them
 #: into a recorded launch (everything else is fixed by the binding and the launcher), then
 #: those of the per-call variants (``pagedattn.options.CALL_ARGS``: one pointer each)
@@ -143,60 +135,6 @@ _MAIN_CALLS = tuple((name, arg, flag) for name, arg, flag, _ in CALL_ARGS)
 _MERGE_CALLS = tuple((name, arg, flag) for name, arg, flag, merge in CALL_ARGS if merge)
 #: bindings kept per launcher (a plan sees one or two in practice: with and without LSE)
 _MAX_BINDINGS = 16
-
-
-def _hooks() -> tuple:
-    """Triton's launch hooks (profilers), ``None`` for a chain with no hook: Triton 3.6's
-    hooks are ``HookChain`` objects, never ``None``, so without this every launch would build
-    launch metadata and make two calls into empty chains."""
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    if type(enter) is knobs.HookChain and not enter.calls:
-        enter = None
-    if type(leave) is knobs.HookChain and not leave.calls:
-        leave = None
-    return enter, leave
-
-
-def _launch_compiled(compiled, grid: tuple[int, int, int], stream: int, args: list,
-                     enter, leave) -> None:
-    """What ``kernel[grid](...)`` ends with on Triton 3.6 (``CompiledKernel.__getitem__``'s
-    runner, without building a closure per call); ``enter``/``leave`` are Triton's launch
-    hooks (:func:`_hooks`), honoured as Triton does."""
-    metadata = (compiled.launch_metadata(grid, stream, *args)
-                if enter is not None or leave is not None else None)
-    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata, enter,
-                 leave, *args)
-
-
-def _c_launch(compiled) -> tuple | None:
-    """``(launch, function, cooperative, pdl, packed_metadata)``: Triton 3.6's C launch of
-    ``compiled`` and what ``CudaLauncher.__call__`` passes it besides the grid, the stream,
-    the hooks and the arguments, for a kernel that needs no scratch memory (then that call
-    only repacks the arguments twice and builds a closure); ``None`` otherwise, and the
-    launch goes through ``compiled.run`` (:func:`_launch_compiled`)."""
-    run = compiled.run
-    if type(run).__name__ != "CudaLauncher" or getattr(run, "global_scratch_size", 1) \
-            or getattr(run, "profile_scratch_size", 1):
-        return None
-    return (run.launch, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-            compiled.packed_metadata)
-
-
-def _launch_c(c: tuple, grid: tuple[int, int, int], stream: int, args: list) -> None:
-    """Launch through ``c`` (:func:`_c_launch`) with no hook: the call
-    ``CudaLauncher.__call__`` makes (no scratch, no launch metadata)."""
-    c[0](grid[0], grid[1], grid[2], stream, c[1], c[2], c[3], None, None, c[4], None, None, None,
-         *args)
-
-
-def _launch_recorded(compiled, c: tuple | None, grid: tuple[int, int, int], stream: int,
-                     args: list, enter, leave) -> None:
-    """A recorded launch: Triton's C launch itself (:func:`_launch_c`) when ``c`` holds it
-    and no hook is set, else :func:`_launch_compiled`."""
-    if c is None or enter is not None or leave is not None:
-        _launch_compiled(compiled, grid, stream, args, enter, leave)
-    else:
-        _launch_c(c, grid, stream, args)
 
 
 def _recorded(kernel, args: dict, slots: tuple[str, ...], calls: tuple) -> tuple[list, tuple]:
@@ -378,9 +316,9 @@ class AutoLauncher:
         # tensors' dtypes, strides and 16-byte alignment and whether LSE is written; the
         # records hold no tensor and no address (the workspace's are per-call slots too)
         self._direct = (record and on_gpu and device.index is not None and not self.varlen
-                        and _direct_launch_supported())
+                        and tc.direct_launch_supported())
         self._bindings: dict[tuple, tuple] = {}
-        self._get_stream = driver.active.get_current_stream if self._direct else None
+        self._get_stream = tc.current_stream if self._direct else None
 
     def new_workspace(self) -> torch.Tensor:
         """A fresh workspace for this launcher's shapes (:meth:`workspace_parts` names its
@@ -434,15 +372,18 @@ class AutoLauncher:
             # the binding: what Triton specializes on beyond the launcher's fixed choices (the
             # workspace's parts are aligned with its base: their offsets are multiples of 16
             # bytes)
-            key = (lse is None, query.dtype, query.stride(), key_cache.dtype,
+            # (of the query and out, the strides the kernels take: a single-token query
+            # binds the same as 3-D [batch, heads, dim] or 4-D [batch, 1, heads, dim])
+            key = (lse is None, query.dtype, _kernel_strides(query), key_cache.dtype,
                    key_cache.stride(), value_cache.dtype, value_cache.stride(), out.dtype,
-                   out.stride(), block_tables.dtype, block_tables.stride(),
+                   _kernel_strides(out), block_tables.dtype, block_tables.stride(),
                    context_lens.dtype, context_lens.stride(), q_ptr % 16 == 0,
                    k_ptr % 16 == 0, v_ptr % 16 == 0, bt_ptr % 16 == 0, cl_ptr % 16 == 0,
                    out_ptr % 16 == 0, ml_ptr % 16 == 0,
                    tuple((n, t.dtype, t.data_ptr() % 16 == 0) for n, t in calls.items())
                    if calls else None,
-                   (q_pe.dtype, q_pe.stride(), q_pe.data_ptr() % 16 == 0) if self.mla else None)
+                   (q_pe.dtype, _kernel_strides(q_pe), q_pe.data_ptr() % 16 == 0)
+                   if self.mla else None)
             entry = self._bindings.get(key)
             if entry is not None:
                 (main, merge, main_args, merge_args, main_slots, merge_slots, compiled, main_c,
@@ -466,8 +407,8 @@ class AutoLauncher:
                 for pos, name in main_slots[-1]:
                     args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
                 stream = self._get_stream(self.device.index)
-                enter, leave = _hooks()
-                _launch_recorded(main, main_c, self.grid, stream, args, enter, leave)
+                enter, leave = tc.launch_hooks()
+                tc.launch_recorded(main, main_c, self.grid, stream, args, enter, leave)
                 if merge is None:
                     return compiled
                 args = merge_args.copy()
@@ -476,7 +417,7 @@ class AutoLauncher:
                     cl_ptr, out_ptr, lse_ptr, ml_ptr, acc_ptr, rows_ptr)
                 for pos, name in merge_slots[6]:
                     args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
-                _launch_recorded(merge, merge_c, self.merge_grid, stream, args, enter, leave)
+                tc.launch_recorded(merge, merge_c, self.merge_grid, stream, args, enter, leave)
                 return compiled
         part_ml, part_acc, seq_rows = self.workspace_parts(work)
         multi = self.q_len > 1 and not self.varlen  # a 4-D query and out
@@ -539,7 +480,8 @@ class AutoLauncher:
         )
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
-                                               num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
+                                               num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+                                               **tc.KERNEL_OPTIONS)
         compiled = {"paged_decode": main}
         merge = None
         if self.launches_merge:  # (a folded or one-unit launch binds no merge)
@@ -557,7 +499,7 @@ class AutoLauncher:
                 **self.merge_constexprs,
             )
             merge = self.merge_kernel[self.merge_grid](
-                **merge_args, num_warps=self.merge_warps,
+                **merge_args, num_warps=self.merge_warps, **tc.KERNEL_OPTIONS,
                 **({"launch_pdl": True} if self.pdl else {}))
             compiled["paged_decode_merge"] = merge
         if key is not None:
@@ -569,14 +511,22 @@ class AutoLauncher:
                                                 _MERGE_CALLS)
                                       if merge is not None else (None, None))
             self._bindings[key] = (main, merge, main_rec, merge_rec, main_slots, merge_slots,
-                                   compiled, _c_launch(main),
-                                   _c_launch(merge) if merge is not None else None)
+                                   compiled, tc.c_launch(main),
+                                   tc.c_launch(merge) if merge is not None else None)
         return compiled
 
 
 #: shared one-shot launchers kept, at most (least recently used dropped first): each holds its
 #: launch configuration and at most ``_MAX_BINDINGS`` records, no tensor and no address
 ONE_SHOT_CACHE_SIZE = 64
+
+
+def _kernel_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a query or output that the kernels take: batch, heads and dim, and the
+    token stride of a multi-token 4-D tensor (dim 1 of a single-token 4-D view is never
+    read)."""
+    s = t.stride()
+    return (s[0], s[1], s[-2], s[-1]) if t.dim() == 4 and t.shape[1] > 1 else (s[0], *s[-2:])
 
 
 @functools.lru_cache(maxsize=ONE_SHOT_CACHE_SIZE)

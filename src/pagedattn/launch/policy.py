@@ -231,6 +231,8 @@ def multi_token_config(cfg: DecodeConfig, *, head_dim: int, kv_dtype: torch.dtyp
 #: the persistent merge's tile, at most (slots x rows x padded head dims, fp32 elements):
 #: 32 registers a thread at four warps
 _PERSISTENT_MERGE_ELEMENTS = 4096
+#: slots a persistent merge round takes, at most
+_PERSISTENT_MERGE_MAX_SLOTS = 16
 
 
 #: programs per SM of the persistent schedule by default, at most
@@ -255,7 +257,8 @@ def persistent_merge_tile(q_len: int, group: int, head_dim: int) -> tuple[int, i
     """``(BLOCK_R, BLOCK_HM)`` of the persistent merge: a segment's slots merged ``BLOCK_R``
     a load round, each ``BLOCK_HM`` rows (``q_len · group``, padded to a power of two)."""
     block_hm = max(2, next_power_of_2(q_len * group))
-    return max(2, min(16, _PERSISTENT_MERGE_ELEMENTS // (block_hm * block_d(head_dim)))), block_hm
+    return max(2, min(_PERSISTENT_MERGE_MAX_SLOTS,
+                      _PERSISTENT_MERGE_ELEMENTS // (block_hm * block_d(head_dim)))), block_hm
 
 
 def merge_per_group(batch: int, num_kv_heads: int, sms: int) -> bool:

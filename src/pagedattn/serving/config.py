@@ -227,7 +227,13 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], names: dic
     (:func:`weight_shapes`): checked at load, not at the first forward. ``names``: each
     weight's name in the file, for the error; ``source``: where the config came from
     (``config.json``). Raises ValueError naming the tensor (the first few if missing)."""
-    shapes = weight_shapes(cfg)
+    check_shapes(weight_shapes(cfg), weights, names, source)
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor],
+                 names: dict[str, str], source: str) -> None:
+    """Every weight of ``shapes`` (name -> the shape the config implies) is in ``weights``
+    with that shape (:func:`check_weights`; DeepSeek's loader with its own shapes)."""
     missing = [n for n in shapes if n not in weights]
     if missing:
         raise ValueError(f"model: tensors missing (as {source} implies): {missing[:5]}")

@@ -215,20 +215,14 @@ def load_hf(path: str | os.PathLike) -> tuple[DeepseekConfig, dict[str, torch.Te
     Hugging Face checkpoint directory. Raises FileNotFoundError without ``config.json`` or a
     safetensors file; ValueError naming the field (:func:`hf_config`), or the tensor that is
     missing or whose shape contradicts ``config.json``."""
-    from pagedattn.serving.config import read_checkpoint
+    from pagedattn.serving.config import check_shapes, read_checkpoint
     from pagedattn.serving.fp8_weights import dequantized
 
     raw, tensors = read_checkpoint(path, hf_config)
     cfg = hf_config(raw)
     shapes = weight_shapes(cfg)
     weights = {k: t.float() for k, t in dequantized(tensors, raw).items() if k in shapes}
-    missing = [k for k in shapes if k not in weights]
-    if missing:
-        raise ValueError(f"model: tensors missing (as config.json implies): {missing[:5]}")
-    for k, shape in shapes.items():
-        if tuple(weights[k].shape) != shape:
-            raise ValueError(f"{k}: expected shape {shape} from config.json, got "
-                             f"{tuple(weights[k].shape)}")
+    check_shapes(shapes, weights, {}, "config.json")
     return cfg, weights
 
 
