@@ -19,6 +19,12 @@ Timing: CUDA-graph replays of one call after a read-only flush of twice the L2
 float64 oracle (rows of at most ``--oracle-tokens`` new tokens), the peers' against ours.
 
     PYTHONPATH=src python3 scripts/bench_prefill.py [--fa3 .peers/fa3_peer.py] [--json F]
+        [--variants "r64w8:_VARLEN_ROWS=64,_VARLEN_RESIDENT=1,num_warps=8;..."]
+
+A ``--variants`` entry adds a ``pagedattn-LABEL`` column: our plan with the policy's
+:class:`~pagedattn.launch.policy.DecodeConfig` fields, or its ``_NAME`` module constants
+(``_VARLEN_ROWS``: query rows a tile takes; ``_VARLEN_RESIDENT``: programs per SM its
+register cap keeps), replaced while the plan is built and first run.
     TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/bench_prefill.py --dry-run   # CPU
 """
 
@@ -87,6 +93,19 @@ def ours(inputs, query, qsl, row: Row):
     return lambda: plan.run(query, inputs.key_cache, inputs.value_cache, out=out)
 
 
+def ours_with(fields: dict):
+    """:func:`ours` with the policy patched by ``fields`` (``ab_schedule.patched_config``)
+    while the plan's launcher is built (its first run)."""
+    from ab_schedule import patched_config  # noqa: PLC0415 (scripts/ is the script's path)
+
+    def make(inputs, query, qsl, row: Row):
+        with patched_config(fields):
+            fn = ours(inputs, query, qsl, row)
+            fn()
+        return fn
+    return make
+
+
 def flashinfer_prefill(inputs, query, qsl, row: Row):
     """FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (causal), planned once."""
     import flashinfer  # noqa: PLC0415 (a peer: imported only where it runs)
@@ -133,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--oracle-tokens", type=int, default=4096)
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: interpreter-sized rows, checked against the oracle, untimed")
+    ap.add_argument("--variants", default="",
+                    help="label:field=value,...;... (see the module docstring)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     names = args.rows.split(",")
@@ -148,6 +169,10 @@ def main(argv=None) -> int:
     device = "cpu" if dry else "cuda"
     shape = (4, 2, 16) if dry else (HEADS, KV_HEADS, HEAD_DIM)
     makers = {"pagedattn": ours}
+    for spec in filter(None, args.variants.split(";")):
+        label, _, fields = spec.partition(":")
+        makers["pagedattn-" + label] = ours_with(
+            {k: int(v) for k, v in (f.split("=") for f in fields.split(",") if f)})
     if not dry:
         try:
             import flashinfer  # noqa: F401, PLC0415
@@ -182,7 +207,7 @@ def main(argv=None) -> int:
             if ref is not None:
                 err = rel_l2_error(out, ref)
                 res[name + " err"] = err
-                if name == "pagedattn" and not err <= tolerance_for(query.dtype):
+                if name.startswith("pagedattn") and not err <= tolerance_for(query.dtype):
                     failures += 1
             elif name != "pagedattn" and "pagedattn" in outs:
                 res[name + " vs ours"] = rel_l2_error(out, outs["pagedattn"])

@@ -27,6 +27,15 @@ at most 64 tokens; short prompts beside a long one; a prompt over a cached prefi
 
 Installing pagedattn alone changes nothing: the runs of vLLM's own backend have pagedattn
 installed (its entry point loaded) without ``PAGEDATTN_VLLM_CPU=1``.
+
+Every vLLM process here runs this checkout's pagedattn, found through this checkout's entry
+point, whatever else the venv holds: the runs put ``src/`` and a ``.dist-info`` written from
+``pyproject.toml`` (:func:`write_dist_info`) first on ``PYTHONPATH``. vLLM finds its plugins
+with ``importlib.metadata.entry_points``, which keeps the first distribution of each name on
+``sys.path`` only, so without that a run takes whichever pagedattn metadata comes first: an
+editable install of another checkout (its code), or a ``src/pagedattn.egg-info`` left by an
+install made before the entry point existed (no plugin: vLLM's own backend runs in every
+process, and the tests fail far from the cause).
 """
 
 from __future__ import annotations
@@ -47,21 +56,53 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (see the module
 pytestmark = pytest.mark.vllm
 
 TESTS = Path(__file__).resolve().parent
+ROOT, SRC = TESTS.parent, TESTS.parent / "src"
 LOGPROB_ATOL = 1e-3
 #: the most tokens vLLM schedules in one step here (max_num_batched_tokens)
 STEP_TOKENS = 64
 
 
+def write_dist_info(site: Path, name: str, version: str,
+                    entry_points: dict[str, dict[str, str]]) -> None:
+    """A ``.dist-info`` in ``site`` that ``importlib.metadata`` finds when ``site`` is on
+    ``sys.path``: the distribution's name, version and entry points, nothing else."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()) + "\n"
+        for group, points in entry_points.items()))
+
+
+def pagedattn_path(workdir: Path) -> list[str]:
+    """What goes first on a run's ``PYTHONPATH`` for pagedattn: this checkout's metadata
+    (``pagedattn-site``, written by :func:`workdir`) and its ``src/``."""
+    return [str(workdir / "pagedattn-site"), str(SRC)]
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """Models, the test plugin's dist-info and every run's output."""
+    """Models, the dist-infos (pagedattn's, from this checkout's pyproject.toml, and the test
+    plugin's) and every run's output. Checks first that a run's environment finds this
+    checkout's pagedattn and its plugin (the module docstring says why)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     root = tmp_path_factory.mktemp("vllm")
-    info = root / "site" / "pagedattn_tests-0.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pagedattn-tests\n"
-                                   "Version: 0.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\npagedattn_tests = _vllm_test_plugin:install\n")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    write_dist_info(root / "pagedattn-site", project["name"], project["version"],
+                    {"console_scripts": project.get("scripts", {}), **project["entry-points"]})
+    write_dist_info(root / "site", "pagedattn-tests", "0.0",
+                    {"vllm.general_plugins": {"pagedattn_tests": "_vllm_test_plugin:install"}})
+    found = subprocess.run(
+        [sys.executable, "-c",
+         "import importlib.metadata as m, importlib.util as u\n"
+         "print(u.find_spec('pagedattn').origin)\n"
+         "print(sorted(f'{e.name}={e.value}' for e in m.entry_points("
+         "group='vllm.general_plugins')))"],
+        env=_env(root, ours=True, tp=1, probe=root / "probe-check"), capture_output=True,
+        text=True, timeout=120, check=True).stdout.splitlines()
+    target = project["entry-points"]["vllm.general_plugins"]["pagedattn"]
+    assert found[0] == str(SRC / "pagedattn" / "__init__.py"), found
+    assert f"pagedattn={target}" in found[1] and "pagedattn_tests=" in found[1], found
     for family in ("llama", "mistral"):
         subprocess.run([sys.executable, str(TESTS / "_vllm_run.py"), "make",
                         str(root / family), family], check=True, capture_output=True,
@@ -74,8 +115,8 @@ def _env(workdir: Path, *, ours: bool, tp: int, probe: Path) -> dict:
     env.update(TRITON_INTERPRET="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_KVCACHE_SPACE="1", PAGEDATTN_TEST_PROBE=str(probe),
                PAGEDATTN_VLLM_CPU="1" if ours else "0",
-               PYTHONPATH=os.pathsep.join([str(workdir / "site"), str(TESTS),
-                                           env.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([*pagedattn_path(workdir), str(workdir / "site"),
+                                           str(TESTS), env.get("PYTHONPATH", "")]))
     if tp > 1:  # one OpenMP thread per rank, one core each ("0|1")
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in range(tp))
     return env
@@ -221,6 +262,8 @@ def test_the_readmes_cpu_example_runs_as_written(workdir):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PAGEDATTN_", "VLLM_", "TRITON_"))}
     env.update(assignments)
+    # this checkout's pagedattn, as if installed (the module docstring says why)
+    env["PYTHONPATH"] = os.pathsep.join([*pagedattn_path(workdir), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "app.py"], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
