@@ -107,6 +107,44 @@ CASES = {
                               torch.bfloat16, None, 2, 8),
 }
 
+#: absorbed MLA (pagedattn.mla, the kernel's MLA flag): name -> (query heads, latent and rope
+#: dims, page size, batch, table width, q_len, LSE, dtype, cache dtype, schedule, one-shot,
+#: per-call options, plan-time options); DeepSeek-V3's 512 + 64 dims at the issue's shapes
+#: (TP1: 128 heads, two blocks of 64; TP8: 16 heads), the table of a 4k context
+MLA_CASES = {
+    "mla-tp1-bf16": (128, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None, "split", False,
+                     (), {}),
+    "mla-tp1-bf16-lse": (128, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, "split",
+                         False, (), {}),
+    "mla-tp8-bf16": (16, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None, "split", False,
+                     (), {}),
+    "mla-tp1-fp8": (128, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, torch.float8_e4m3fn,
+                    "split", False, (), {}),
+    "mla-tp8-fp8": (16, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, torch.float8_e4m3fn,
+                    "split", False, (), {}),
+    "mla-tp1-persistent": (128, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None,
+                           "persistent", False, (), {}),
+    "mla-tp8-persistent": (16, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None,
+                           "persistent", False, (), {}),
+    # multi-token prediction: q_len 2 at 128 heads is two tokens x 32 heads a tile (4 blocks)
+    "mla-tp1-q_len2": (128, 512, 64, 64, 64, 64, 2, False, torch.bfloat16, None, "split",
+                       False, (), {}),
+    "mla-tp8-q_len4": (16, 512, 64, 64, 64, 64, 4, False, torch.bfloat16, None, "split",
+                       False, (), {}),
+    # a one-shot call: a fresh workspace, so the merge kernel instead of the folded merge
+    "mla-tp1-one-shot": (128, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, "split",
+                         True, (), {}),
+    # the variants the kernel carries for free: soft-cap and sinks
+    "mla-tp8-softcap-sinks": (16, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, "split",
+                              False, ("sinks",), dict(logits_soft_cap=30.0)),
+    # one long sequence: its split rows merged per query head (the pairs do not fill the SMs)
+    "mla-tp1-b1-c32k": (128, 512, 64, 64, 1, 512, 1, False, torch.bfloat16, None, "split",
+                        False, (), {}),
+    # SGLang's one-token pages
+    "mla-tp8-page1": (16, 512, 64, 1, 64, 4096, 1, False, torch.bfloat16, None, "split", False,
+                      (), {}),
+}
+
 #: an option that no case above switches on gets a case of its own, ``option-<name>`` (its
 #: ``Option.example``), so a new variant compiles for sm_90 with no edit here; the word
 #: ``new-options`` in ``--cases`` stands for those cases (none while every option has one)
@@ -140,6 +178,8 @@ class _Compile:
 def case_launcher(name: str):
     """One case's :class:`~pagedattn.launch.decode.AutoLauncher` (CPU device) and a function
     that launches it on zero tensors made once (the same addresses at every launch)."""
+    if name in MLA_CASES:
+        return mla_case_launcher(name)
     options, per_call, dtype, kv_dtype, batch, kv_heads = CASES[name]
     options = dict(options)
     max_pages = options.pop("max_pages", 64)  # 1,024 tokens: splits and a merge
@@ -170,6 +210,31 @@ def case_launcher(name: str):
     qsl = torch.zeros(batch + 1, dtype=torch.int32) if num_tokens is not None else None
     return launcher, lambda: launcher.launch(query, cache, cache, tables, lens, out, lse,
                                              scale=0.1, calls=tensors, query_start_loc=qsl)
+
+
+def mla_case_launcher(name: str):
+    """One MLA case's (:data:`MLA_CASES`) launcher, as :func:`case_launcher`: the main
+    kernel with ``MLA`` on (and its merge kernel where the plan launches one)."""
+    (heads, latent, rope, page_size, batch, max_pages, q_len, with_lse, dtype, kv_dtype,
+     schedule, one_shot, per_call, options) = MLA_CASES[name]
+    kv_dtype = kv_dtype or dtype
+    launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=heads,
+                              num_kv_heads=1, head_dim=latent, page_size=page_size,
+                              q_dtype=dtype, kv_dtype=kv_dtype, device=torch.device("cpu"),
+                              num_splits=None, q_len=q_len, options=plan_options(options),
+                              workspace=not one_shot, schedule=schedule, rope_dim=rope)
+    lead = (batch, heads) if q_len == 1 else (batch, q_len, heads)
+    q_nope = torch.zeros(*lead, latent, dtype=dtype)
+    q_pe = torch.zeros(*lead, rope, dtype=dtype)
+    pages = batch * max_pages
+    cache = torch.zeros(pages, page_size, latent + rope, dtype=kv_dtype)  # one combined buffer
+    tables = torch.zeros(batch, max_pages, dtype=torch.int32)
+    lens = torch.zeros(batch, dtype=torch.int32)
+    out, lse = torch.empty_like(q_nope), torch.empty(lead) if with_lse else None
+    tensors = {k: torch.zeros(heads) for k in per_call}
+    return launcher, lambda: launcher.launch(q_nope, cache[..., :latent], cache[..., latent:],
+                                             tables, lens, out, lse, scale=0.1, calls=tensors,
+                                             q_pe=q_pe)
 
 
 def compile_case(name: str) -> dict:
@@ -308,7 +373,8 @@ def _resources_text(res: tuple[int, int, int] | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=",".join(CASES), help="comma list (default: all)")
+    p.add_argument("--cases", default=",".join([*CASES, *MLA_CASES]),
+                   help="comma list (default: all)")
     p.add_argument("--ptx-dir", help="write each compiled kernel's PTX here")
     p.add_argument("--compare", metavar="DIR",
                    help="compare each kernel's instructions with DIR/<case>.<kind>.ptx (exit 1 "
@@ -319,10 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cases = [c for word in args.cases.split(",")
              for c in (NEW_OPTION_CASES if word == "new-options" else [word])]
-    unknown = [c for c in cases if c not in CASES]
+    unknown = [c for c in cases if c not in CASES and c not in MLA_CASES]
     if unknown or (args.bindings and (args.ptx_dir or args.compare)):
-        print("compile_sm90: error: " + (f"unknown case {unknown[0]!r} (see CASES)" if unknown
-              else "--bindings compiles nothing: no --ptx-dir or --compare"), file=sys.stderr)
+        print("compile_sm90: error: " + (
+            f"unknown case {unknown[0]!r} (see CASES, MLA_CASES)" if unknown
+            else "--bindings compiles nothing: no --ptx-dir or --compare"), file=sys.stderr)
         return 2
     if args.bindings:
         print(f"triton {tc.triton.__version__}: recorded launch "
@@ -330,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
               f"C launch form {tc.LAUNCH_FORMS.get(tc.VERSION)}", flush=True)
         bad = checked = 0
         for case in cases:
-            if "num_tokens" in CASES[case][0]:  # varlen launchers record nothing
+            if "num_tokens" in CASES.get(case, ({},))[0]:  # varlen launchers record nothing
                 print(f"{case}: never recorded (varlen: every launch through kernel[grid])")
                 continue
             checked += 1
@@ -350,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             spills = loop_spills(c.asm["cubin"]) if res is not None else None
             print(f"{case}: {kind} {c.name} ok, {len(c.asm['ptx'].splitlines())} PTX lines"
                   f"{_resources_text(res)}, {c.metadata.shared} bytes of shared memory"
+                  f"{', wgmma' if 'wgmma' in c.asm['ptx'] else ''}"
                   + ("" if spills is None else f", {spills} spill instructions in the token loop"),
                   flush=True)
             if args.ptx_dir:

@@ -16,6 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LEAVES = {"pagedattn._env": set(), "pagedattn._validation": {"pagedattn._env"},
           "pagedattn._cli_types": set(), "pagedattn.traces": set(), "pagedattn.reference": set(),
           "pagedattn.options": {"pagedattn._validation"},
+          "pagedattn._validation_mla": {"pagedattn._validation"},
           "pagedattn.testing": {"pagedattn.reference"}}
 #: the one kernel outside the attention path: the roofline probe that bench/timing launches
 MEASUREMENT_KERNELS = {"pagedattn.kernels.readbw"}
@@ -55,7 +56,8 @@ def _layer(module: str) -> str:
     for prefix in ("kernels", "launch", "bench", "serving", "compat", "integrations"):
         if module.startswith(f"pagedattn.{prefix}"):
             return prefix
-    return {"pagedattn.api": "api", "pagedattn.attention": "api", "pagedattn": "api",
+    return {"pagedattn.api": "api", "pagedattn.attention": "api", "pagedattn.mla": "api",
+            "pagedattn": "api",
             "pagedattn.cli": "cli"}.get(module, "leaf")
 
 

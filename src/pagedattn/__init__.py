@@ -3,8 +3,9 @@
 ``paged_decode`` is the entry point, ``plan_decode`` its plan/run form for serving;
 ``paged_attention`` / ``plan_attention`` take any number of new tokens per sequence (paged
 prefill, mixed batches);
-``merge_states`` merges attention states (cascade serving); ``paged_decode_reference`` is
-the float64 oracle.
+``mla_decode`` / ``plan_mla_decode`` are absorbed multi-head latent attention (DeepSeek-V2/V3);
+``merge_states`` merges attention states (cascade serving); ``paged_decode_reference`` (and
+``mla_decode_reference``) is the float64 oracle.
 Importing this package does not import Triton (the launchers load on first use); below the
 supported torch and triton (``pagedattn._env.MIN_TORCH``, ``MIN_TRITON``) it raises one
 ``ImportError`` naming the version found.
@@ -27,10 +28,16 @@ from pagedattn.api import (  # noqa: E402
     plan_decode,
 )
 from pagedattn.attention import AttentionPlan, paged_attention, plan_attention  # noqa: E402
-from pagedattn.reference import paged_attention_reference, paged_decode_reference  # noqa: E402
+from pagedattn.mla import MLADecodePlan, mla_decode, plan_mla_decode  # noqa: E402
+from pagedattn.reference import (  # noqa: E402
+    mla_decode_reference,
+    paged_attention_reference,
+    paged_decode_reference,
+)
 
 __all__ = ["IMPLS", "STAGES", "AttentionPlan", "DecodeOutput", "DecodePlan", "ImplSpec",
-           "append_kv", "compiled_kernels", "merge_states", "paged_attention",
-           "paged_attention_reference", "paged_decode", "paged_decode_reference",
-           "plan_attention", "plan_decode"]
+           "MLADecodePlan", "append_kv", "compiled_kernels", "merge_states", "mla_decode",
+           "mla_decode_reference", "paged_attention", "paged_attention_reference",
+           "paged_decode", "paged_decode_reference", "plan_attention", "plan_decode",
+           "plan_mla_decode"]
 __version__ = "0.1.0"

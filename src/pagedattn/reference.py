@@ -154,3 +154,69 @@ def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor,
                                          block_tables[b:b + 1], seq_lens[b:b + 1], **kwargs)
             out[lo:hi], lse[lo:hi] = ref.out[0], ref.lse[0]
     return ReferenceOutput(out, lse)
+
+
+def mla_decode_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+                         kpe_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, *, scale: float, kv_scale=None,
+                         logits_soft_cap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> ReferenceOutput:
+    """Float64 absorbed multi-head latent attention (``pagedattn.mla_decode``; DeepSeek-V2,
+    DeepSeek-AI 2024): every query head attends over one latent per token, ``out_h =
+    softmax(scale·(q_nope_h·ckvᵀ + q_pe_h·kpeᵀ))·ckv``; the latent is both key and value.
+
+    Args:
+        q_nope: ``[batch, num_heads, d_latent]`` or ``[batch, q_len, num_heads, d_latent]``
+            (token ``j`` at position ``context_len - q_len + j``, attending to keys ``p <=``
+            its position), any float dtype.
+        q_pe: the rope part, ``[..., num_heads, d_rope]`` of the same leading shape.
+        ckv_cache, kpe_cache: ``[num_pages, page_size, d_latent]`` and ``[num_pages,
+            page_size, d_rope]``, any float dtype, fp8 too (dequantized as ``stored ·
+            kv_scale``, both).
+        block_tables, context_lens: as in :func:`paged_decode_reference`.
+        scale: the softmax scale (DeepSeek's ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``,
+            not one of these dims: no default).
+        kv_scale: the caches' dequantization scale (float or 0-d tensor), or ``None``.
+        logits_soft_cap, sinks: as in :func:`paged_decode_reference` (``sinks``
+            ``[num_heads]``).
+
+    Returns:
+        ``ReferenceOutput(out, lse)``, float64: ``out`` of ``q_nope``'s shape, ``lse``
+        without its last dim (natural log); a row that sees no key has ``out == 0`` and
+        ``lse == -inf`` (the sink with sinks).
+    """
+    if q_nope.dim() == 4:  # token by token, each a one-token query at its own position
+        q_len = q_nope.shape[1]
+        parts = [mla_decode_reference(
+            q_nope[:, j], q_pe[:, j], ckv_cache, kpe_cache, block_tables,
+            context_lens - (q_len - 1 - j), scale=scale, kv_scale=kv_scale,
+            logits_soft_cap=logits_soft_cap, sinks=sinks) for j in range(q_len)]
+        return ReferenceOutput(torch.stack([p.out for p in parts], 1),
+                               torch.stack([p.lse for p in parts], 1))
+    batch, num_heads, d_latent = q_nope.shape
+    page_size = ckv_cache.shape[1]
+    dev = q_nope.device
+    s_kv = 1.0 if kv_scale is None else float(torch.as_tensor(kv_scale, dtype=torch.float64))
+    out = torch.zeros(batch, num_heads, d_latent, dtype=torch.float64, device=dev)
+    lse = torch.full((batch, num_heads), -math.inf, dtype=torch.float64, device=dev)
+    sink = None if sinks is None else sinks.detach().to(torch.float64).to(dev)
+    if sink is not None:
+        lse[:] = sink  # a row that sees no key: the denominator is the sink alone
+    for b, n in enumerate(context_lens.detach().cpu().tolist()):
+        n = int(n)
+        if n <= 0:
+            continue
+        pages = block_tables[b, :-(-n // page_size)].long()
+        ckv = ckv_cache[pages].to(torch.float64).flatten(0, 1)[:n] * s_kv
+        kpe = kpe_cache[pages].to(torch.float64).flatten(0, 1)[:n] * s_kv
+        scores = (q_nope[b].to(torch.float64) @ ckv.T
+                  + q_pe[b].to(torch.float64) @ kpe.T) * float(scale)  # [num_heads, n]
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        values = ckv
+        if sink is not None:  # one more column in the denominator, none in the numerator
+            scores = torch.cat([scores, sink[:, None]], dim=1)
+            values = torch.cat([ckv, torch.zeros_like(ckv[:1])], dim=0)
+        lse[b] = torch.logsumexp(scores, dim=-1)
+        out[b] = torch.softmax(scores, dim=-1) @ values
+    return ReferenceOutput(out, lse)

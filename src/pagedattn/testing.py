@@ -114,3 +114,46 @@ def check_against_reference(out: torch.Tensor, inputs: PagedInputs, **kwargs) ->
     """Relative L2 error of ``out`` against the oracle on ``inputs`` (kwargs go to the oracle)."""
     ref = paged_decode_reference(*inputs, **kwargs).out
     return rel_l2_error(out, ref)
+
+
+class MLAInputs(NamedTuple):
+    """An absorbed-MLA decode batch (``pagedattn.mla_decode``'s positional tensors)."""
+
+    q_nope: torch.Tensor  # [batch, (q_len,) num_q_heads, latent_dim]
+    q_pe: torch.Tensor  # [batch, (q_len,) num_q_heads, rope_dim]
+    ckv_cache: torch.Tensor  # [num_pages, page_size, latent_dim]
+    kpe_cache: torch.Tensor  # [num_pages, page_size, rope_dim]
+    block_tables: torch.Tensor  # [batch, max_pages] int32
+    context_lens: torch.Tensor  # [batch] int32
+
+
+def make_mla_inputs(context_lens: list[int], *, num_q_heads: int = 16, latent_dim: int = 512,
+                    rope_dim: int = 64, page_size: int = 64, q_len: int = 1,
+                    dtype: torch.dtype = torch.bfloat16, cache_dtype: torch.dtype | None = None,
+                    combined: bool = False, max_pages: int | None = None,
+                    extra_pages: int = 2, poison: bool = True, seed: int = 0,
+                    device: str | torch.device = "cpu") -> MLAInputs:
+    """A random absorbed-MLA decode batch, made as :func:`make_paged_inputs` makes one: pages
+    in shuffled order, with ``poison`` NaN in every cache slot no sequence uses and -1 or
+    out-of-range ids in the block tables' padding. ``combined``: the latent and rope caches
+    are views of one ``[num_pages, page_size, latent_dim + rope_dim]`` buffer, and ``q_nope``
+    / ``q_pe`` of one query buffer (as FlashMLA and SGLang lay them out). An fp8
+    ``cache_dtype`` stores the values as drawn (the caller's ``kv_scale`` dequantizes)."""
+    one = make_paged_inputs(context_lens, num_q_heads=1, num_kv_heads=1,
+                            head_dim=latent_dim + rope_dim, page_size=page_size,
+                            dtype=torch.float32, max_pages=max_pages, extra_pages=extra_pages,
+                            poison=poison, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    lead = (len(context_lens), num_q_heads) if q_len == 1 else \
+        (len(context_lens), q_len, num_q_heads)
+    q = torch.randn(*lead, latent_dim + rope_dim, generator=g).to(dtype).to(device)
+    cache = one.key_cache[:, :, 0].to(cache_dtype or dtype).to(device)
+    if not combined:
+        q = q.clone()
+        return MLAInputs(q[..., :latent_dim].contiguous(), q[..., latent_dim:].contiguous(),
+                         cache[..., :latent_dim].contiguous(),
+                         cache[..., latent_dim:].contiguous(), one.block_tables.to(device),
+                         one.context_lens.to(device))
+    return MLAInputs(q[..., :latent_dim], q[..., latent_dim:], cache[..., :latent_dim],
+                     cache[..., latent_dim:], one.block_tables.to(device),
+                     one.context_lens.to(device))

@@ -47,6 +47,7 @@ from pagedattn.kernels.common import (
     _dim_mask,
     _empty_seq_result,
     _kv_scales,
+    _load_latent_query,
     _load_query,
     _lse_ptrs,
     _rescale,
@@ -214,6 +215,8 @@ def _persistent_program(
     HAS_ALIBI: tl.constexpr, FP8_V_PAIRS: tl.constexpr, ASM: tl.constexpr,
     LEAN_SOFTMAX: tl.constexpr, SLOT_OFFSETS_I32: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HM: tl.constexpr, TILES_I64: tl.constexpr,
+    MLA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DR: tl.constexpr, q_pe_ptr, stride_qpe_b,
+    stride_qpe_t, stride_qpe_h, stride_qpe_d,
 ):
     """One program of the persistent schedule (see the module docstring): its share of the
     step's tiles, piece by piece, each piece's result or partial, and the merges of the
@@ -262,20 +265,30 @@ def _persistent_program(
             k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, stride_k_scale,
                                           stride_v_scale, k_scale_val, v_scale_val, kv_head,
                                           SCALE_FROM_PTR)
-            q_dot, qk_scale = _load_query(q_ptrs, mask_hd, scale_log2, k_scale, BLOCK_H,
-                                          DOT_DTYPE, Q_POW2_SCALE)
+            qpe_dot = 0.0  # MLA: the query's rope part (the split kernel's, kernels/decode)
+            if MLA:
+                offs_r = tl.arange(0, BLOCK_DR)
+                q_dot, qpe_dot, qk_scale = _load_latent_query(
+                    q_ptrs, _tile_ptrs(q_pe_ptr, b, q_tok, heads, offs_r, stride_qpe_b,
+                                       stride_qpe_t, stride_qpe_h, stride_qpe_d, Q_LEN),
+                    mask_hd, mask_h[:, None] & _dim_mask(offs_r, ROPE_DIM, BLOCK_DR)[None, :],
+                    scale_log2, k_scale, BLOCK_H, DOT_DTYPE, Q_POW2_SCALE)
+            else:
+                q_dot, qk_scale = _load_query(q_ptrs, mask_hd, scale_log2, k_scale, BLOCK_H,
+                                              DOT_DTYPE, Q_POW2_SCALE)
             alibi2 = 0.0
             if HAS_ALIBI:  # slopes in the exp2 domain, per row
                 alibi2 = tl.load(alibi_ptr + heads, mask=mask_h, other=0.0) * LOG2E
             m, l, acc = _attend_tiles(
-                q_dot, qk_scale, alibi2, key_cache_ptr, value_cache_ptr, block_tables_ptr, b,
-                kv_head, kv_head.to(tl.int64) * stride_k_head,
+                q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_ptr,
+                block_tables_ptr, b, kv_head, kv_head.to(tl.int64) * stride_k_head,
                 kv_head.to(tl.int64) * stride_v_head, tok_start, tok_end, ctx, q_pos,
                 win_first, window_left, softcap, offs_n, offs_d, mask_d, stride_k_page,
                 stride_k_tok, stride_k_head, stride_k_d, stride_v_page, stride_v_tok,
                 stride_v_head, stride_v_d, stride_bt_b, stride_bt_p, HEAD_DIM, BLOCK_H, BLOCK_D,
                 BLOCK_N, PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, HAS_WINDOW, HAS_SOFTCAP,
-                HAS_ALIBI, FP8_V_PAIRS, ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32)
+                HAS_ALIBI, FP8_V_PAIRS, ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA, ROPE_DIM,
+                BLOCK_DR)
 
             if (j0 == 0) & (j1 == n_tiles):  # the whole segment: the result, the sink once
                 _store_result(out_ptr, lse_ptr, sinks_ptr, b, q_tok, heads, mask_h, offs_d,

@@ -389,16 +389,16 @@ def compile_for(kernel, kwargs: dict, *, arch: int = 90, num_warps: int = 4,
     """Compile ``kernel`` (a ``@triton.jit`` function, interpreter off) for ``sm_<arch>``
     with the arguments ``kernel[grid](**kwargs)`` would bind, without a GPU: Triton's own
     specialization (16-byte aligned pointers and integers divisible by 16 get
-    ``tt.divisibility``, an integer equal to 1 becomes a constant; ``do_not_specialize``
-    parameters get neither). Returns Triton's ``CompiledKernel`` (``asm["ptx"]``,
-    ``asm["cubin"]``)."""
+    ``tt.divisibility``, an integer equal to 1 becomes a constant and ``None`` a constexpr;
+    ``do_not_specialize`` parameters get neither). Returns Triton's ``CompiledKernel``
+    (``asm["ptx"]``, ``asm["cubin"]``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         v = kwargs[p.name]
-        if p.is_constexpr:
+        if p.is_constexpr or v is None:  # Triton makes a None argument a constexpr
             signature[p.name], constexprs[p.name] = "constexpr", v
         elif hasattr(v, "data_ptr"):
             signature[p.name] = "*" + _TYPES[str(v.dtype).removeprefix("torch.")]

@@ -69,7 +69,7 @@ from pagedattn.kernels.decode import (
     _paged_decode_kernel,
 )
 from pagedattn.launch import _triton_compat as tc
-from pagedattn.launch import policy
+from pagedattn.launch import policy, policy_mla
 from pagedattn.launch._common import LOG2E, block_d
 from pagedattn.launch.policy import DecodeConfig
 from pagedattn.options import CALL_ARGS, DEFAULT, DecodeOptions
@@ -123,6 +123,11 @@ _MAIN_SLOTS = ("query_ptr", "key_cache_ptr", "value_cache_ptr", "block_tables_pt
                "context_lens_ptr", "out_ptr", "lse_ptr",
                "scale_log2", "k_scale_val", "v_scale_val", "part_ml_ptr", "part_acc_ptr",
                "seq_rows_ptr", "k_scale_ptr", "v_scale_ptr")
+#: an MLA launch's one more (``pagedattn.mla``): the query's rope part
+_MLA_SLOTS = (*_MAIN_SLOTS, "q_pe_ptr")
+#: the MLA arguments of a launch that is not MLA's (None: constexprs, no kernel parameter)
+_NO_MLA = dict(MLA=False, ROPE_DIM=0, BLOCK_DR=1, q_pe_ptr=None, stride_qpe_b=None,
+               stride_qpe_t=None, stride_qpe_h=None, stride_qpe_d=None)
 _MERGE_SLOTS = ("context_lens_ptr", "out_ptr", "lse_ptr", "part_ml_ptr",
                 "part_acc_ptr", "seq_rows_ptr")
 #: (option name, kernel argument) of the per-call variants each kernel takes
@@ -171,6 +176,12 @@ class AutoLauncher:
         record: record each binding's launch for the direct path of later launches (see the
             module docstring); ``False`` for a launcher that launches once, which saves the
             record's host time.
+        rope_dim: absorbed MLA (``pagedattn.mla``) when not ``None``: the keys' rope dims
+            (0: no rope part); then
+            ``num_kv_heads`` is 1 (the latent), ``head_dim`` the latent's dims, and the
+            launcher cuts the query heads into blocks (:mod:`pagedattn.launch.policy_mla`),
+            each a kv head of the kernel's; :meth:`launch` takes ``[num_pages, page_size,
+            dims]`` latent and rope caches and the query's rope part ``q_pe``.
         workspace: own a workspace, used by every launch (a plan's launcher); ``False`` for a
             launcher shared by one-shot calls (:func:`one_shot_launcher`): each of its
             launches takes a fresh :meth:`new_workspace`. A one-unit launcher's kernels never
@@ -184,10 +195,19 @@ class AutoLauncher:
                  config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
                  options: DecodeOptions = DEFAULT, record: bool = True,
                  workspace: bool = True, schedule: str = "split",
-                 num_programs: int | None = None, num_tokens: int | None = None):
+                 num_programs: int | None = None, num_tokens: int | None = None,
+                 rope_dim: int | None = None):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         window_left, batch_invariant = options.window_left, options.batch_invariant
+        #: absorbed MLA: the query heads in blocks that each read the one latent
+        self.mla = rope_dim is not None
+        if self.mla:
+            num_kv_heads = policy_mla.mla_head_blocks(
+                num_q_heads, q_len, policy_mla.mla_max_rows(kv_dtype, schedule))
+            config = config or policy_mla.mla_config(
+                d_latent=head_dim, rows=max(16, q_len * num_q_heads // num_kv_heads),
+                kv_dtype=kv_dtype, interpret=interpret)
         # the device facts the policy reads: the SM count (4 off a GPU: the interpreter runs
         # programs one by one) and, for its tuned table, the GPU's name
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -227,6 +247,8 @@ class AutoLauncher:
             Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
             Q_LEN=q_len, ONE_UNIT=self.one_unit, **options.constexprs(),
         )
+        self.rope_dim = rope_dim
+        self._main_slots = _MLA_SLOTS if self.mla else _MAIN_SLOTS
         # the plan-time variants' runtime values (fixed for the launcher)
         self.main_variant_args = options.kernel_args()
         self.merge_variant_args = options.kernel_args(merge=True)
@@ -262,6 +284,10 @@ class AutoLauncher:
             cfg.lean_softmax and q_len == 1 and plan.window_left < 0
             and options.logits_soft_cap is None)
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
+        # the merge's warps: four, or for MLA's wide tiles (rows, or split rows, x 512 latent
+        # dims) one warp per 2,048 fp32 elements of a round's tile (a 64-row merge at four
+        # warps held 256 registers of each tile and spilled 8 KB: docs/perf-notes.md, step 42)
+        self.merge_warps = min(16, max(4, plan.merge_block * bd // 2048)) if self.mla else 4
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
                                      **options.constexprs(merge=True))
@@ -323,9 +349,12 @@ class AutoLauncher:
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
                scale: float, k_scale=None, v_scale=None, calls=None,
-               query_start_loc=None) -> dict[str, object]:
+               query_start_loc=None, q_pe=None) -> dict[str, object]:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
+        MLA (``rope_dim``): ``query`` is ``q_nope``, ``q_pe`` its rope part, ``key_cache``
+        and ``value_cache`` the ``[num_pages, page_size, dims]`` latent and rope caches (the
+        kernel sees them with a head stride of 0: every block of heads reads the latent).
         ``query``/``out`` are ``[batch, q_len, num_q_heads, head_dim]`` when ``q_len > 1``.
         ``calls``: the per-call variants that are on (``pagedattn.options``: name ->
         contiguous ``[num_q_heads]`` float32, as the API makes them), or ``None``.
@@ -352,7 +381,9 @@ class AutoLauncher:
                    k_ptr % 16 == 0, v_ptr % 16 == 0, bt_ptr % 16 == 0, cl_ptr % 16 == 0,
                    out_ptr % 16 == 0, ml_ptr % 16 == 0,
                    tuple((n, t.dtype, t.data_ptr() % 16 == 0) for n, t in calls.items())
-                   if calls else None)
+                   if calls else None,
+                   (q_pe.dtype, _kernel_strides(q_pe), q_pe.data_ptr() % 16 == 0)
+                   if self.mla else None)
             entry = self._bindings.get(key)
             if entry is not None:
                 (main, merge, main_args, merge_args, main_slots, merge_slots, compiled, main_c,
@@ -370,8 +401,10 @@ class AutoLauncher:
                     scale * LOG2E, 1.0 if k_scale is None else float(k_scale),
                     1.0 if v_scale is None else float(v_scale), ml_ptr, acc_ptr, rows_ptr,
                     ml_ptr, ml_ptr)
+                if self.mla:
+                    args[main_slots[15]] = q_pe.data_ptr()
                 # the per-call variants' slots (after the fixed ones): on, or the workspace
-                for pos, name in main_slots[15]:
+                for pos, name in main_slots[-1]:
                     args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
                 stream = self._get_stream(self.device.index)
                 enter, leave = tc.launch_hooks()
@@ -388,6 +421,15 @@ class AutoLauncher:
                 return compiled
         part_ml, part_acc, seq_rows = self.workspace_parts(work)
         multi = self.q_len > 1 and not self.varlen  # a 4-D query and out
+        mla_args = _NO_MLA
+        if self.mla:  # [num_pages, page_size, blocks, dims] views of one head, stride 0
+            key_cache, value_cache = (c.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
+                                      for c in (key_cache, value_cache))
+            mla_args = dict(MLA=True, ROPE_DIM=self.rope_dim,
+                            BLOCK_DR=policy_mla.mla_block_dr(self.rope_dim), q_pe_ptr=q_pe,
+                            stride_qpe_b=q_pe.stride(0),
+                            stride_qpe_t=q_pe.stride(1) if multi else 0,
+                            stride_qpe_h=q_pe.stride(-2), stride_qpe_d=q_pe.stride(-1))
         k_t = v_t = None
         if tensor_scales:  # both as tensors: one specialization for the pair
             k_t, v_t = (s if isinstance(s, torch.Tensor) else torch.full(
@@ -430,9 +472,11 @@ class AutoLauncher:
             SLOT_OFFSETS_I32=self.config.slot_offsets_i32 and all(
                 slot_offsets_fit_int32(c, self.page_size, self.num_kv_heads)
                 for c in (key_cache, value_cache)),
-            FP8_V_PAIRS=fp8_v_pairs(value_cache, self.head_dim), ASM=not is_interpreter(),
+            # MLA's values are its latent tiles (the rope cache is no value cache)
+            FP8_V_PAIRS=0 if self.mla else fp8_v_pairs(value_cache, self.head_dim),
+            ASM=not is_interpreter(),
             **{flag: bool(calls) and name in calls for name, _, flag in _MAIN_CALLS},
-            **self.main_constexprs,
+            **self.main_constexprs, **mla_args,
         )
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
@@ -455,14 +499,14 @@ class AutoLauncher:
                 **self.merge_constexprs,
             )
             merge = self.merge_kernel[self.merge_grid](
-                **merge_args, num_warps=4, **tc.KERNEL_OPTIONS,
+                **merge_args, num_warps=self.merge_warps, **tc.KERNEL_OPTIONS,
                 **({"launch_pdl": True} if self.pdl else {}))
             compiled["paged_decode_merge"] = merge
         if key is not None:
             if len(self._bindings) >= _MAX_BINDINGS:
                 self._bindings.clear()
-            main_rec, main_slots = _recorded(_paged_decode_kernel, main_args, _MAIN_SLOTS,
-                                             _MAIN_CALLS)
+            main_rec, main_slots = _recorded(_paged_decode_kernel, main_args,
+                                             self._main_slots, _MAIN_CALLS)
             merge_rec, merge_slots = (_recorded(self.merge_kernel, merge_args, _MERGE_SLOTS,
                                                 _MERGE_CALLS)
                                       if merge is not None else (None, None))
@@ -490,7 +534,8 @@ def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads
                       head_dim: int, page_size: int, q_dtype: torch.dtype,
                       kv_dtype: torch.dtype, device: torch.device, num_splits: int | None,
                       q_len: int, options: DecodeOptions = DEFAULT,
-                      schedule: str = "split", num_programs: int | None = None) -> AutoLauncher:
+                      schedule: str = "split", num_programs: int | None = None,
+                      rope_dim: int | None = None) -> AutoLauncher:
     """The launcher that every one-shot ``paged_decode`` of these shapes, dtypes, device and
     plan-time variants (``options``, per-call fields off) shares (its arguments are the key;
     ``ragged`` is off, as a one-shot call has no host copy of the lengths).
@@ -502,9 +547,10 @@ def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads
     allocator on the current stream), so calls on different streams, or captured in
     different CUDA graphs, never share scratch (a one-unit launcher's 16 bytes are never
     touched, so it keeps them). Context lengths, block tables, queries and
-    caches are per call and never part of the key."""
+    caches are per call and never part of the key. ``rope_dim``: an MLA launcher
+    (``pagedattn.mla``)."""
     return AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                         q_dtype=q_dtype, kv_dtype=kv_dtype, device=device,
                         num_splits=num_splits, q_len=q_len, options=options, workspace=False,
-                        schedule=schedule, num_programs=num_programs)
+                        schedule=schedule, num_programs=num_programs, rope_dim=rope_dim)

@@ -227,7 +227,13 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], names: dic
     (:func:`weight_shapes`): checked at load, not at the first forward. ``names``: each
     weight's name in the file, for the error; ``source``: where the config came from
     (``config.json``). Raises ValueError naming the tensor (the first few if missing)."""
-    shapes = weight_shapes(cfg)
+    check_shapes(weight_shapes(cfg), weights, names, source)
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor],
+                 names: dict[str, str], source: str) -> None:
+    """Every weight of ``shapes`` (name -> the shape the config implies) is in ``weights``
+    with that shape (:func:`check_weights`; DeepSeek's loader with its own shapes)."""
     missing = [n for n in shapes if n not in weights]
     if missing:
         raise ValueError(f"model: tensors missing (as {source} implies): {missing[:5]}")
@@ -235,6 +241,32 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], names: dic
         if tuple(weights[key].shape) != shape:
             raise ValueError(f"{names.get(key, key)}: expected shape {shape} from {source}, "
                              f"got {tuple(weights[key].shape)}")
+
+
+def read_checkpoint(path: str | os.PathLike, check_config=None) -> tuple[dict, dict]:
+    """``(config.json as a dict, every tensor of its *.safetensors files)`` of a Hugging Face
+    checkpoint directory (one file or shards), on the CPU as stored. ``check_config`` (a
+    function of the dict that raises on a bad config) runs before any tensor is read.
+    Raises FileNotFoundError without the directory, its ``config.json`` or any safetensors
+    file; ValueError for a ``config.json`` that is not JSON."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"model: no config.json in {str(d)!r}")
+    try:
+        raw = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config.json: not JSON ({e})") from None
+    if check_config is not None:
+        check_config(raw)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors file in {str(d)!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return raw, tensors
 
 
 def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -249,24 +281,10 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tenso
     ``quantization_config``, or the tensor of integer or unscaled weights), a missing tensor
     or one whose shape contradicts ``config.json``.
     """
-    from safetensors.torch import load_file
-
     from pagedattn.serving.fp8_weights import dequantized
 
-    d = Path(path)
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"model: no config.json in {str(d)!r}")
-    try:
-        raw = json.loads((d / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config.json: not JSON ({e})") from None
+    raw, tensors = read_checkpoint(path, hf_config)
     cfg = hf_config(raw)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"model: no *.safetensors file in {str(d)!r}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
     gemma = cfg.embed_scale is not None
     norm_names = {"post_attention_layernorm.weight": "post_attn_norm" if gemma else "ffn_norm",
                   "pre_feedforward_layernorm.weight": "ffn_norm",

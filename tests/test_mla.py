@@ -1,0 +1,327 @@
+"""Absorbed multi-head latent attention (``pagedattn.mla_decode`` / ``plan_mla_decode``, the
+production kernel's ``MLA`` flag) against the float64 MLA oracle.
+
+Every case draws fresh random inputs with NaN in every unused cache slot and garbage in the
+block tables' padding (``make_mla_inputs``) and a NaN-filled ``out``; the plan cases poison
+the workspace's partials too. DeepSeek-V3's 512 + 64 dims at 16 and 128 heads (one and two
+blocks of heads), small latents at odd head counts, page sizes 1 to 128, bf16/fp16/fp32 and
+fp8 caches, 1-4 query tokens (causal), forced and device-planned splits (the merge kernel,
+the folded merge), the persistent schedule, soft-cap and sinks, and bad arguments named
+before any launch and any write.
+"""
+
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedattn import mla_decode, mla_decode_reference, plan_mla_decode
+from pagedattn.testing import make_mla_inputs, rel_l2_error, tolerance_for
+
+RAGGED = [0, 1, 17, 70, 3]  # empty, one token, page boundaries, one longer sequence
+
+
+def _scale(inputs):
+    return 1.0 / math.sqrt(inputs.q_nope.shape[-1] / 4 + inputs.q_pe.shape[-1])
+
+
+def _check(inputs, kv_scale=None, sinks=None, logits_soft_cap=None, plan=None, **kw):
+    """``mla_decode`` (or ``plan.run``) into a NaN-filled ``out`` against the oracle: out
+    within the cache dtype's tolerance, LSE within 1e-3 where finite and ``-inf`` exactly
+    where the oracle's is."""
+    out = torch.full_like(inputs.q_nope, float("nan"))
+    scale = _scale(inputs)
+    if plan is None:
+        res = mla_decode(*inputs, scale=scale, kv_scale=kv_scale, out=out, return_lse=True,
+                         sinks=sinks, logits_soft_cap=logits_soft_cap, **kw)
+    else:
+        res = plan.run(*inputs[:4], scale=scale, kv_scale=kv_scale, out=out, return_lse=True,
+                       sinks=sinks)
+    ref = mla_decode_reference(*inputs, scale=scale, kv_scale=kv_scale, sinks=sinks,
+                               logits_soft_cap=logits_soft_cap)
+    assert res.out is out
+    err = rel_l2_error(out, ref.out)
+    assert err <= tolerance_for(inputs.ckv_cache.dtype), err
+    lse, ref_lse = res.lse.double().cpu(), ref.lse.cpu()
+    assert lse.shape == ref_lse.shape
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+    return res
+
+
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+def test_deepseek_v3_dims(device, num_q_heads):
+    """512 latent + 64 rope dims, 64-token pages (FlashMLA's); 128 heads are two blocks of 64
+    that each read every latent tile."""
+    _check(make_mla_inputs(RAGGED, num_q_heads=num_q_heads, page_size=64, seed=num_q_heads,
+                           device=device))
+
+
+@pytest.mark.parametrize("num_q_heads, latent_dim, rope_dim", [
+    (1, 32, 16), (3, 48, 8), (7, 64, 64), (12, 16, 1), (65, 32, 16), (4, 32, 0)])
+def test_small_latents_and_head_counts(device, num_q_heads, latent_dim, rope_dim):
+    """Latent and rope dims that are no power of two (masked lanes), head counts 1 to 65 (65:
+    five blocks of 13 heads)."""
+    _check(make_mla_inputs(RAGGED, num_q_heads=num_q_heads, latent_dim=latent_dim,
+                           rope_dim=rope_dim, page_size=16, seed=latent_dim, device=device))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 32, 64, 128])
+def test_page_sizes(device, page_size):
+    """SGLang's one-token pages to 128-token ones; tiles span pages."""
+    _check(make_mla_inputs([5, 0, 129, 40], num_q_heads=8, latent_dim=64, rope_dim=16,
+                           page_size=page_size, seed=page_size, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_float_dtypes(device, dtype):
+    _check(make_mla_inputs(RAGGED, num_q_heads=8, latent_dim=64, rope_dim=16, page_size=16,
+                           dtype=dtype, seed=3, device=device))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("kv_scale", [None, 0.75, "tensor"])
+def test_fp8_latent_cache(device, fp8, kv_scale):
+    """An fp8 latent and rope cache with one per-tensor scale (a float or a 0-d tensor, the
+    graph-safe form), the query scaled per row into fp16's range by a power of two."""
+    inputs = make_mla_inputs(RAGGED, num_q_heads=16, latent_dim=64, rope_dim=16,
+                             page_size=16, cache_dtype=fp8, seed=4, device=device)
+    if kv_scale == "tensor":
+        kv_scale = torch.tensor(1.5, device=device)
+    _check(inputs, kv_scale=kv_scale)
+
+
+def test_fp8_query_range(device):
+    """A bf16 query far outside fp16's range stays exact: its power-of-two row scale spans
+    both parts (a large rope part, a small latent one)."""
+    inputs = make_mla_inputs([9, 33], num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8,
+                             cache_dtype=torch.float8_e4m3fn, seed=5, device=device)
+    q_nope = inputs.q_nope * 1e-3
+    q_pe = inputs.q_pe * 3e5
+    _check(inputs._replace(q_nope=q_nope, q_pe=q_pe), kv_scale=1e-4)
+
+
+@pytest.mark.parametrize("q_len", [2, 3, 4])
+def test_multi_token_queries_are_causal(device, q_len):
+    """Token ``j`` sits at ``len - q_len + j`` and sees keys up to it; a sequence shorter than
+    ``q_len`` has tokens that see nothing (out 0, LSE -inf)."""
+    _check(make_mla_inputs([2, 0, 40, 17], num_q_heads=16, latent_dim=64, rope_dim=16,
+                           page_size=16, q_len=q_len, seed=q_len, device=device))
+
+
+def test_one_token_4d_query(device):
+    inputs = make_mla_inputs([5, 30], num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8,
+                             q_len=1, seed=6, device=device)
+    four = inputs._replace(q_nope=inputs.q_nope[:, None], q_pe=inputs.q_pe[:, None])
+    res = _check(four)
+    assert res.out.shape == (2, 1, 4, 32) and res.lse.shape == (2, 1, 4)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_forced_splits_merge(device, num_splits):
+    """Split rows merged by the merge kernel (a one-shot call's fresh workspace)."""
+    _check(make_mla_inputs([0, 100, 37, 1], num_q_heads=32, latent_dim=64, rope_dim=16,
+                           page_size=16, seed=num_splits, device=device),
+           num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_programs", [1, 3, 13])
+def test_persistent_schedule(device, num_programs):
+    _check(make_mla_inputs(RAGGED, num_q_heads=32, latent_dim=64, rope_dim=16, page_size=16,
+                           seed=num_programs, device=device),
+           schedule="persistent", num_programs=num_programs)
+
+
+def test_soft_cap_and_sinks(device):
+    inputs = make_mla_inputs(RAGGED, num_q_heads=8, latent_dim=64, rope_dim=16, page_size=16,
+                             seed=7, device=device)
+    sinks = torch.linspace(-2.0, 3.0, 8, device=device)
+    res = _check(inputs, sinks=sinks, logits_soft_cap=0.5)
+    assert torch.allclose(res.lse[0].cpu(), sinks.cpu())  # an empty sequence: the sink
+
+
+def test_combined_cache_and_query_buffers(device):
+    """One ``[pages, page_size, 576]`` cache and one ``[batch, heads, 576]`` query, split into
+    strided views (FlashMLA's and SGLang's layout)."""
+    inputs = make_mla_inputs(RAGGED, num_q_heads=16, page_size=64, combined=True, seed=8,
+                             device=device)
+    assert inputs.ckv_cache.stride(1) == 576 and not inputs.q_pe.is_contiguous()
+    _check(inputs)
+
+
+@pytest.mark.parametrize("schedule", [None, "persistent"])
+def test_plan_across_layers_and_steps(device, schedule):
+    """One plan serves several layers and a next step whose lengths and pages are written in
+    place (what a CUDA graph replays): the workspace's partials poisoned with NaN before each
+    run, the folded merge's arrival counters back at 0 after each."""
+    first = make_mla_inputs([3, 0, 90, 61], num_q_heads=32, latent_dim=64, rope_dim=16,
+                            page_size=16, max_pages=8, seed=9, device=device)
+    bt, cl = first.block_tables.clone(), first.context_lens.clone()
+    plan = plan_mla_decode(bt, cl, num_q_heads=32, latent_dim=64, rope_dim=16, page_size=16,
+                           q_dtype=torch.bfloat16, schedule=schedule)
+    launcher = plan._engine()
+    # a block of heads is a kv head of the kernel's: 32 rows (split), 16 (persistent)
+    assert launcher.fold_merge == (schedule is None)
+    assert launcher.num_kv_heads == (1 if schedule is None else 2)
+    part_ml, part_acc, counters = launcher.workspace_parts(launcher.workspace)
+    second = make_mla_inputs([77, 5, 0, 128], num_q_heads=32, latent_dim=64, rope_dim=16,
+                             page_size=16, max_pages=8, seed=10, device=device)
+    for step, inputs in enumerate((first, first, second)):
+        if step == 2:
+            bt.copy_(second.block_tables)
+            cl.copy_(second.context_lens)
+        layer = inputs._replace(ckv_cache=inputs.ckv_cache * (step + 1),
+                                kpe_cache=inputs.kpe_cache - step,
+                                block_tables=bt, context_lens=cl)
+        part_ml.fill_(float("nan"))
+        part_acc.fill_(float("nan"))
+        _check(layer, plan=plan)
+        assert int(counters.abs().sum()) == 0
+
+
+def test_plan_splits_on_the_device(device, monkeypatch):
+    """The device planner splits a long sequence among short ones (no forced count), and the
+    plan's folded merge combines the rows: the same arithmetic as the production kernel."""
+    from pagedattn.launch import policy_mla
+
+    real = policy_mla.mla_config
+    monkeypatch.setattr(policy_mla, "mla_config",
+                        lambda **kw: dataclasses.replace(real(**kw), min_chunk=32))
+    inputs = make_mla_inputs([300, 2, 7, 0, 40], num_q_heads=16, latent_dim=32, rope_dim=16,
+                             page_size=16, seed=11, device=device)
+    plan = plan_mla_decode(inputs.block_tables, inputs.context_lens, num_q_heads=16,
+                           latent_dim=32, rope_dim=16, page_size=16, q_dtype=torch.bfloat16)
+    launcher = plan._engine()
+    assert launcher.fold_merge and launcher.rows_max > 5
+    part_ml, part_acc, _ = launcher.workspace_parts(launcher.workspace)
+    part_ml.fill_(float("nan"))
+    part_acc.fill_(float("nan"))
+    _check(inputs, plan=plan)
+    assert torch.isfinite(part_ml[:2]).all()  # split rows were written and merged
+
+
+def test_head_blocks_policy():
+    """The heads are cut into the fewest blocks that divide them within the tile's rows."""
+    from pagedattn.launch.policy_mla import mla_head_blocks, mla_max_rows
+
+    assert mla_max_rows(torch.bfloat16, "split") == 64
+    assert mla_max_rows(torch.float8_e4m3fn, "split") == 32
+    assert mla_max_rows(torch.bfloat16, "persistent") == 16
+    assert [mla_head_blocks(h, 1, 64) for h in (1, 16, 64, 128, 96, 127)] == [1, 1, 1, 2, 2,
+                                                                             127]
+    assert mla_head_blocks(128, 4, 64) == 8 and mla_head_blocks(16, 4, 64) == 1
+
+
+# --- bad arguments: named, before any launch and any write ---------------------------------
+
+def _bad_cases(inputs, device):
+    q_nope, q_pe, ckv, kpe, bt, cl = inputs
+    good = dict(zip(("q_nope", "q_pe", "ckv_cache", "kpe_cache", "block_tables",
+                     "context_lens"), inputs, strict=True))
+    return [
+        (dict(q_nope=q_nope.int()), TypeError, "q_nope"),
+        (dict(q_nope=q_nope.float(), q_pe=q_pe.float()), TypeError, "ckv_cache"),
+        (dict(q_nope=q_nope[0]), ValueError, "q_nope"),
+        (dict(q_pe=q_pe[:, :2]), ValueError, "q_pe"),
+        (dict(q_pe=q_pe[..., :8]), ValueError, "kpe_cache"),
+        (dict(q_pe=q_pe.half()), TypeError, "q_pe"),
+        (dict(ckv_cache=ckv.half()), TypeError, "ckv_cache"),
+        (dict(ckv_cache=ckv[:, :, :16]), ValueError, "ckv_cache"),
+        (dict(kpe_cache=kpe[:-1]), ValueError, "kpe_cache"),
+        (dict(kpe_cache=kpe.to(torch.float8_e4m3fn)), TypeError, "kpe_cache"),
+        (dict(q_nope=q_nope[..., :8], ckv_cache=ckv[..., :8]), ValueError, "latent_dim"),
+        (dict(block_tables=bt.float()), TypeError, "block_tables"),
+        (dict(block_tables=bt[:1]), ValueError, "block_tables"),
+        (dict(context_lens=cl[:1]), ValueError, "context_lens"),
+        (dict(context_lens=cl.clone().fill_(10**6)), ValueError, "context_lens"),
+        (dict(block_tables=bt.clone().fill_(10**6)), ValueError, "block_tables"),
+        (dict(scale=None), TypeError, "scale"),
+        (dict(scale=math.nan), ValueError, "scale"),
+        (dict(kv_scale=-1.0), ValueError, "kv_scale"),
+        (dict(kv_scale=torch.ones(3, device=device)), ValueError, "kv_scale"),
+        (dict(return_lse=1), TypeError, "return_lse"),
+        (dict(num_splits=0), ValueError, "num_splits"),
+        (dict(schedule="fast"), ValueError, "schedule"),
+        (dict(num_programs=4), ValueError, "num_programs"),
+        (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
+        (dict(sinks=torch.zeros(3, device=device)), ValueError, "sinks"),
+        (dict(sinks=torch.full((4,), math.nan, device=device)), ValueError, "sinks"),
+        (dict(out=torch.full_like(q_nope, 7.0).float()), TypeError, "out"),
+        (dict(out=q_pe), ValueError, "out"),
+        (dict(q_nope=q_nope.cpu().to("meta")), ValueError, None),
+        (dict(q_nope=q_nope * 1e37), ValueError, "q_nope"),
+    ], good
+
+
+def test_bad_arguments_are_named_before_any_launch(device, monkeypatch):
+    from pagedattn.launch import decode
+
+    inputs = make_mla_inputs([9, 20], num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8,
+                             seed=12, device=device)
+    launches = []
+    monkeypatch.setattr(decode.AutoLauncher, "launch", lambda *a, **k: launches.append(1))
+    cases, good = _bad_cases(inputs, device)
+    for change, exc, name in cases:
+        kw = {**good, "scale": 0.1, **change}
+        out = kw.pop("out", None)
+        if out is None:
+            out = torch.full_like(inputs.q_nope, 7.0)
+        before = out.clone() if out.device.type != "meta" else None
+        args = [kw.pop(n) for n in ("q_nope", "q_pe", "ckv_cache", "kpe_cache",
+                                    "block_tables", "context_lens")]
+        with pytest.raises(exc) as info:
+            mla_decode(*args, out=out, **kw)
+        if name is not None:
+            assert re.match(rf"{name}\b", str(info.value)), (change, str(info.value))
+        if before is not None:
+            assert torch.equal(out, before)
+    assert not launches
+
+
+def test_plan_checks_its_arguments(device):
+    inputs = make_mla_inputs([9], num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8,
+                             device=device)
+    kw = dict(num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8, q_dtype=torch.bfloat16)
+    for change, exc, name in [(dict(latent_dim=1024), ValueError, "latent_dim"),
+                              (dict(rope_dim=-1), ValueError, "rope_dim"),
+                              (dict(q_len=65), ValueError, "q_len"),
+                              (dict(kv_dtype=torch.float16), TypeError, "kv_dtype"),
+                              (dict(num_q_heads=0), ValueError, "num_q_heads"),
+                              (dict(page_size=0), ValueError, "page_size")]:
+        with pytest.raises(exc, match=rf"^{name}\b"):
+            plan_mla_decode(*inputs[4:], **{**kw, **change})
+    plan = plan_mla_decode(*inputs[4:], **kw)
+    with pytest.raises(ValueError, match="^ckv_cache"):  # the plan's page size
+        plan.run(*inputs[:2], inputs.ckv_cache.view(-1, 4, 32), inputs.kpe_cache, scale=0.1)
+    with pytest.raises(ValueError, match="^q_nope"):
+        plan.run(inputs.q_nope[:, :2], *inputs[1:4], scale=0.1)
+
+
+def test_mla_kernels_compile_for_sm90():
+    """The MLA cases of ``scripts/compile_sm90.py`` compile for sm_90 (no GPU needed) within
+    an H200's 227 KB of shared memory a program and 255 registers; where the policy says the
+    token loop does not spill (TP8's 16 rows, the fp8 32-row tiles, the persistent 16-row
+    tiles), it does not (docs/perf-notes.md, step 42)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src")
+    cases = ("mla-tp1-bf16", "mla-tp8-bf16", "mla-tp1-fp8", "mla-tp8-persistent",
+             "mla-tp1-q_len2")
+    run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"), "--cases",
+                          ",".join(cases)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [line for line in run.stdout.splitlines() if " ok," in line]
+    assert {line.split(":")[0] for line in lines} == set(cases)
+    for line in lines:
+        assert int(re.search(r"(\d+) bytes of shared memory", line).group(1)) <= 227 * 1024
+        loop = re.search(r"(\d+) spill instructions in the token loop", line)
+        if loop is not None and line.startswith(("mla-tp8", "mla-tp1-fp8")):
+            assert loop.group(1) == "0", line
