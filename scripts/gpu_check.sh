@@ -19,6 +19,9 @@
 #             and memcheck over its CUDA-graph replays -> $OUT/sanitize-*.log, sanitizer-summary.md
 #             (docs/results/sanitize-h200.log holds the logs one after the other)
 #   profile   ncu, auto beside the floor and FA3 on $NCU_SHAPES (scripts/ncu_side_by_side.py)
+#   dropin    the FA drop-in per call, eager, beside FA3 in three calling patterns (the same
+#             tensors, fresh views, fresh tensors; scripts/fa_dropin_per_call.py)
+#             -> $OUT/results/fa-dropin-per-call-$GPU.{json,log}
 #   ab        old against new src/: $AB_OLD/src (an untracked copy of the old tree) and ./src,
 #             alternated $AB_ROUNDS times on $AB_SHAPES beside the floor, in one call
 # Environment:
@@ -27,8 +30,8 @@
 #     fa3.tar, flashinfer-0.7.4.tar.xz, apache_tvm_ffi-*.whl); name it in `carry`. A peer
 #     whose files are absent is left out.
 #   PAGEDATTN_GIT_SHA: the commit sent (the device's copy has no history; the pages name it).
-#   BENCH_S, HOST_S, VARIANTS_S, TESTS_S, SERVING_S, SANITIZE_S: per-step limits (s); BENCH_ARGS
-#     and SHAPES: more harness options (a CPU smoke: BENCH_ARGS=--dry-run TRITON_INTERPRET=1).
+#   BENCH_S, HOST_S, VARIANTS_S, TESTS_S, SERVING_S, SANITIZE_S, DROPIN_S: per-step limits
+#     (s); BENCH_ARGS and SHAPES: more harness options (a CPU smoke: BENCH_ARGS=--dry-run TRITON_INTERPRET=1).
 #   BENCH_STEPS="harness host variants": a cold machine spends minutes in FlashInfer's JIT
 #     (cached in .fi_ws/ on a warm machine): split the phase over two calls if needed, then run
 #     `scripts/results.py page` here once every file is in docs/results/.
@@ -188,6 +191,15 @@ for k in read_ncu_csv(sys.argv[1]): print(k.name[:40], k.grid, k.values)" "$OUT/
   done
 }
 
+phase_dropin() {  # the FA drop-in per call beside FA3, three calling patterns (one process)
+  env_info
+  mkdir -p "$OUT/results"
+  [ -f "$PEERS/fa3_peer.py" ] && [ -f "$PEERS/fa3.tar" ] || { echo "no FA3 in $PEERS"; return 2; }
+  timeout "${DROPIN_S:-300}" python3 scripts/fa_dropin_per_call.py --fa3 "$PEERS/fa3_peer.py" \
+    --json "$OUT/results/fa-dropin-per-call-$GPU.json" 2>&1 \
+    | tee "$OUT/results/fa-dropin-per-call-$GPU.log"
+}
+
 phase_ab() {  # AB_OLD: a folder holding the old tree's src/ (git archive OLD | tar x -C ab/old)
   env_info
   [ -d "${AB_OLD:-}/src" ] || { echo "AB_OLD=${AB_OLD:-} has no src/"; return 2; }
@@ -212,6 +224,6 @@ PY
 
 phase=${1:-}
 case "$phase" in
-  tests|bench|serving|sanitize|profile|ab) "phase_$phase"; rc=$?; stamp "$phase: exit $rc"; exit $rc ;;
+  tests|bench|serving|sanitize|profile|dropin|ab) "phase_$phase"; rc=$?; stamp "$phase: exit $rc"; exit $rc ;;
   *) sed -n '2,30p' "$0"; exit 2 ;;
 esac

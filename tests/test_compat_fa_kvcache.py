@@ -316,3 +316,31 @@ def test_flash_attn_kvcache_cpu_subset(device, case):
     run_kvcache_case(device, seqlen_q, seqlen_k, 32, has_batch_idx, page_size, eq, causal,
                      local, new_kv, mha, dtype, batch_size=2,
                      num_splits_vals=(1, 3, 0) if case is CPU_CASES[0] else (0,))
+
+
+def test_the_per_call_bench_checks_every_pattern_on_the_cpu():
+    """``scripts/fa_dropin_per_call.py --dry-run``: four rows by three calling patterns
+    (the same tensors, fresh views, fresh tensors), interpreter-sized, each output against the
+    float64 oracle (exit 0, twelve errors within the dtype's tolerance); a bad ``--rows``
+    exits 2 with one line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pagedattn.testing import tolerance_for
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
+    script = str(root / "scripts" / "fa_dropin_per_call.py")
+    run = subprocess.run([sys.executable, script, "--dry-run"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if " err " in line]
+    assert {line.split(" | ")[1] for line in lines} == {
+        "pattern same", "pattern views", "pattern fresh"}
+    errs = [float(line.split(" err ")[1].split()[0]) for line in lines]
+    assert len(errs) == 12 and max(errs) <= tolerance_for(torch.bfloat16)
+    bad = subprocess.run([sys.executable, script, "--dry-run", "--rows", "nope"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
