@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 import pagedattn
+from pagedattn.bench.report import format_row
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
 
@@ -214,8 +215,7 @@ def main(argv=None) -> int:
         if not dry:
             res["limit"] = timing.time_read(kv_bytes, reps=args.reps).median_us
             res["compute_us"] = flops / (args.peak_tflops * 1e12) * 1e6
-        print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in res.items()), flush=True)
+        print(format_row(res), flush=True)
         results.append(res)
     if args.json:
         with open(args.json, "w") as f:

@@ -29,6 +29,7 @@ import sys
 import torch
 
 import pagedattn
+from pagedattn.bench.report import format_row
 from pagedattn.bench.shapes import build_batch, get_shape, make_shape
 from pagedattn.compat import flash_attn_with_kvcache
 from pagedattn.testing import rel_l2_error, tolerance_for
@@ -126,8 +127,7 @@ def main(argv=None) -> int:
             key = "us" if not name.startswith("host-") else "host us"
             if f"fa3 {key}" in res:
                 res["ours / fa3"] = res[f"pagedattn {key}"] / res[f"fa3 {key}"]
-            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                             for k, v in res.items()), flush=True)
+            print(format_row(res), flush=True)
             results.append(res)
     if args.json:
         with open(args.json, "w") as f:

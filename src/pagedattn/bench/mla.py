@@ -39,6 +39,7 @@ import torch
 
 import pagedattn
 from pagedattn.bench.peers import FLASHINFER_WORKSPACE_BYTES, PeerUnsupported
+from pagedattn.bench.report import format_row
 from pagedattn.testing import MLAInputs, make_mla_inputs, rel_l2_error, tolerance_for
 
 #: the dense bf16 tensor-core peak of an H200 (H100 SXM alike), TFLOP/s (spec)
@@ -218,11 +219,6 @@ def measure_row(shape: MLAShape, *, device, dry_run: bool, reps: int = 30,
         row[f"{name} % peak"] = 100.0 * flops / best / 1e6 / peak_tflops
     row["ok"] = not failed
     return row
-
-
-def format_row(row: dict) -> str:
-    return " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                      for k, v in row.items())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,6 +72,13 @@ def fmt_bytes(v: float | None) -> str:
     return f"{v / 1024:.1f} KiB" if v >= 1024 else f"{int(v)} B"
 
 
+def format_row(row: dict[str, Any]) -> str:
+    """One lab row on one line: ``key value | key value``, floats to 4 significant digits
+    (the MLA lab's and the scripts' progress lines)."""
+    return " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                      for k, v in row.items())
+
+
 def compile_metadata(compiled_kernel: Any) -> dict[str, Any]:
     """Registers, spills, shared memory (bytes), warps and stages of a compiled Triton kernel,
     as returned by a launch (``kernel = _kern[grid](...)``). Missing facts are ``None``; the
