@@ -455,13 +455,14 @@ def _persistent_plan(*, batch: int, max_pages: int, num_q_heads: int, group: int
                    + 1) * (programs + 1) >= 1 << 31)
 
 
-#: query rows (new tokens x group) of a varlen tile, at most: 32 (8 tokens at group 4) fit
-#: three resident 4-warp programs per SM (168 registers, 8 bytes spilled, none in the token
-#: loop, on sm_90); 64 rows took 255 and spilled 76 bytes (213 at eight warps, one program
-#: per SM; perf-notes step 41)
-_VARLEN_ROWS = 32
-#: programs per SM the varlen kernel's register cap keeps resident
-_VARLEN_RESIDENT = 3
+#: query rows (new tokens x group) of a varlen tile, at most: 64 (16 tokens at group 4) take
+#: Hopper's wgmma at two resident 4-warp programs per SM (255 registers, no spill in the token
+#: loop, 64 KB of shared memory on sm_90), and each block re-reads the keys its tokens see, so
+#: taller blocks read fewer bytes; 32 rows at three per SM and 128 at eight warps were slower
+#: on a mixed batch (the measurement: perf-notes, paged prefill's tiles)
+_VARLEN_ROWS = 64
+#: programs per SM the varlen kernel's register cap keeps resident (2: no cap under 255)
+_VARLEN_RESIDENT = 2
 _VARLEN_ROWS_INTERPRET = 16
 
 
