@@ -7,7 +7,7 @@ numpy call, so a call's time grows with the work its programs loop over: about
 (query head x sequence), the programs' fixed cost. The constants were fitted to the process
 CPU times of one ``paged_decode`` call per impl on ``pagedattn run``'s CPU batch (Llama-3-8B
 heads, 6 sequences, lengths scaled to 32 and to 64 tokens: 56 and 109 KV tokens) on the
-2-core CI machine, session 13 (the whole default run: about 70 s of CPU time): an estimate,
+2-core CI machine (the whole default run: about 70 s of CPU time): an estimate,
 and a busy machine is slower. :func:`say_estimate` is the line ``run`` and
 ``bench --dry-run`` print before their first kernel.
 """

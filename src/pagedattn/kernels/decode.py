@@ -55,9 +55,9 @@ shapes, dtypes and whether it owns its workspace):
   resets the counter to 0, so the counters (in ``seq_rows``' place in the plan's workspace,
   zeroed once when the plan is built) are zero again for the next launch or graph replay and
   no merge kernel is launched. An empty sequence has no unit: program ``u < batch ·
-  num_kv_heads`` writes pair ``u``'s zeros (``_empty_seq_result``). In session 2 a fused
-  merge measured slower (``docs/perf-notes.md``, step 5: batch 1, 64 rows merged by one
-  unit, on a kernel of its day); step 34 measures this one, where the merge is per group;
+  num_kv_heads`` writes pair ``u``'s zeros (``_empty_seq_result``). The fold is per group,
+  so the last unit merges few rows (an early fused merge of 64 rows by one unit measured
+  slower; ``docs/perf-notes.md`` has both measurements);
 * ``_merge_per_group_kernel`` (one program per sequence and kv head, the same
   ``_merge_group_rows``, so a folded merge's bits are the kernel's) when those programs fill
   the SMs and the merge is not folded (a one-shot call's fresh workspace holds no zeroed
@@ -66,7 +66,7 @@ shapes, dtypes and whether it owns its workspace):
   first read of the workspace);
 * else ``_merge_per_head_kernel`` (one per sequence and query head, split rows vectorized).
 
-A per-group merge of several split rows per load round did not pay (step 32). Rows are
+A per-group merge of several split rows per load round did not pay (perf-notes). Rows are
 exactly the non-empty splits, so no empty split is ever formed or read. Lengths are clamped
 to the table's capacity; block-table entries past ``ceil(len / page_size)`` are never read.
 
@@ -105,7 +105,7 @@ their flag only):
   sequence: 0, LSE ``-inf`` or the sink) and no merge is launched. The arithmetic of a
   non-empty sequence is the one-row path's, bit for bit.
 
-**The token loop's fast forms** (``docs/perf-notes.md`` step 38), two more flags the launcher
+**The token loop's fast forms** (measured in ``docs/perf-notes.md``), two more flags the launcher
 sets where they are exact, each instruction for instruction the old loop when off:
 
 * ``LEAN_SOFTMAX`` (one query token, no window, no soft-cap: every row of every tile sees a
@@ -380,7 +380,7 @@ def _merge_per_group_kernel(
     writes for every sequence ((0, 0) for an empty one); every row in it held tokens, so every
     ``m_r`` is finite. One program per (sequence, kv head) rather than per query head: a batch of 64
     with 32 query heads launched 2,048 programs that mostly exit at once, a launch cost that
-    ncu showed on llama8b-b64-c2k (``docs/perf-notes.md``, step 7). Used when ``batch ·
+    ncu showed (``docs/perf-notes.md``). Used when ``batch ·
     num_kv_heads`` fills the SMs; else :func:`_merge_per_head_kernel`."""
     b, kv_head, ctx = _program_sequence(context_lens_ptr, stride_ctx, max_pages, page_size)
     _pdl_wait(PDL)  # seq_rows and the partials are the main kernel's
