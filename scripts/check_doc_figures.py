@@ -1,11 +1,11 @@
-"""Check that the figures README.md and DESIGN.md quote come from the results files.
+"""Check that the figures README.md, DESIGN.md and docs/ quote come from the results files.
 
 Two kinds of quoted figure:
 
 * **Results table rows** (README's ``## Results`` table): every number in a row's cells must
   appear, as printed (thousands separators ignored), in a row of ``docs/results/bench-h200.md``
   (the run's full table) that starts with the same shape name.
-* **Prose figures**: in README's ``## Results`` section and in DESIGN.md, every number followed
+* **Prose figures**: in README.md, DESIGN.md and the pages of ``PROSE_DOCS``, every number followed
   by a unit (``µs``, ``GB/s``, ``tokens/s``, ``×``) must match some number in a file under
   ``docs/results/`` (not counting ``bench-runs.csv``, the lines of past runs) once that
   number is rounded to the figure's printed precision (1,349 tokens/s matches 1348.95 in a
@@ -27,6 +27,9 @@ UNIT_FIGURE = re.compile(rf"({NUMBER})\s*(?:µs|us\b|GB/s|tokens/s|×)")
 RESULT_SUFFIXES = {".md", ".csv", ".json", ".log", ".txt"}
 #: every past run, one line per row: a figure of an older run is no source for the docs
 HISTORY_FILES = {"bench-runs.csv"}
+#: the pages under docs/ that quote results (perf-notes keeps every run's figures, past ones
+#: included, so it is no quote of the current pages)
+PROSE_DOCS = ("usage.md", "compat.md", "models.md")
 
 
 def _plain(number: str) -> str:
@@ -113,8 +116,10 @@ def check(root: Path) -> tuple[list[str], int]:
     results = root / "docs" / "results"
     problems, count = check_table(readme, (results / "bench-h200.md").read_text(encoding="utf-8"))
     numbers = _result_numbers(results)
-    for name, text in (("README.md (Results)", _section(readme, "Results")),
-                       ("DESIGN.md", design)):
+    prose = [("README.md", readme), ("DESIGN.md", design)]
+    prose += [(f"docs/{doc}", (root / "docs" / doc).read_text(encoding="utf-8"))
+              for doc in PROSE_DOCS if (root / "docs" / doc).is_file()]
+    for name, text in prose:
         more, n = check_prose(name, text, numbers)
         problems += more
         count += n

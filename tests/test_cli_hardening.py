@@ -334,8 +334,8 @@ def test_bench_model_defaults_on_the_cpu_refuse_without_yes(tmp_path, capsys, mo
     assert " h in Triton's interpreter" in err  # hours
     assert err.rstrip().removesuffix(" (see --help)").endswith(" ".join(["pagedattn", *SMOKE]))
     assert " ".join(["pagedattn", *SMOKE]) == bench_model.SMOKE_RUN
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert " ".join(bench_model.SMOKE_RUN.split()) in " ".join(readme.split())
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    assert " ".join(bench_model.SMOKE_RUN.split()) in " ".join(usage.split())
 
     class Ran(Exception):
         pass
@@ -346,7 +346,7 @@ def test_bench_model_defaults_on_the_cpu_refuse_without_yes(tmp_path, capsys, mo
     with pytest.raises(Ran):  # --yes: it says how long, then starts
         cli.main(["bench-model", "--yes", "--out", str(tmp_path / "s")])
     assert "bench-model on the CPU: expect about" in capsys.readouterr().err
-    with pytest.raises(Ran):  # README's smoke run needs no flag
+    with pytest.raises(Ran):  # docs/usage.md's smoke run needs no flag
         cli.main(SMOKE)
     assert "expect about" in capsys.readouterr().err
 

@@ -19,7 +19,7 @@ from pagedattn.reference import paged_decode_reference  # noqa: E402
 from pagedattn.testing import rel_l2_error  # noqa: E402
 
 NEW_TOKENS = 8
-README = Path(__file__).resolve().parents[1] / "README.md"
+COMPAT = Path(__file__).resolve().parents[1] / "docs" / "compat.md"
 
 
 @pytest.fixture
@@ -190,8 +190,8 @@ def test_continuous_batching_refusal_is_transformers():
 
 
 def readme_block() -> str:
-    """The python block of README's ``### transformers`` subsection."""
-    text = README.read_text(encoding="utf-8").split("\n### transformers\n", 1)[1]
+    """The python block of docs/compat.md's ``### transformers`` subsection."""
+    text = COMPAT.read_text(encoding="utf-8").split("\n### transformers\n", 1)[1]
     text = re.split(r"^##", text, maxsplit=1, flags=re.M)[0]
     (block,) = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
     return block
@@ -206,7 +206,7 @@ def test_readme_snippet_runs_on_the_cpu(decode_calls):
     code = code.replace('device="cuda"', 'device="cpu"')
     assert "cuda" not in code
     ns: dict = {}
-    exec(compile(code, str(README), "exec"), ns)  # noqa: S102
+    exec(compile(code, str(COMPAT), "exec"), ns)  # noqa: S102
     new = ns["tokens"].shape[1] - 4  # 8 unless the random model ends its text early
     assert ns["tokens"].shape[0] == 1 and new >= 2
     assert len(decode_calls) == 2 * (new - 1)  # 2 layers per decode step after the prefill

@@ -1,7 +1,8 @@
-"""README.md's Python examples run as a CPU user runs them: the README tells them to write
-``device="cpu"`` for every ``device="cuda"`` and set ``TRITON_INTERPRET=1`` (the suite runs
-with it). The usage block and the variants block run in one namespace, as written otherwise,
-and the last output (the cascade's merge) is checked against the float64 oracle."""
+"""README.md's Python examples, and docs/compat.md's drop-in snippets, run as a CPU user runs
+them: the README tells them to write ``device="cpu"`` for every ``device="cuda"`` and set
+``TRITON_INTERPRET=1`` (the suite runs with it). The usage block and the variants block run in
+one namespace, as written otherwise, and the last output (the cascade's merge) is checked
+against the float64 oracle."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from pagedattn.reference import paged_attention_reference, paged_decode_referenc
 from pagedattn.testing import rel_l2_error
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+COMPAT = Path(__file__).resolve().parents[1] / "docs" / "compat.md"
 
 
 def python_blocks() -> list[str]:
-    """The Usage and variants blocks (the compat section's blocks run in their own tests)."""
-    text = README.read_text(encoding="utf-8").split("\n## Use it from code written for")[0]
+    """The Usage, variants and prefill blocks (docs/compat.md's run in their own tests)."""
+    text = README.read_text(encoding="utf-8")
     return [b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
             if "mla_decode" not in b]  # MLA's block stands alone (its own test)
 
@@ -53,9 +55,9 @@ def test_readme_examples_run_on_the_cpu():
     assert torch.allclose(lse[finite].double(), ref.lse[finite], atol=1e-3)
 
 
-def _block(word: str) -> str:
-    """The one README block that uses ``word``, as a CPU user runs it."""
-    every = re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), re.M | re.S)
+def _block(word: str, doc: Path = README) -> str:
+    """The one block of ``doc`` that uses ``word``, as a CPU user runs it."""
+    every = re.findall(r"^```python\n(.*?)^```", doc.read_text(encoding="utf-8"), re.M | re.S)
     found = [b for b in every if word in b]
     assert len(found) == 1, word
     return found[0].replace('device="cuda"', 'device="cpu"')
@@ -75,10 +77,10 @@ def test_readme_mla_example_runs_on_the_cpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU user's path")
-def test_readme_flash_attention_example_runs_on_the_cpu():
+def test_compat_flash_attention_example_runs_on_the_cpu():
     ns: dict = {}
     torch.manual_seed(0)
-    exec(compile(_block("flash_attn_with_kvcache"), str(README), "exec"), ns)  # noqa: S102
+    exec(compile(_block("flash_attn_with_kvcache", COMPAT), str(COMPAT), "exec"), ns)  # noqa: S102
     q, kc, vc, table, lens = (ns[k] for k in ("q", "k_cache", "v_cache", "page_table",
                                               "cache_seqlens"))
     ref = paged_decode_reference(q[:, 0], kc, vc, table, lens + 1)  # the new token included
@@ -88,10 +90,11 @@ def test_readme_flash_attention_example_runs_on_the_cpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU user's path")
-def test_readme_flashinfer_example_runs_on_the_cpu():
+def test_compat_flashinfer_example_runs_on_the_cpu():
     ns: dict = {}
     torch.manual_seed(0)
-    exec(compile(_block("BatchDecodeWithPagedKVCacheWrapper"), str(README), "exec"), ns)  # noqa: S102
+    exec(compile(_block("BatchDecodeWithPagedKVCacheWrapper", COMPAT), str(COMPAT), "exec"),
+         ns)  # noqa: S102
     kv, indptr, indices, last = (ns[k] for k in ("kv_cache", "indptr", "indices",
                                                  "last_page_len"))
     table = torch.zeros(3, 7, dtype=torch.int32)

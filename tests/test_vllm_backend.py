@@ -247,11 +247,11 @@ def test_an_unsupported_option_is_refused_with_its_name(workdir):
 
 
 def test_the_readmes_cpu_example_runs_as_written(workdir):
-    """README's "Use with vLLM": ``app.py`` as written (its model path replaced by the tiny
-    Llama), run with the README's own environment variables and vLLM's defaults otherwise
+    """docs/compat.md's "vLLM": ``app.py`` as written (its model path replaced by the tiny
+    Llama), run with that section's own environment variables and vLLM's defaults otherwise
     (its engine core in a process of its own, which loads the plugin too)."""
-    text = (TESTS.parent / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## Use with vLLM\n")[1].split("\n## ")[0]
+    text = (TESTS.parent / "docs" / "compat.md").read_text(encoding="utf-8")
+    section = text.split("\n## vLLM\n")[1].split("\n## ")[0]
     (app,) = re.findall(r"^```python\n(.*?)^```", section, re.M | re.S)
     (command,) = [line.strip() for line in section.splitlines()
                   if line.strip().endswith("python app.py")]

@@ -19,7 +19,7 @@ F = TypeVar("F", bound=Callable)
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for host integers (``triton.cdiv`` called from Python goes through
-    Triton's JIT-function wrapper, slower than a launch path can afford: perf-notes step 15)."""
+    Triton's JIT-function wrapper, slower than a launch path can afford)."""
     return -(-a // b)
 
 

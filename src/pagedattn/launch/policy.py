@@ -6,9 +6,10 @@ Pure functions, no tensor and no Triton: :func:`choose_config` picks the tiles
 :func:`heuristic_config`), and :func:`plan_launch` turns a launcher's shapes and variants
 into a :class:`LaunchPlan`: the split rules (forced splits, the device planner's split
 targets and smallest chunk, one unit per sequence or not, the grid's rows), the merge kernel
-and its tile, the workspace's rows, each rule with the measurement behind it
-(``docs/perf-notes.md``). :class:`~pagedattn.launch.decode.AutoLauncher` asks this module and
-builds the launches; tests and scripts patch or call these functions here.
+and its tile, the workspace's rows. Each rule says which rows it was measured on (an
+H200); ``docs/perf-notes.md`` keeps the measurements and the alternatives that lost.
+:class:`~pagedattn.launch.decode.AutoLauncher` asks this module and builds the launches;
+tests and scripts patch or call these functions here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pagedattn.launch._common import block_d, cdiv, next_power_of_2
 
 # split rows merged per vector step by the per-head merge, at most: the most rows a sequence
 # can have (from shapes), so the usual split counts take one round (batch 1 at 32 k tokens:
-# 64 rows, which two rounds of 32 merged slower than the floor's one: perf-notes step 23)
+# 64 rows, which two rounds of 32 merged slower than one)
 _MERGE_MAX_BLOCK_R = 64
 
 
@@ -46,21 +47,21 @@ class DecodeConfig:
     # register cap of the main kernel (Triton's ``maxnreg``), or None for ptxas's choice
     maxnreg: int | None = None
     # launch a per-group merge as a programmatic dependent of the main kernel where the GPU
-    # has it (sm_90+): its launch overlaps the main kernel's tail (perf-notes step 32)
+    # has it (sm_90+): its launch overlaps the main kernel's tail
     pdl: bool = True
     # a plan owning its workspace merges a sequence's split rows in the last unit of each
     # (sequence, kv head) to arrive, where the merge is per group: no merge launch
-    # (perf-notes step 34: 16-bit caches; fp8's kernel lost 58 µs on b64-c8k with it)
+    # (faster for 16-bit caches; fp8's kernel was slower with it)
     fold_merge: bool = False
     # ... and where the merge would be per query head (the pairs do not fill the SMs) when a
     # sequence holds at most this many split rows, known from shapes (the table's capacity
     # over min_chunk, or the forced count): the last unit's row loop stays short, and the
-    # call launches one kernel (perf-notes step 35)
+    # call launches one kernel
     fold_max_rows: int = 4
     # the token loop's online softmax without its clamp and selects, where every row of
     # every tile sees a key (one query token, no window, no soft-cap; the launcher checks):
-    # scores as exactly rounded products (perf-notes step 38: fewer loop instructions a
-    # tile; the issue-bound fp8 kernel gains most)
+    # scores as exactly rounded products (fewer loop instructions a tile; the issue-bound
+    # fp8 kernel gains most)
     lean_softmax: bool = True
     # a token's offset within its page (slot and kv head) in int32 where every such offset
     # of both caches fits (the launcher checks the strides), the page's own in 64-bit
@@ -68,7 +69,7 @@ class DecodeConfig:
     # the persistent schedule's programs per SM (schedule="persistent" without
     # num_programs), all resident at once: its register cap is sized for them; None:
     # ctas_per_sm, at most three (the persistent kernel's piece loop holds more registers
-    # than a split unit's: 212 at head_dim 128 uncapped, docs/perf-notes.md step 40)
+    # than a split unit's: 212 at head_dim 128 uncapped)
     persistent_ctas_per_sm: int | None = None
 
 
@@ -96,37 +97,34 @@ def tuned_table(device_name: str) -> dict[str, dict]:
 
 
 def heuristic_config(head_dim: int, group: int, cache_dtype: torch.dtype) -> DecodeConfig:
-    """The rule for GPUs (or keys) without a tuned entry, read off the H200 sweeps recorded in
-    ``docs/perf-notes.md`` (step 8): 16-bit caches take 64-token tiles 2 stages deep at
-    head_dim 128 (128-token tiles 2 deep at head_dim ≤ 64: step 32; 32-token tiles 3 deep at
-    256); fp8 caches 64-token tiles 3 deep (step 28: 116 registers with V read as dim pairs);
-    fp32 caches 64-token tiles 2 deep at head_dim ≤ 128 (step 33, with bf16x3 dots), 16-token
-    tiles 3 deep at 256. Splits target about one wave of four resident programs per SM (three
-    for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight for ragged
-    batches. A plan's merge is folded into the main kernel for 16-bit caches where it is per
-    group (step 34), or where it would be per head and a sequence holds at most 4 split rows
-    (step 35: b1-c1k 1.8 µs eager and b8-c300's host path 3.9 µs faster; 8 rows even, 16 rows
-    at b1-c4k and b4-c4k 1-4 µs slower, 128 at b1-c32k 16 µs)."""
+    """The rule for GPUs (or keys) without a tuned entry, read off H200 sweeps: 16-bit caches
+    take 64-token tiles 2 stages deep at head_dim 128 (128-token tiles 2 deep at head_dim ≤ 64;
+    32-token tiles 3 deep at 256); fp8 caches 64-token tiles 3 deep (116 registers with V read
+    as dim pairs); fp32 caches 64-token tiles 2 deep at head_dim ≤ 128 (with bf16x3 dots),
+    16-token tiles 3 deep at 256. Splits target about one wave of four resident programs per
+    SM (three for fp8 at head_dim ≤ 128, two for fp32, head_dim ≤ 64 and fp8 at 256), eight
+    for ragged batches. A plan's merge is folded into the main kernel for 16-bit caches where
+    it is per group, or where it would be per head and a sequence holds at most 4 split rows
+    (faster on b1-c1k and on b8-c300's host path; even at 8 rows, slower from 16)."""
     bd = block_d(head_dim)
     if cache_dtype == torch.float32:
-        # 64-token tiles 2 deep with bf16x3 dots (perf-notes step 33's sweep: 323 µs on
-        # seed-fp32 against 352+ for every other tile, stage and warp count)
+        # 64-token tiles 2 deep with bf16x3 dots: the fastest tile, stage and warp count of
+        # the seed-fp32 sweep
         block_n, stages, ctas = (64, 2, 2) if bd <= 128 else (16, 3, 2)
     elif cache_dtype in FP8_DTYPES:
         # 64-token tiles: with V read as dim pairs (FP8_V_PAIRS) the kernel takes 116
         # registers, so four programs per SM (the 128-token tile took 255: two); a split
-        # target of three per SM leaves b64-c8k's 512 sequence-heads unsplit (perf-notes step 28)
+        # target of three per SM leaves b64-c8k's 512 sequence-heads unsplit
         block_n, stages, ctas = (64, 3, 3) if bd <= 128 else (64, 3, 2)
     elif bd <= 64:
         # 128-token tiles 2 deep: faster than 64 x 3 on hd64-b64-c2k in three explorations
-        # (perf-notes steps 25 and 32: 0.7-1.0 µs eager)
         block_n, stages, ctas = 128, 2, 2
     elif bd <= 128:
         block_n, stages, ctas = 64, 2, 4
     else:
         block_n, stages, ctas = 32, 3, 4
-    # the lean softmax and int32 slot offsets (perf-notes step 38): faster on every 16-bit
-    # and fp8 row or even; the fp32 kernel (bf16x3 dots) ran 1-1.6 % slower with them
+    # the lean softmax and int32 slot offsets: faster on every 16-bit and fp8 row or even;
+    # the fp32 kernel (bf16x3 dots) ran slower with them
     fast_loop = cache_dtype != torch.float32
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=stages, ctas_per_sm=ctas,
                         min_chunk=256,
@@ -141,8 +139,8 @@ def choose_config(head_dim: int, group: int, cache_dtype: torch.dtype, page_size
     Keyed on shapes and dtype only, so a new batch size or context length never recompiles
     (split sizing is a runtime argument of the kernel). ``ragged``: the caller's host copy of
     the lengths says the batch is ragged (mean under half the longest); 16-bit caches then
-    pipeline one stage deeper (the H200 sweep of perf-notes step 8: faster on the three ragged
-    rows, slower on the uniform ones; 64-token tiles only)."""
+    pipeline one stage deeper (an H200 sweep: faster on the three ragged rows, slower on the
+    uniform ones; 64-token tiles only)."""
     cfg = heuristic_config(head_dim, group, cache_dtype)
     if (ragged and cache_dtype in (torch.float16, torch.bfloat16) and cfg.num_stages == 2
             and cfg.block_n == 64):  # the head_dim-128 tiles of the sweep, not hd64's 128 x 2
@@ -171,7 +169,7 @@ def window_one_unit(*, batch: int, num_kv_heads: int, sms: int, window_left: int
     first tile before the window), whatever ``context_lens`` holds, so the longest unit is
     known from shapes. When the pairs alone fill the GPU (at least 1.5 per SM), splitting
     them buys no parallelism and costs the partials' round trip and a merge launch: on the
-    H200 (perf-notes step 25) a 1,024-token window ran faster unsplit on b64-c2k, the Azure
+    H200 a 1,024-token window ran faster unsplit on b64-c2k, the Azure
     batch and at batch 32, and slower at batch 16 (128 pairs). Measured for 16-bit caches at
     head_dim 128 and one query token; batch invariance
     keeps its fixed split size (a batch-size rule would make a sequence's arithmetic depend
@@ -186,9 +184,8 @@ def fp8_few_pairs(*, batch: int, num_kv_heads: int, sms: int, kv_dtype: torch.dt
                   head_dim: int) -> bool:
     """An fp8 plan of one query token whose (sequence, kv head) pairs are fewer than the SMs
     splits for four units per SM (the four 116-register programs resident), not the fp8
-    default of three: on the H200 (perf-notes step 28) b1-c32k ran 38.6 µs at four against
-    41.6 at three; b64-c8k (512 pairs) keeps three, where four cut each sequence in two
-    (312.8 against 308.4 µs)."""
+    default of three: on the H200 b1-c32k ran faster at four; b64-c8k (512 pairs) keeps
+    three, where four cut each sequence in two and ran slower."""
     return (kv_dtype in FP8_DTYPES and block_d(head_dim) <= 128
             and batch * num_kv_heads < sms)
 
@@ -205,13 +202,13 @@ def multi_token_config(cfg: DecodeConfig, *, head_dim: int, kv_dtype: torch.dtyp
     decoding).
 
     Multi-token rows add live values: on sm_90 the q_len=4 kernel takes 168 registers, so
-    three programs per SM fit where the one-token kernel (118) fits four, a slower call
-    (perf-notes step 15). The cap keeps ``min(ctas_per_sm, 4)`` programs resident (a ragged
+    three programs per SM fit where the one-token kernel (118) fits four, a slower call.
+    The cap keeps ``min(ctas_per_sm, 4)`` programs resident (a ragged
     batch's split target of eight units per SM is not residency). For 16-bit caches at
     head_dim 65-128 (``choose_tiles``: the launcher's own choice, not a tuning override),
     32-token tiles 3 deep fit the 128 cap with no spill (64 x 2 spill 92 bytes), and a split
     target of three units per SM (four stay resident) ran faster than the capped 64 x 2
-    tiles at four on b64-c2k (perf-notes step 26; measured at q_len=4, group 4); a ragged
+    tiles at four on b64-c2k (measured at q_len=4, group 4); a ragged
     batch keeps its own split target. fp32 caches at head_dim 65-128 keep 32-token tiles 3
     deep (their one-token 64 x 2 tiles were swept at q_len 1 only)."""
     bd = block_d(head_dim)
@@ -222,8 +219,8 @@ def multi_token_config(cfg: DecodeConfig, *, head_dim: int, kv_dtype: torch.dtyp
         cfg = replace(cfg, block_n=32, num_stages=3,
                       ctas_per_sm=3 if cfg.ctas_per_sm <= 4 else cfg.ctas_per_sm)
     elif choose_tiles and bd > 64 and kv_dtype == torch.float32:
-        # fp32's one-token 64 x 2 tiles take 255 registers with bf16x3 dots (perf-notes step
-        # 33, swept at q_len 1 only): multi-token rows keep the 32 x 3 tiles they ran before
+        # fp32's one-token 64 x 2 tiles take 255 registers with bf16x3 dots (swept at q_len
+        # 1 only): multi-token rows keep the 32 x 3 tiles they ran before
         cfg = replace(cfg, block_n=32, num_stages=3)
     return replace(cfg, maxnreg=cap) if cap < 255 else cfg
 
@@ -352,7 +349,7 @@ def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: i
         forced_splits=forced_splits)
     if window_unit and config is None and not interpret:
         # unsplit units run one window each: 32-token tiles 3 deep measured faster than
-        # the split plan's 64 x 2 (or the ragged 64 x 3) on both rows (perf-notes step 25)
+        # the split plan's 64 x 2 (or the ragged 64 x 3) on both rows
         cfg = replace(cfg, block_n=32, num_stages=3)
     if (config is None and not interpret and q_len == 1
             and fp8_few_pairs(batch=batch, num_kv_heads=num_kv_heads, sms=sms,
@@ -371,8 +368,8 @@ def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: i
     # one unit per sequence, known from shapes: a forced single split, or a table too
     # small to hold more than the smallest chunk (every chunk is at least min_chunk, so
     # no sequence splits); the kernel then skips its scans and no merge is launched
-    # (serving with a short max_model_len: perf-notes step 20), or a sliding window
-    # whose (sequence, kv head) pairs fill the GPU (window_one_unit: step 25)
+    # (serving with a short max_model_len), or a sliding window whose (sequence, kv head)
+    # pairs fill the GPU (window_one_unit)
     one_unit = window_unit or forced_splits == 1 or (
         not forced_splits and capacity <= min_chunk)
     if one_unit:
@@ -459,7 +456,7 @@ def _persistent_plan(*, batch: int, max_pages: int, num_q_heads: int, group: int
 #: Hopper's wgmma at two resident 4-warp programs per SM (255 registers, no spill in the token
 #: loop, 64 KB of shared memory on sm_90), and each block re-reads the keys its tokens see, so
 #: taller blocks read fewer bytes; 32 rows at three per SM and 128 at eight warps were slower
-#: on a mixed batch (the measurement: perf-notes, paged prefill's tiles)
+#: on a mixed batch
 _VARLEN_ROWS = 64
 #: programs per SM the varlen kernel's register cap keeps resident (2: no cap under 255)
 _VARLEN_RESIDENT = 2

@@ -23,7 +23,7 @@ from pagedattn.launch._common import block_d, next_power_of_2
 from pagedattn.launch.policy import DecodeConfig
 
 #: tile rows (query tokens x heads of a block), at most, by schedule and cache dtype, from
-#: the compiled sm_90 kernels (docs/perf-notes.md, step 42). 64 rows are Hopper's wgmma tile
+#: the compiled sm_90 kernels. 64 rows are Hopper's wgmma tile
 #: (one warpgroup's M; at eight warps the two warpgroups split the 512 value dims, the fp32
 #: accumulator 128 registers a thread): bf16 compiles to 255 registers with no spill inside
 #: the token loop; fp16 and fp8 latents at 64 rows spill inside it (74 and 215 spill
@@ -57,8 +57,8 @@ def mla_head_blocks(num_heads: int, q_len: int, max_rows: int) -> int:
 def mla_config(*, d_latent: int, rows: int, kv_dtype: torch.dtype, interpret: bool
                ) -> DecodeConfig:
     """The tiles of an MLA plan whose tile holds ``rows`` rows (``q_len`` x heads of a block,
-    padded to at least 16), read off the compiled sm_90 kernels (step 42; none measured on
-    a GPU yet). Eight warps: the ``rows x d_latent`` fp32 accumulator spread over 256
+    padded to at least 16), read off the compiled sm_90 kernels (not tuned on a GPU: the H200
+    runs were correct and far behind FlashInfer's MLA kernel). Eight warps: the ``rows x d_latent`` fp32 accumulator spread over 256
     threads (at 64 rows, one warpgroup's wgmma M, the two warpgroups each hold 256 of the
     512 value dims). 32-token latent tiles 2 deep up to 16 rows (bf16: 115 registers, 56 KB
     of shared memory, two programs per SM), 16-token tiles 2 deep above (32 rows: 144
