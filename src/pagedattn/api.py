@@ -79,6 +79,7 @@ IMPLS: dict[str, ImplSpec] = {
 }
 STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
 
+
 def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
                         return_lse, query=None, variants=None) -> None:
     """What the spec cannot honour is a ValueError naming the argument and the impl.
@@ -104,7 +105,6 @@ def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
             raise ValueError(f"{name}: impl={impl!r} takes no cache scales; use impl='auto'")
     if return_lse and not spec.lse:
         raise ValueError(f"return_lse: impl={impl!r} does not return the LSE; use impl='auto'")
-
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q_heads: int,

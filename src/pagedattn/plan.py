@@ -111,8 +111,8 @@ class DecodePlan:
                  page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
                  options: DecodeOptions = O.DEFAULT, one_shot=False, table_shape=None,
                  device=None, schedule="split", num_programs=None):
-        # a one-shot template (pagedattn.one_shot.TEMPLATES) holds no tensor: it is built from the
-        # table's ``table_shape`` and ``device``, and each call passes its own tables
+        # a one-shot template (pagedattn.one_shot.TEMPLATES) holds no tensor: it is built
+        # from the table's ``table_shape`` and ``device``, and each call passes its own tables
         self.block_tables, self.context_lens = block_tables, context_lens
         # a one-shot plan (paged_decode) runs once, through the launcher that every one-shot
         # call of its static key shares (launch.decode.one_shot_launcher), which takes a fresh
@@ -134,7 +134,7 @@ class DecodePlan:
         self.device = block_tables.device if device is None else device
         # a multi-token plan takes 4-D queries [batch, q_len, num_q_heads, head_dim]
         self.q_shape = torch.Size((self.batch, num_q_heads, head_dim) if q_len == 1
-                                   else (self.batch, q_len, num_q_heads, head_dim))
+                                  else (self.batch, q_len, num_q_heads, head_dim))
         self._lse_shape = tuple(self.q_shape[:-1])  # a tuple parses faster than a Size
         # FlashAttention's one-token query [batch, 1, num_q_heads, head_dim] (run_4d)
         self._q_shape_4d = (torch.Size((self.batch, 1, num_q_heads, head_dim)) if q_len == 1
