@@ -3,7 +3,7 @@
 On a GPU machine (CUDA tensors, the real kernels) each call is timed as in
 ``scripts/host_time.py``: back-to-back calls of a tiny batch, one synchronize, medians of
 ``--repeats`` timings. Without a GPU (``--cpu``) the launch itself is stubbed (the plan's
-``_launch`` returns a preallocated output, and the CPU-only value checks are skipped as they
+``launch`` returns a preallocated output, and the CPU-only value checks are skipped as they
 are for CUDA tensors) so that only the Python of the call runs: the difference from the
 direct ``plan.run`` is the compat layer's own Python. CPU figures are an exploration of that Python
 cost, not GPU host time. Usage (repo root)::
@@ -56,7 +56,7 @@ def main() -> None:
     if device == "cpu":  # Python only: every plan's launch returns a ready output
         ready = torch.empty_like(q)
         def stub(p):  # as on CUDA with validate=None: no value checks, then the launch
-            p._launch, p._on_cpu = (lambda *a, **k: ready), False
+            p.launch, p.on_cpu = (lambda *a, **k: ready), False
         for p in (plan, wrapper._plan):
             stub(p)
         flash_attn_with_kvcache(q4, kc, vc, cache_seqlens=inp.context_lens,

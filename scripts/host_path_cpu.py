@@ -19,9 +19,9 @@ import torch
 
 import pagedattn
 from pagedattn import _validation as V
-from pagedattn import api
 from pagedattn.launch import _triton_compat as tc
 from pagedattn.launch import decode as L
+from pagedattn.plan import ValueChecks
 from pagedattn.testing import make_paged_inputs
 
 
@@ -56,7 +56,7 @@ class FakeKernel:
 
 
 V.check_device_runnable = lambda *args: None
-api._run_value_checks = lambda *args, **kwargs: None  # validate=None on a GPU skips them
+ValueChecks.check = lambda *args, **kwargs: None  # validate=None on a GPU skips them
 for _name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
     setattr(L, _name, FakeKernel(getattr(L, _name)))
 tc.cpu_driver(stream=0).__enter__()  # Triton's driver: a stand-in for the whole run
@@ -90,7 +90,7 @@ for name, lens, hq, hkv, hd, dt in BATCHES:
                           dtype=dt, poison=False)
     plan = pagedattn.plan_decode(x.block_tables, x.context_lens, num_q_heads=hq,
                                  num_kv_heads=hkv, head_dim=hd, page_size=16, q_dtype=dt)
-    plan._on_cpu = False  # a CPU plan would run the value checks
+    plan.on_cpu = False  # a CPU plan would run the value checks
     out = torch.empty_like(x.query)
     fns = dict(plan_run=functools.partial(plan.run, *x[:3]),
                plan_run_out=functools.partial(plan.run, *x[:3], out=out),

@@ -81,7 +81,7 @@ def _fresh_one_shot_launchers():
                             None)
         if launchers is not None:
             launchers.cache_clear()
-        getattr(sys.modules.get("pagedattn.api"), "_ONE_SHOT_TEMPLATES", {}).clear()
+        getattr(sys.modules.get("pagedattn.one_shot"), "TEMPLATES", {}).clear()
 
     clear()
     yield

@@ -99,7 +99,7 @@ def test_fa_append_then_attend_and_the_plan_is_reused(device):
 
 def test_fa_repeated_decode_call_takes_the_short_path(device, monkeypatch):
     """The per-layer call: the second call finds its plan by its signature and runs FA's 4-D
-    query as it is (the plan's ``_run_4d``), reading the lengths updated in place; a call with
+    query as it is (the plan's ``run_4d``), reading the lengths updated in place; a call with
     another dtype plans anew, and calls alternating between the two plans stay right."""
     from pagedattn.api import DecodePlan
 
@@ -114,8 +114,8 @@ def test_fa_repeated_decode_call_takes_the_short_path(device, monkeypatch):
     flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call)
     assert len(fast) == 1 and len(plans) == 1
     runs = []
-    real = DecodePlan._run_4d
-    monkeypatch.setattr(DecodePlan, "_run_4d",
+    real = DecodePlan.run_4d
+    monkeypatch.setattr(DecodePlan, "run_4d",
                         lambda self, *a: runs.append(real(self, *a)) or runs[-1])
     lens -= 3  # the engine's next step, in place
     out, lse = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, **call)

@@ -1,6 +1,6 @@
 """``DecodePlan.run``'s fast check accepts nothing that the precise check refuses.
 
-``run`` first tries one expression for the serving call (``DecodePlan._common_call``); on
+``run`` first tries one expression for the serving call (``DecodePlan.is_plain_call``); on
 anything else it falls through to ``_validation.check_run``, which names the argument. A
 property test (hypothesis) draws run arguments that vary dtype, shape, strides, device
 (cpu/meta), layout (strided/sparse), contiguity, storage overlap of ``out`` with the query
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import pagedattn
 from pagedattn import _validation as V
-from pagedattn import api, options
+from pagedattn import api, one_shot, options
 from pagedattn._env import is_interpreter
 from pagedattn.testing import make_paged_inputs
 
@@ -128,7 +128,7 @@ def run_args(draw):
     """A plan and run arguments: valid except for one or two drawn from wide strategies
     (a draw then fails on one argument, not always on the query)."""
     plan, x = draw(st.sampled_from(PLAN_OBJECTS))
-    q_shape = list(plan._q_shape)
+    q_shape = list(plan.q_shape)
     varied = draw(st.sets(st.sampled_from(NAMES), min_size=1, max_size=2))
     query = (_tensor(draw, q_shape, plan.q_dtype) if "query" in varied
              else torch.randn(q_shape).to(plan.q_dtype))
@@ -182,23 +182,23 @@ def _precise(plan, a):
 def test_the_fast_check_accepts_nothing_check_run_refuses(drawn):
     plan, a = drawn
     refused = _precise(plan, a)
-    fast = plan._common_call(a["query"], a["key_cache"], a["value_cache"], a["scale"],
-                             a["k_scale"], a["v_scale"], a["out"], a["return_lse"],
-                             a["validate"])
+    fast = plan.is_plain_call(a["query"], a["key_cache"], a["value_cache"], a["scale"],
+                              a["k_scale"], a["v_scale"], a["out"], a["return_lse"],
+                              a["validate"])
     if refused is None:
         return
     assert fast is False, f"the fast check accepted what check_run refuses: {refused}"
-    plan_launch = plan._launch
+    plan_launch = plan.launch
 
     def launched(*args, **kwargs):
         raise Launched
 
-    plan._launch = launched
+    plan.launch = launched
     try:
         with pytest.raises(type(refused)) as raised:
             plan.run(**a)
     finally:
-        plan._launch = plan_launch
+        plan.launch = plan_launch
     assert str(raised.value) == str(refused)
 
 
@@ -261,16 +261,16 @@ def _precise_one_shot(a):
 def warm_templates():
     """One valid one-shot call per plan's shapes and each valid variant choice, launches
     stubbed: the templates the fast path would use."""
-    real = api.DecodePlan._launch
+    real = api.DecodePlan.launch
 
     def stub(self, query, *args, tables=None, **kwargs):
-        out = torch.zeros(self._q_shape, dtype=self.q_dtype)
+        out = torch.zeros(self.q_shape, dtype=self.q_dtype)
         return (out, {}) if tables is not None else out
 
-    api.DecodePlan._launch = stub
+    api.DecodePlan.launch = stub
     try:
         for plan, x in PLAN_OBJECTS:
-            q = torch.randn(plan._q_shape).to(plan.q_dtype)
+            q = torch.randn(plan.q_shape).to(plan.q_dtype)
             for splits, window, cap, inv in itertools.product((None, 2), (-1, 6),
                                                               (None, 20.0), (False, True)):
                 pagedattn.paged_decode(q, x.key_cache, x.value_cache, x.block_tables,
@@ -278,8 +278,8 @@ def warm_templates():
                                        num_splits=splits, window_left=window,
                                        logits_soft_cap=cap, batch_invariant=inv)
     finally:
-        api.DecodePlan._launch = real
-    templates = dict(api._ONE_SHOT_TEMPLATES)
+        api.DecodePlan.launch = real
+    templates = dict(one_shot.TEMPLATES)
     assert len(templates) == 16 * len(PLAN_OBJECTS)
     return templates
 
@@ -292,20 +292,20 @@ def test_the_one_shot_fast_path_accepts_nothing_check_metadata_refuses(drawn,
     """With the templates of earlier valid calls in place, a one-shot call that
     ``check_metadata`` refuses never reaches a launch: it raises that error."""
     plan, a = drawn
-    api._ONE_SHOT_TEMPLATES.clear()
-    api._ONE_SHOT_TEMPLATES.update(warm_templates)
+    one_shot.TEMPLATES.clear()
+    one_shot.TEMPLATES.update(warm_templates)
     refused = _precise_one_shot(a)
     if refused is None:
         return
-    real = api.DecodePlan._launch
+    real = api.DecodePlan.launch
 
     def launched(*args, **kwargs):
         raise Launched
 
-    api.DecodePlan._launch = launched
+    api.DecodePlan.launch = launched
     try:
         with pytest.raises(type(refused)) as raised:
             pagedattn.paged_decode(**a)
     finally:
-        api.DecodePlan._launch = real
+        api.DecodePlan.launch = real
     assert str(raised.value) == str(refused)

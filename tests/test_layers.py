@@ -1,6 +1,7 @@
 """The import rules DESIGN.md states, read from the source with ``ast`` (nothing is imported):
-one-way layers ``cli → bench/serving → api → launch → kernels`` (``compat → api`` and
-``integrations → api`` beside bench/serving: nothing else imports them), leaves that import no
+one-way layers ``cli → bench/serving → api → launch → kernels`` (inside the API layer,
+``api → one_shot → plan``; ``compat → api`` and ``integrations → api`` beside
+bench/serving: nothing else imports them), leaves that import no
 ``pagedattn`` layer, no cycles, and dispatch through real import statements. Imports inside
 functions count: they are what a reader (and a tool such as import-linter) follows too."""
 
@@ -57,7 +58,7 @@ def _layer(module: str) -> str:
         if module.startswith(f"pagedattn.{prefix}"):
             return prefix
     return {"pagedattn.api": "api", "pagedattn.attention": "api", "pagedattn.mla": "api",
-            "pagedattn": "api",
+            "pagedattn.plan": "api", "pagedattn.one_shot": "api", "pagedattn": "api",
             "pagedattn.cli": "cli"}.get(module, "leaf")
 
 
@@ -73,7 +74,7 @@ ALLOWED = {"kernels": {"kernels"}, "launch": {"launch", "kernels", "leaf"},
 
 def test_graph_was_read():
     assert {"pagedattn.api", "pagedattn.launch.decode", "pagedattn.kernels.decode"} <= set(GRAPH)
-    assert "pagedattn.launch.decode" in GRAPH["pagedattn.api"]
+    assert "pagedattn.launch.decode" in GRAPH["pagedattn.plan"]
     assert "pagedattn.kernels.decode" in GRAPH["pagedattn.launch.decode"]
 
 
@@ -86,6 +87,15 @@ def test_imports_go_one_way(module):
     wrong = {t for t in GRAPH[module] if _layer(t) not in ALLOWED[layer]
              and not (layer == "bench" and t in MEASUREMENT_KERNELS)}
     assert not wrong, f"{module} ({layer}) imports {sorted(wrong)}"
+
+
+def test_the_plan_and_the_one_shot_cache_sit_below_the_api():
+    """Inside the API layer, one way too: ``api`` on top, ``one_shot`` (the template cache)
+    below it, ``plan`` (``DecodePlan``) below both; neither imports back up."""
+    assert {"pagedattn.plan", "pagedattn.one_shot"} <= GRAPH["pagedattn.api"]
+    assert "pagedattn.plan" in GRAPH["pagedattn.one_shot"]
+    assert not GRAPH["pagedattn.one_shot"] & {"pagedattn.api", "pagedattn"}
+    assert not GRAPH["pagedattn.plan"] & {"pagedattn.api", "pagedattn.one_shot", "pagedattn"}
 
 
 def test_compat_sits_above_the_api():

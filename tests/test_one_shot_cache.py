@@ -12,7 +12,7 @@ import torch
 from test_variants import PLAN_EXAMPLES
 
 import pagedattn
-from pagedattn import api
+from pagedattn import one_shot
 from pagedattn.launch import decode as launch_decode
 from pagedattn.options import DEFAULT, DecodeOptions
 from pagedattn.reference import paged_decode_reference
@@ -47,7 +47,7 @@ def test_changing_lengths_share_one_launcher_and_stay_correct(device):
                                        ref.lse[finite].to(res.lse.device), rtol=1e-3,
                                        atol=1e-3)
     assert launch_decode.one_shot_launcher.cache_info().currsize == 1
-    assert len(api._ONE_SHOT_TEMPLATES) == 1
+    assert len(one_shot.TEMPLATES) == 1
 
 
 def test_repeats_skip_the_full_check(device, monkeypatch):
@@ -198,13 +198,13 @@ def test_repeated_one_shots_take_the_recorded_launch():
 
 def test_the_template_table_is_bounded(monkeypatch):
     """More validated static keys than the one-shot table holds: it keeps at most
-    ``_ONE_SHOT_TEMPLATES_MAX`` templates, and none holds a tensor."""
-    monkeypatch.setattr(api, "_ONE_SHOT_TEMPLATES_MAX", 3)
+    ``one_shot.TEMPLATES_MAX`` templates, and none holds a tensor."""
+    monkeypatch.setattr(one_shot, "TEMPLATES_MAX", 3)
     monkeypatch.setattr(launch_decode.AutoLauncher, "launch", lambda *a, **k: {})
     for batch in range(1, 7):
         x = make_paged_inputs([5] * batch, dtype=torch.float16, seed=batch, **SHAPE)
         pagedattn.paged_decode(*x)
-        assert len(api._ONE_SHOT_TEMPLATES) == min(batch, 3)
-    for plan in api._ONE_SHOT_TEMPLATES.values():
+        assert len(one_shot.TEMPLATES) == min(batch, 3)
+    for plan in one_shot.TEMPLATES.values():
         assert plan.block_tables is None and plan.context_lens is None
         assert not any(isinstance(v, torch.Tensor) for v in vars(plan).values())

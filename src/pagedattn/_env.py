@@ -176,6 +176,16 @@ def num_devices() -> int:
     return torch.cuda.device_count()
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a launch on ``device`` runs in: the tensors' GPU made current (Triton
+    launches on the current device), a no-op when it already is; on the CPU, one interpreted
+    launch at a time (:data:`INTERPRETER_LOCK`, through :func:`launch_guard`)."""
+    if device.type != "cuda" or device.index is None or num_devices() == 1 or \
+            device.index == torch.cuda.current_device():
+        return launch_guard(device)
+    return torch.cuda.device(device)
+
+
 def _git(*args: str) -> str:
     here = Path(__file__).resolve().parent
     return subprocess.run(["git", *args], cwd=here, check=True, capture_output=True, text=True,

@@ -43,7 +43,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 KERNEL_SCALAR_MAX = FLOAT32_MAX / math.log2(math.e)
 #: the smallest soft-cap whose ln(2) / cap is finite in float32
 SOFTCAP_MIN = math.log(2) / FLOAT32_MAX
-_WITHIN = "within +-2.36e38 (float32's range / log2(e): the kernels work in base 2)"
+#: how an error message says "at most KERNEL_SCALAR_MAX in magnitude"
+WITHIN = "within +-2.36e38 (float32's range / log2(e): the kernels work in base 2)"
 #: the longest context the kernels hold: they compute token positions, split bounds and
 #: window starts in int32, and the largest of those intermediates is about twice the
 #: capacity (a split's start plus its length), so the capacity they clamp lengths to is at
@@ -58,42 +59,43 @@ def kernel_max_pages(max_pages: int, page_size: int) -> int:
     return min(max_pages, MAX_CONTEXT_LEN // page_size)
 
 
-def _fail(exc: type[Exception], name: str, expected: str, got: Any) -> None:
+def fail(exc: type[Exception], name: str, expected: str, got: Any) -> None:
+    """Raise ``exc`` in the one form every check uses: ``name: expected ..., got ...``."""
     raise exc(f"{name}: expected {expected}, got {got}")
 
 
-def _type_name(x: Any) -> str:
+def type_name(x: Any) -> str:
     """``bool`` for a Python bool, ``numpy.bool`` for numpy's (the two print alike)."""
     t = type(x)
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
 
 
-def _check_float32(name: str, x: Any, expected: str, limit: float = KERNEL_SCALAR_MAX) -> float:
+def check_float32(name: str, x: Any, expected: str, limit: float = KERNEL_SCALAR_MAX) -> float:
     """A real number the kernels can hold: finite and at most ``limit`` in magnitude (a Python
     float past float32's range becomes inf there, and one past ``KERNEL_SCALAR_MAX`` once
     multiplied by log2(e)). Returns it as a float."""
     try:
         value = float(x)
     except OverflowError:  # an int past float64's range
-        _fail(ValueError, name, expected, f"an int of {len(str(abs(x)))} digits")
+        fail(ValueError, name, expected, f"an int of {len(str(abs(x)))} digits")
     if not (math.isfinite(value) and abs(value) <= limit):
-        _fail(ValueError, name, expected, x)
+        fail(ValueError, name, expected, x)
     return value
 
 
-def _check_tensor(name: str, t: Any, rank: int | tuple[int, ...], dtypes: tuple,
-                  dtype_words: str) -> None:
+def check_tensor(name: str, t: Any, rank: int | tuple[int, ...], dtypes: tuple,
+                 dtype_words: str) -> None:
     """A dense tensor of ``rank`` (or one of the ranks) and one of ``dtypes``."""
     if not isinstance(t, torch.Tensor):
-        _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+        fail(TypeError, name, "a torch.Tensor", type(t).__name__)
     if t.layout != torch.strided:  # sparse or nested: the kernels take strides
-        _fail(TypeError, name, "a dense (strided) tensor", t.layout)
+        fail(TypeError, name, "a dense (strided) tensor", t.layout)
     ranks = (rank,) if isinstance(rank, int) else rank
     if t.dim() not in ranks:
-        _fail(ValueError, name, f"a rank-{' or rank-'.join(map(str, ranks))} tensor",
-              f"shape {tuple(t.shape)}")
+        fail(ValueError, name, f"a rank-{' or rank-'.join(map(str, ranks))} tensor",
+             f"shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
-        _fail(TypeError, name, dtype_words, t.dtype)
+        fail(TypeError, name, dtype_words, t.dtype)
 
 
 def _kernels_built_for_gpu() -> bool:
@@ -117,25 +119,25 @@ def check_device_runnable(name: str, t: torch.Tensor) -> None:
     if t.device.type == "cuda":
         return
     if t.device.type != "cpu":
-        _fail(ValueError, name, "a CUDA tensor (or a CPU one under TRITON_INTERPRET=1)",
-              f"a tensor on {t.device}")
+        fail(ValueError, name, "a CUDA tensor (or a CPU one under TRITON_INTERPRET=1)",
+             f"a tensor on {t.device}")
     if not is_interpreter():  # read as Triton reads it: TRITON_INTERPRET=false is off
-        _fail(ValueError, name,
-              "a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set in the environment "
-              "before triton is imported (Triton runs CPU tensors through its interpreter "
-              "only; pagedattn does not set the variable)", "a CPU tensor without it")
+        fail(ValueError, name,
+             "a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set in the environment "
+             "before triton is imported (Triton runs CPU tensors through its interpreter "
+             "only; pagedattn does not set the variable)", "a CPU tensor without it")
     if _kernels_built_for_gpu():
-        _fail(ValueError, name,
-              "a CUDA tensor: pagedattn's kernels were imported before TRITON_INTERPRET=1 "
-              "was set, so they run on a GPU only; set it before triton is imported",
-              "a CPU tensor")
+        fail(ValueError, name,
+             "a CUDA tensor: pagedattn's kernels were imported before TRITON_INTERPRET=1 "
+             "was set, so they run on a GPU only; set it before triton is imported",
+             "a CPU tensor")
 
 
 def check_same_device(reference: str, device: torch.device, named: tuple) -> None:
     """Every ``(name, tensor)`` in ``named`` lives on ``device`` (that of ``reference``)."""
     for name, t in named:
         if t.device != device:
-            _fail(ValueError, name, f"a tensor on the {reference}'s device {device}", t.device)
+            fail(ValueError, name, f"a tensor on the {reference}'s device {device}", t.device)
 
 
 def cache_dims(key_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
@@ -147,11 +149,11 @@ def cache_dims(key_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """``value_cache`` has the shape and dtype of ``key_cache``."""
     if value_cache.shape != key_cache.shape:
-        _fail(ValueError, "value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",
-              tuple(value_cache.shape))
+        fail(ValueError, "value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",
+             tuple(value_cache.shape))
     if value_cache.dtype != key_cache.dtype:
-        _fail(TypeError, "value_cache", f"the dtype of key_cache ({key_cache.dtype})",
-              value_cache.dtype)
+        fail(TypeError, "value_cache", f"the dtype of key_cache ({key_cache.dtype})",
+             value_cache.dtype)
 
 
 def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) -> None:
@@ -159,33 +161,33 @@ def check_scale_arg(name: str, s: Any, num_kv_heads: int, device: torch.device) 
     if s is None:
         return
     if isinstance(s, bool):
-        _fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", "bool")
+        fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", "bool")
     if isinstance(s, numbers.Real):  # a dequantization scale: positive (0 divides by zero)
-        if _check_float32(name, s, f"a finite scale > 0 {_WITHIN}") <= 0:
-            _fail(ValueError, name, "a finite scale > 0", s)
+        if check_float32(name, s, f"a finite scale > 0 {WITHIN}") <= 0:
+            fail(ValueError, name, "a finite scale > 0", s)
         return
     if not isinstance(s, torch.Tensor):
-        _fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", type(s).__name__)
+        fail(TypeError, name, "a float, a 0-d tensor or a [num_kv_heads] tensor", type(s).__name__)
     if not s.is_floating_point():
-        _fail(TypeError, name, "a floating-point tensor", s.dtype)
+        fail(TypeError, name, "a floating-point tensor", s.dtype)
     if not (s.dim() == 0 or (s.dim() == 1 and s.shape[0] == num_kv_heads)):
-        _fail(
+        fail(
             ValueError, name, f"a float, a 0-d tensor or a [num_kv_heads={num_kv_heads}] tensor",
             f"shape {tuple(s.shape)}",
         )
     if s.device != device:
-        _fail(ValueError, name, f"a tensor on the inputs' device {device}", s.device)
+        fail(ValueError, name, f"a tensor on the inputs' device {device}", s.device)
 
 
 def check_head_tensor(name: str, t: Any, num_q_heads: int, device: torch.device) -> None:
     """``sinks`` / ``alibi_slopes``: None or a float32 ``[num_q_heads]`` tensor on ``device``."""
     if t is None:
         return
-    _check_tensor(name, t, 1, (torch.float32,), "float32")
+    check_tensor(name, t, 1, (torch.float32,), "float32")
     if t.shape[0] != num_q_heads:
-        _fail(ValueError, name, f"shape ({num_q_heads},) (num_q_heads)", f"{tuple(t.shape)}")
+        fail(ValueError, name, f"shape ({num_q_heads},) (num_q_heads)", f"{tuple(t.shape)}")
     if t.device != device:
-        _fail(ValueError, name, f"a tensor on the query's device {device}", t.device)
+        fail(ValueError, name, f"a tensor on the query's device {device}", t.device)
 
 
 def _check_run_options(k_scale, v_scale, num_kv_heads: int, device, return_lse,
@@ -197,20 +199,20 @@ def _check_run_options(k_scale, v_scale, num_kv_heads: int, device, return_lse,
     check_scale_arg("v_scale", v_scale, num_kv_heads, device)
     if scale is not None and isinstance(k_scale, numbers.Real) \
             and abs(float(scale) * float(k_scale)) > KERNEL_SCALAR_MAX:
-        _fail(ValueError, "k_scale", f"scale * k_scale {_WITHIN}",
-              f"{k_scale!r} with scale {scale!r}")
+        fail(ValueError, "k_scale", f"scale * k_scale {WITHIN}",
+             f"{k_scale!r} with scale {scale!r}")
     if not isinstance(return_lse, bool):
-        _fail(TypeError, "return_lse", "a Python bool", _type_name(return_lse))
+        fail(TypeError, "return_lse", "a Python bool", type_name(return_lse))
     if validate is not None and not isinstance(validate, bool):
-        _fail(TypeError, "validate", "None, True or False", _type_name(validate))
+        fail(TypeError, "validate", "None, True or False", type_name(validate))
 
 
 def check_softmax_scale(scale: Any) -> None:
     """``scale``: None or a finite Python float."""
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            _fail(TypeError, "scale", "a Python float or None", _type_name(scale))
-        _check_float32("scale", scale, f"a finite float {_WITHIN}")
+            fail(TypeError, "scale", "a Python float or None", type_name(scale))
+        check_float32("scale", scale, f"a finite float {WITHIN}")
 
 
 def check_metadata(
@@ -221,25 +223,25 @@ def check_metadata(
     ``query`` is 3-D, or 4-D ``[batch, q_len, num_q_heads, head_dim]`` (multi-token). The
     variants are checked by ``pagedattn.options``."""
     if not isinstance(impl, str) or impl not in impls:
-        _fail(ValueError, "impl", f"one of {', '.join(repr(i) for i in impls)}", repr(impl))
+        fail(ValueError, "impl", f"one of {', '.join(repr(i) for i in impls)}", repr(impl))
     if kv_layout not in KV_LAYOUTS:
-        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+        fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
     # [batch, num_q_heads, head_dim], or [batch, q_len, num_q_heads, head_dim] (multi-token)
-    _check_tensor("query", query, (3, 4), FLOAT_DTYPES, "float32, float16 or bfloat16")
+    check_tensor("query", query, (3, 4), FLOAT_DTYPES, "float32, float16 or bfloat16")
     multi = query.dim() == 4
     if multi and query.shape[1] < 1:
-        _fail(ValueError, "query", "q_len >= 1 (dim 1 of a 4-D query)", query.shape[1])
+        fail(ValueError, "query", "q_len >= 1 (dim 1 of a 4-D query)", query.shape[1])
     cache_dtypes = FLOAT_DTYPES + FP8_DTYPES
     words = "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"
-    _check_tensor("key_cache", key_cache, 4, cache_dtypes, words)
-    _check_tensor("value_cache", value_cache, 4, cache_dtypes, words)
-    _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
-    _check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, "int32 or int64")
+    check_tensor("key_cache", key_cache, 4, cache_dtypes, words)
+    check_tensor("value_cache", value_cache, 4, cache_dtypes, words)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
+    check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, "int32 or int64")
 
     check_cache_pair(key_cache, value_cache)
     if key_cache.dtype in FLOAT_DTYPES and key_cache.dtype != query.dtype:
-        _fail(TypeError, "key_cache", f"the query's dtype {query.dtype} (or an fp8 dtype)",
-              key_cache.dtype)
+        fail(TypeError, "key_cache", f"the query's dtype {query.dtype} (or an fp8 dtype)",
+             key_cache.dtype)
     check_same_device("query", query.device, (
         ("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables),
         ("context_lens", context_lens)))
@@ -247,32 +249,32 @@ def check_metadata(
     batch, num_q_heads, head_dim = query.shape[0], query.shape[-2], query.shape[-1]
     num_pages, page_size, num_kv_heads, cache_head_dim = cache_dims(key_cache, kv_layout)
     if cache_head_dim != head_dim:
-        _fail(ValueError, "key_cache", f"head_dim {head_dim} (the query's) in the last dim",
-              cache_head_dim)
+        fail(ValueError, "key_cache", f"head_dim {head_dim} (the query's) in the last dim",
+             cache_head_dim)
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        _fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
+        fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
     if not 1 <= page_size <= MAX_CONTEXT_LEN:
-        _fail(ValueError, "page_size", f"in [1, {MAX_CONTEXT_LEN}] (key_cache dim; the "
-              "kernels hold token positions in int32)", page_size)
+        fail(ValueError, "page_size", f"in [1, {MAX_CONTEXT_LEN}] (key_cache dim; the "
+             "kernels hold token positions in int32)", page_size)
     if num_kv_heads < 1:
-        _fail(ValueError, "key_cache", f"num_kv_heads >= 1 (dim {1 if kv_layout == 'HND' else 2} "
-              f"in layout {kv_layout})", num_kv_heads)
+        fail(ValueError, "key_cache", f"num_kv_heads >= 1 (dim {1 if kv_layout == 'HND' else 2} "
+             f"in layout {kv_layout})", num_kv_heads)
     if num_q_heads % num_kv_heads != 0:
-        _fail(ValueError, "num_q_heads",
-              f"a multiple of num_kv_heads={num_kv_heads} (key_cache's dim "
-              f"{1 if kv_layout == 'HND' else 2} in layout {kv_layout}: is kv_layout right?)",
-              num_q_heads)
+        fail(ValueError, "num_q_heads",
+             f"a multiple of num_kv_heads={num_kv_heads} (key_cache's dim "
+             f"{1 if kv_layout == 'HND' else 2} in layout {kv_layout}: is kv_layout right?)",
+             num_q_heads)
     if block_tables.shape[0] != batch:
-        _fail(ValueError, "block_tables", f"{batch} rows (the batch)", block_tables.shape[0])
+        fail(ValueError, "block_tables", f"{batch} rows (the batch)", block_tables.shape[0])
     if context_lens.shape[0] != batch:
-        _fail(ValueError, "context_lens", f"{batch} entries (the batch)", context_lens.shape[0])
+        fail(ValueError, "context_lens", f"{batch} entries (the batch)", context_lens.shape[0])
 
     check_softmax_scale(scale)
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-            _fail(TypeError, "num_splits", "an int or None", _type_name(num_splits))
+            fail(TypeError, "num_splits", "an int or None", type_name(num_splits))
         if not 1 <= num_splits <= MAX_SPLITS:
-            _fail(ValueError, "num_splits", f"an int in [1, {MAX_SPLITS}] or None", num_splits)
+            fail(ValueError, "num_splits", f"an int in [1, {MAX_SPLITS}] or None", num_splits)
     if out is not None:
         check_out(out, query, key_cache, value_cache)
     _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
@@ -304,11 +306,11 @@ def check_out(out, query, key_cache, value_cache) -> None:
     query (unless it is the query) nor the caches; one error type per mistake, for
     ``check_metadata`` and ``check_run`` alike."""
     if not isinstance(out, torch.Tensor):
-        _fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
+        fail(TypeError, "out", "a torch.Tensor or None", type(out).__name__)
     if out.shape != query.shape:
-        _fail(ValueError, "out", f"shape {tuple(query.shape)}", tuple(out.shape))
+        fail(ValueError, "out", f"shape {tuple(query.shape)}", tuple(out.shape))
     if out.dtype != query.dtype:
-        _fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
+        fail(TypeError, "out", f"dtype {query.dtype} (the query's)", out.dtype)
     check_same_device("query", query.device, (("out", out),))
     check_out_aliasing(out, query, (("key_cache", key_cache), ("value_cache", value_cache)))
 
@@ -320,23 +322,23 @@ def check_out_aliasing(out: torch.Tensor, query: torch.Tensor, caches: tuple = (
     ``out`` is written). Metadata only. Raises ValueError naming ``out`` (TypeError for a
     sparse or nested ``out``: its strides, read here, would say nothing of its memory)."""
     if out.layout != torch.strided:
-        _fail(TypeError, "out", "a dense (strided) tensor", out.layout)
+        fail(TypeError, "out", "a dense (strided) tensor", out.layout)
     dims = sorted((stride, size) for size, stride in zip(out.shape, out.stride(), strict=True)
                   if size > 1)
     reach = 1
     for stride, size in dims:
         if stride < reach:
-            _fail(ValueError, "out", "a tensor whose elements do not overlap (no stride-0 or "
-                  "overlapping dims)", f"strides {tuple(out.stride())} for shape "
-                  f"{tuple(out.shape)}")
+            fail(ValueError, "out", "a tensor whose elements do not overlap (no stride-0 or "
+                 "overlapping dims)", f"strides {tuple(out.stride())} for shape "
+                 f"{tuple(out.shape)}")
         reach = stride * size
     same = out.data_ptr() == query.data_ptr() and out.stride() == query.stride()
     if not same and _overlaps(out, query):
-        _fail(ValueError, "out", "memory apart from the query's, or the query itself",
-              "a view overlapping the query")
+        fail(ValueError, "out", "memory apart from the query's, or the query itself",
+             "a view overlapping the query")
     for name, cache in caches:  # the kernels read the caches while out is written
         if _overlaps(out, cache):
-            _fail(ValueError, "out", f"memory apart from {name}'s", f"a view overlapping {name}")
+            fail(ValueError, "out", f"memory apart from {name}'s", f"a view overlapping {name}")
 
 
 def check_values(
@@ -365,7 +367,7 @@ def check_values(
                  else f"{capacity} (the kernels' int32 bound)")
         if added:
             bound = f"{bound} - {added} (the {added} tokens appended)"
-        _fail(ValueError, lens_name, f"lengths in [0, {bound}] (row {row})", int(lens[row]))
+        fail(ValueError, lens_name, f"lengths in [0, {bound}] (row {row})", int(lens[row]))
     lens = lens + added
     used_pages = (lens.clamp(0, capacity) + page_size - 1) // page_size  # [batch]
     cols = torch.arange(max_pages, device=block_tables.device)
@@ -377,16 +379,16 @@ def check_values(
     bad_ids = used & ((ids < 0) | (ids >= num_pages))
     if bool(bad_ids.any()):
         row, col = (int(x) for x in bad_ids.nonzero()[0])
-        _fail(ValueError, table_name,
-              f"used page ids in [0, num_pages={num_pages}) (row {row}, column {col})",
-              int(ids[row, col]))
+        fail(ValueError, table_name,
+             f"used page ids in [0, num_pages={num_pages}) (row {row}, column {col})",
+             int(ids[row, col]))
 
 
 def first_bad(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str) -> None:
     """Raise a ValueError naming ``name``, ``expected`` and the first entry where ``bad``."""
     if bool(bad.any()):
         i = int(bad.reshape(-1).nonzero()[0, 0])
-        _fail(ValueError, name, f"{expected} (entry {i})", t.reshape(-1)[i].item())
+        fail(ValueError, name, f"{expected} (entry {i})", t.reshape(-1)[i].item())
 
 
 def check_scalar_values(named: tuple) -> None:
@@ -399,7 +401,7 @@ def check_scalar_values(named: tuple) -> None:
         if isinstance(t, torch.Tensor):
             v = t.detach().double()
             first_bad(name, v, ~((v > 0) & (v <= KERNEL_SCALAR_MAX)),
-                      f"finite scales > 0 {_WITHIN}")
+                      f"finite scales > 0 {WITHIN}")
 
 
 #: the largest magnitude any float32 intermediate of the kernels may reach on valid input:
@@ -501,81 +503,81 @@ def check_value_ranges(query, key_cache, value_cache, block_tables, context_lens
         bad = ~(value <= VALUE_LIMIT)  # NaN too
         if bool(bad.any()):
             h = int(bad.nonzero()[0, 0])
-            _fail(ValueError, name, f"{words} <= 2^127 (float32's range, halved for "
-                  f"rounding: the kernels compute in float32) (kv head {h})",
-                  f"{float(value[h]):.4g}")
+            fail(ValueError, name, f"{words} <= 2^127 (float32's range, halved for "
+                 f"rounding: the kernels compute in float32) (kv head {h})",
+                 f"{float(value[h]):.4g}")
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     """An integer (Python's or numpy's) in ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _fail(TypeError, name, "an int", _type_name(value))
+        fail(TypeError, name, "an int", type_name(value))
     if value < low or (high is not None and value > high):
-        _fail(ValueError, name, f"an int >= {low}" if high is None
-              else f"an int in [{low}, {high}]", value)
+        fail(ValueError, name, f"an int >= {low}" if high is None
+             else f"an int in [{low}, {high}]", value)
 
 
 def check_plan(block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim, page_size,
                q_dtype, kv_dtype, kv_layout, num_splits, lens_name="context_lens") -> None:
     """:func:`pagedattn.plan_decode`'s checks (and :func:`pagedattn.plan_attention`'s, whose
     lengths are ``seq_lens``: ``lens_name``): metadata only (no host sync)."""
-    _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
     check_device_runnable("block_tables", block_tables)
-    _check_tensor(lens_name, context_lens, 1, INDEX_DTYPES, "int32 or int64")
+    check_tensor(lens_name, context_lens, 1, INDEX_DTYPES, "int32 or int64")
     if context_lens.shape[0] != block_tables.shape[0]:
-        _fail(ValueError, lens_name, f"{block_tables.shape[0]} entries (block_tables rows)",
-              context_lens.shape[0])
+        fail(ValueError, lens_name, f"{block_tables.shape[0]} entries (block_tables rows)",
+             context_lens.shape[0])
     if context_lens.device != block_tables.device:
-        _fail(ValueError, lens_name, f"a tensor on block_tables' device "
-              f"{block_tables.device}", context_lens.device)
-    _check_int("num_kv_heads", num_kv_heads, 1)
-    _check_int("num_q_heads", num_q_heads, 1)
+        fail(ValueError, lens_name, f"a tensor on block_tables' device "
+             f"{block_tables.device}", context_lens.device)
+    check_int("num_kv_heads", num_kv_heads, 1)
+    check_int("num_q_heads", num_q_heads, 1)
     if num_q_heads % num_kv_heads:
-        _fail(ValueError, "num_q_heads", f"a multiple of num_kv_heads={num_kv_heads}",
-              num_q_heads)
-    _check_int("head_dim", head_dim, 1)
+        fail(ValueError, "num_q_heads", f"a multiple of num_kv_heads={num_kv_heads}",
+             num_q_heads)
+    check_int("head_dim", head_dim, 1)
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        _fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
-    _check_int("page_size", page_size, 1, MAX_CONTEXT_LEN)
+        fail(ValueError, "head_dim", f"a value in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]", head_dim)
+    check_int("page_size", page_size, 1, MAX_CONTEXT_LEN)
     if q_dtype not in FLOAT_DTYPES:
-        _fail(TypeError, "q_dtype", "torch.float32, torch.float16 or torch.bfloat16", q_dtype)
+        fail(TypeError, "q_dtype", "torch.float32, torch.float16 or torch.bfloat16", q_dtype)
     if kv_dtype is not None and kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:
-        _fail(TypeError, "kv_dtype", f"None, q_dtype ({q_dtype}) or an fp8 dtype", kv_dtype)
+        fail(TypeError, "kv_dtype", f"None, q_dtype ({q_dtype}) or an fp8 dtype", kv_dtype)
     if kv_layout not in KV_LAYOUTS:
-        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+        fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
     if num_splits is not None:
-        _check_int("num_splits", num_splits, 1, MAX_SPLITS)
+        check_int("num_splits", num_splits, 1, MAX_SPLITS)
 
 
 def _check_plan_caches(plan, query, key_cache, value_cache) -> int:
     """The caches of a plan's run: the plan's dtype, layout, page size, kv heads and
     head_dim, and every tensor on the plan's device; returns ``num_kv_heads``."""
     words = f"{plan.kv_dtype} (the plan's kv_dtype)"
-    _check_tensor("key_cache", key_cache, 4, (plan.kv_dtype,), words)
-    _check_tensor("value_cache", value_cache, 4, (plan.kv_dtype,), words)
+    check_tensor("key_cache", key_cache, 4, (plan.kv_dtype,), words)
+    check_tensor("value_cache", value_cache, 4, (plan.kv_dtype,), words)
     check_cache_pair(key_cache, value_cache)
     _, page_size, num_kv_heads, head_dim = cache_dims(key_cache, plan.kv_layout)
     if (page_size, num_kv_heads, head_dim) != (plan.page_size, plan.num_kv_heads,
                                                plan.head_dim):
-        _fail(ValueError, "key_cache", f"page_size, num_kv_heads, head_dim = "
-              f"{(plan.page_size, plan.num_kv_heads, plan.head_dim)} in layout "
-              f"{plan.kv_layout}", tuple(key_cache.shape))
+        fail(ValueError, "key_cache", f"page_size, num_kv_heads, head_dim = "
+             f"{(plan.page_size, plan.num_kv_heads, plan.head_dim)} in layout "
+             f"{plan.kv_layout}", tuple(key_cache.shape))
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.device != plan.device:
-            _fail(ValueError, name, f"a tensor on the plan's device {plan.device}", t.device)
+            fail(ValueError, name, f"a tensor on the plan's device {plan.device}", t.device)
     return num_kv_heads
 
 
 def check_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, out,
               return_lse, validate) -> None:
     """:meth:`DecodePlan.run`'s checks: the tensors match the plan (metadata only)."""
-    q_shape = tuple(plan._q_shape)
-    _check_tensor("query", query, len(q_shape), (plan.q_dtype,),
-                  f"{plan.q_dtype} (the plan's q_dtype)")
+    q_shape = tuple(plan.q_shape)
+    check_tensor("query", query, len(q_shape), (plan.q_dtype,),
+                 f"{plan.q_dtype} (the plan's q_dtype)")
     if tuple(query.shape) != q_shape:
-        _fail(ValueError, "query", f"shape {q_shape} (the plan's batch, "
-              f"{'q_len, ' if len(q_shape) == 4 else ''}num_q_heads, head_dim)",
-              tuple(query.shape))
+        fail(ValueError, "query", f"shape {q_shape} (the plan's batch, "
+             f"{'q_len, ' if len(q_shape) == 4 else ''}num_q_heads, head_dim)",
+             tuple(query.shape))
     num_kv_heads = _check_plan_caches(plan, query, key_cache, value_cache)
     check_softmax_scale(scale)
     if out is not None:
@@ -598,11 +600,11 @@ def check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, *, kv
         ("slot_mapping", slot_mapping, 1, INDEX_DTYPES, "int32 or int64"),
     )
     for name, t, rank, dtypes, words in table:
-        _check_tensor(name, t, rank, dtypes, words)
+        check_tensor(name, t, rank, dtypes, words)
     if kv_layout not in KV_LAYOUTS:
-        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+        fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
     if value.shape != key.shape:
-        _fail(ValueError, "value", f"the shape of key {tuple(key.shape)}", tuple(value.shape))
+        fail(ValueError, "value", f"the shape of key {tuple(key.shape)}", tuple(value.shape))
     check_cache_pair(key_cache, value_cache)
     check_same_device("key", key.device, (
         ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
@@ -610,23 +612,23 @@ def check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, *, kv
     num_tokens, num_kv_heads, head_dim = key.shape
     _, page_size, cache_heads, cache_dim = cache_dims(key_cache, kv_layout)
     if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
-        _fail(ValueError, "key_cache",
-              f"{kv_layout} dims (num_kv_heads={num_kv_heads}, head_dim={head_dim}) as in key",
-              f"(num_kv_heads={cache_heads}, head_dim={cache_dim})")
+        fail(ValueError, "key_cache",
+             f"{kv_layout} dims (num_kv_heads={num_kv_heads}, head_dim={head_dim}) as in key",
+             f"(num_kv_heads={cache_heads}, head_dim={cache_dim})")
     if page_size < 1:
-        _fail(ValueError, "page_size", "at least 1 (key_cache dim)", page_size)
+        fail(ValueError, "page_size", "at least 1 (key_cache dim)", page_size)
     if slot_mapping.shape[0] != num_tokens:
-        _fail(ValueError, "slot_mapping", f"{num_tokens} entries (key's num_tokens)",
-              slot_mapping.shape[0])
+        fail(ValueError, "slot_mapping", f"{num_tokens} entries (key's num_tokens)",
+             slot_mapping.shape[0])
     fp8 = key_cache.dtype in FP8_DTYPES
     if not fp8 and key.dtype != key_cache.dtype:
-        _fail(TypeError, "key", f"the cache dtype {key_cache.dtype} (or an fp8 cache)", key.dtype)
+        fail(TypeError, "key", f"the cache dtype {key_cache.dtype} (or an fp8 cache)", key.dtype)
     if value.dtype != key.dtype:
-        _fail(TypeError, "value", f"the key's dtype {key.dtype}", value.dtype)
+        fail(TypeError, "value", f"the key's dtype {key.dtype}", value.dtype)
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None and not fp8:
-            _fail(ValueError, name, f"None for a {key_cache.dtype} cache (scales are for fp8)",
-                  "a scale")
+            fail(ValueError, name, f"None for a {key_cache.dtype} cache (scales are for fp8)",
+                 "a scale")
         check_scale_arg(name, s, num_kv_heads, key.device)
     check_device_runnable("key", key)
 
@@ -638,9 +640,9 @@ def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
     bad = slot_mapping.long() >= num_slots
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        _fail(ValueError, "slot_mapping",
-              f"slots < num_pages * page_size = {num_slots} or negative (entry {i})",
-              int(slot_mapping[i]))
+        fail(ValueError, "slot_mapping",
+             f"slots < num_pages * page_size = {num_slots} or negative (entry {i})",
+             int(slot_mapping[i]))
 
 
 def check_schedule(schedule: Any, num_programs: Any, *, num_splits: Any = None,
@@ -651,24 +653,24 @@ def check_schedule(schedule: Any, num_programs: Any, *, num_splits: Any = None,
     (its shares depend on the whole batch). Only ``impl="auto"`` has schedules."""
     if schedule is not None:
         if not isinstance(schedule, str):
-            _fail(TypeError, "schedule", "None, 'split' or 'persistent'", _type_name(schedule))
+            fail(TypeError, "schedule", "None, 'split' or 'persistent'", type_name(schedule))
         if schedule not in SCHEDULES:
-            _fail(ValueError, "schedule", "None, 'split' or 'persistent'", repr(schedule))
+            fail(ValueError, "schedule", "None, 'split' or 'persistent'", repr(schedule))
         if impl != "auto":
-            _fail(ValueError, "schedule", f"None for impl={impl!r} (only impl='auto' has "
-                  "schedules)", repr(schedule))
+            fail(ValueError, "schedule", f"None for impl={impl!r} (only impl='auto' has "
+                 "schedules)", repr(schedule))
     if num_programs is not None:
-        _check_int("num_programs", num_programs, 1, MAX_PROGRAMS)
+        check_int("num_programs", num_programs, 1, MAX_PROGRAMS)
         if schedule != "persistent":
-            _fail(ValueError, "num_programs", "None unless schedule='persistent' (the split "
-                  "schedule launches a program per split unit)", num_programs)
+            fail(ValueError, "num_programs", "None unless schedule='persistent' (the split "
+                 "schedule launches a program per split unit)", num_programs)
     if schedule == "persistent":
         if num_splits is not None:
-            _fail(ValueError, "num_splits", "None with schedule='persistent' (it shares the "
-                  "step's bytes equally, not per sequence)", num_splits)
+            fail(ValueError, "num_splits", "None with schedule='persistent' (it shares the "
+                 "step's bytes equally, not per sequence)", num_splits)
         if batch_invariant:
-            _fail(ValueError, "batch_invariant", "False with schedule='persistent' (each "
-                  "program's share depends on the whole batch); use schedule='split'", True)
+            fail(ValueError, "batch_invariant", "False with schedule='persistent' (each "
+                 "program's share depends on the whole batch); use schedule='split'", True)
 
 
 def check_host_context_lens(lens: Any, batch: int) -> list[int]:
@@ -678,23 +680,23 @@ def check_host_context_lens(lens: Any, batch: int) -> list[int]:
         if lens.device.type != "cpu" or lens.dim() != 1 or lens.layout != torch.strided \
                 or lens.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32,
                                       torch.int64):
-            _fail(ValueError, "host_context_lens", "a 1-D integer CPU tensor (a host copy)",
-                  f"{lens.dtype} {tuple(lens.shape)} on {lens.device}")
+            fail(ValueError, "host_context_lens", "a 1-D integer CPU tensor (a host copy)",
+                 f"{lens.dtype} {tuple(lens.shape)} on {lens.device}")
         values = lens.tolist()
     else:
         try:
             values = list(lens)
         except TypeError:
-            _fail(TypeError, "host_context_lens", "a sequence of ints or a CPU tensor",
-                  type(lens).__name__)
+            fail(TypeError, "host_context_lens", "a sequence of ints or a CPU tensor",
+                 type(lens).__name__)
         bad = next((n for n in values if isinstance(n, bool)
                     or not isinstance(n, numbers.Integral)), None)
         if bad is not None:  # a float length would be truncated silently
-            _fail(TypeError, "host_context_lens", "a sequence of ints or a CPU tensor",
-                  f"an entry {bad!r}")
+            fail(TypeError, "host_context_lens", "a sequence of ints or a CPU tensor",
+                 f"an entry {bad!r}")
         values = [int(n) for n in values]
     if len(values) != batch:
-        _fail(ValueError, "host_context_lens", f"{batch} entries (the batch)", len(values))
+        fail(ValueError, "host_context_lens", f"{batch} entries (the batch)", len(values))
     return values
 
 
@@ -706,17 +708,17 @@ def check_merge_states(outs: Any, lses: Any) -> None:
             ("lses", lses, (*FLOAT_DTYPES, torch.float64), "float32, float16, bfloat16 or "
              "float64")):
         if not isinstance(t, torch.Tensor):
-            _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+            fail(TypeError, name, "a torch.Tensor", type(t).__name__)
         if t.dtype not in dtypes:  # fp8 outs lost their scale
-            _fail(TypeError, name, words, t.dtype)
+            fail(TypeError, name, words, t.dtype)
     if outs.dim() < 3:
-        _fail(ValueError, "outs", "a tensor [S, ..., num_heads, head_dim] of rank >= 3",
-              f"shape {tuple(outs.shape)}")
+        fail(ValueError, "outs", "a tensor [S, ..., num_heads, head_dim] of rank >= 3",
+             f"shape {tuple(outs.shape)}")
     if lses.shape != outs.shape[:-1]:
-        _fail(ValueError, "lses", f"shape {tuple(outs.shape[:-1])} (outs without head_dim)",
-              f"shape {tuple(lses.shape)}")
+        fail(ValueError, "lses", f"shape {tuple(outs.shape[:-1])} (outs without head_dim)",
+             f"shape {tuple(lses.shape)}")
     if outs.shape[0] < 1:
-        _fail(ValueError, "outs", "at least one state (S >= 1 along dim 0)", outs.shape[0])
+        fail(ValueError, "outs", "at least one state (S >= 1 along dim 0)", outs.shape[0])
     check_same_device("outs", outs.device, (("lses", lses),))
 
 
@@ -725,14 +727,14 @@ def check_merge_states(outs: Any, lses: Any) -> None:
 
 def check_query_start_loc(query_start_loc: Any, block_tables: torch.Tensor) -> None:
     """``query_start_loc``: an int32 ``[batch + 1]`` tensor on ``block_tables``' device."""
-    _check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), "int32")
+    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), "int32")
     batch = block_tables.shape[0]
     if query_start_loc.shape[0] != batch + 1:
-        _fail(ValueError, "query_start_loc", f"{batch + 1} entries (batch + 1)",
-              query_start_loc.shape[0])
+        fail(ValueError, "query_start_loc", f"{batch + 1} entries (batch + 1)",
+             query_start_loc.shape[0])
     if query_start_loc.device != block_tables.device:
-        _fail(ValueError, "query_start_loc", f"a tensor on block_tables' device "
-              f"{block_tables.device}", query_start_loc.device)
+        fail(ValueError, "query_start_loc", f"a tensor on block_tables' device "
+             f"{block_tables.device}", query_start_loc.device)
 
 
 def check_attention_call(query, key_cache, value_cache, block_tables, seq_lens,
@@ -740,35 +742,35 @@ def check_attention_call(query, key_cache, value_cache, block_tables, seq_lens,
     """:func:`pagedattn.paged_attention`'s own checks before it plans: the tensors' types,
     ranks and dtypes, the layout and the heads (the plan and its run check the rest)."""
     if kv_layout not in KV_LAYOUTS:
-        _fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
-    _check_tensor("query", query, 3, FLOAT_DTYPES, "float32, float16 or bfloat16")
+        fail(ValueError, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    check_tensor("query", query, 3, FLOAT_DTYPES, "float32, float16 or bfloat16")
     words = "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"
-    _check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES + FP8_DTYPES, words)
-    _check_tensor("value_cache", value_cache, 4, FLOAT_DTYPES + FP8_DTYPES, words)
+    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES + FP8_DTYPES, words)
+    check_tensor("value_cache", value_cache, 4, FLOAT_DTYPES + FP8_DTYPES, words)
     check_cache_pair(key_cache, value_cache)
     if key_cache.dtype in FLOAT_DTYPES and key_cache.dtype != query.dtype:
-        _fail(TypeError, "key_cache", f"the query's dtype {query.dtype} (or an fp8 dtype)",
-              key_cache.dtype)
-    _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
-    _check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, "int32 or int64")
+        fail(TypeError, "key_cache", f"the query's dtype {query.dtype} (or an fp8 dtype)",
+             key_cache.dtype)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, "int32 or int64")
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, "int32 or int64")
     _, _, num_kv_heads, head_dim = cache_dims(key_cache, kv_layout)
     if num_kv_heads < 1 or query.shape[1] % num_kv_heads:
-        _fail(ValueError, "query", f"num_q_heads a multiple of num_kv_heads={num_kv_heads} "
-              f"(key_cache's dim {1 if kv_layout == 'HND' else 2} in layout {kv_layout})",
-              query.shape[1])
+        fail(ValueError, "query", f"num_q_heads a multiple of num_kv_heads={num_kv_heads} "
+             f"(key_cache's dim {1 if kv_layout == 'HND' else 2} in layout {kv_layout})",
+             query.shape[1])
     if query.shape[2] != head_dim:
-        _fail(ValueError, "key_cache", f"head_dim {query.shape[2]} (the query's) in the last "
-              "dim", head_dim)
+        fail(ValueError, "key_cache", f"head_dim {query.shape[2]} (the query's) in the last "
+             "dim", head_dim)
 
 
 def check_attention_run(plan, query, key_cache, value_cache, *, scale, k_scale, v_scale, out,
                         return_lse, validate) -> None:
     """:meth:`pagedattn.attention.AttentionPlan.run`'s checks: the tensors match the plan
     (metadata only; any number of query rows)."""
-    _check_tensor("query", query, 3, (plan.q_dtype,), f"{plan.q_dtype} (the plan's q_dtype)")
+    check_tensor("query", query, 3, (plan.q_dtype,), f"{plan.q_dtype} (the plan's q_dtype)")
     if tuple(query.shape[1:]) != (plan.num_q_heads, plan.head_dim):
-        _fail(ValueError, "query", f"shape [num_tokens, {plan.num_q_heads}, {plan.head_dim}] "
-              "(the plan's num_q_heads, head_dim)", tuple(query.shape))
+        fail(ValueError, "query", f"shape [num_tokens, {plan.num_q_heads}, {plan.head_dim}] "
+             "(the plan's num_q_heads, head_dim)", tuple(query.shape))
     num_kv_heads = _check_plan_caches(plan, query, key_cache, value_cache)
     check_device_runnable("query", query)
     check_softmax_scale(scale)
@@ -777,8 +779,8 @@ def check_attention_run(plan, query, key_cache, value_cache, *, scale, k_scale, 
     _check_run_options(k_scale, v_scale, num_kv_heads, query.device, return_lse, validate,
                        scale=scale)
     if validate and query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _fail(ValueError, "validate", "None or False under CUDA-graph capture (True needs a "
-              "device-to-host sync)", True)
+        fail(ValueError, "validate", "None or False under CUDA-graph capture (True needs a "
+             "device-to-host sync)", True)
 
 
 def check_attention_values(plan, num_tokens: int, num_pages: int) -> None:
@@ -790,23 +792,23 @@ def check_attention_values(plan, num_tokens: int, num_pages: int) -> None:
     token)."""
     qsl = plan.query_start_loc.long().cpu()
     if int(qsl[0]) != 0:
-        _fail(ValueError, "query_start_loc", "0 in entry 0", int(qsl[0]))
+        fail(ValueError, "query_start_loc", "0 in entry 0", int(qsl[0]))
     q_lens = qsl[1:] - qsl[:-1]
     if bool((q_lens < 0).any()):
         b = int((q_lens < 0).nonzero()[0, 0])
-        _fail(ValueError, "query_start_loc", f"non-decreasing entries (entries {b} and "
-              f"{b + 1})", (int(qsl[b]), int(qsl[b + 1])))
+        fail(ValueError, "query_start_loc", f"non-decreasing entries (entries {b} and "
+             f"{b + 1})", (int(qsl[b]), int(qsl[b + 1])))
     if int(qsl[-1]) > num_tokens:
-        _fail(ValueError, "query_start_loc", f"a last entry of at most the query's "
-              f"{num_tokens} rows", int(qsl[-1]))
+        fail(ValueError, "query_start_loc", f"a last entry of at most the query's "
+             f"{num_tokens} rows", int(qsl[-1]))
     lens = plan.seq_lens.long().cpu()
     if bool((q_lens > lens).any()):
         b = int((q_lens > lens).nonzero()[0, 0])
-        _fail(ValueError, "seq_lens", f"at least each sequence's new tokens (sequence {b} has "
-              f"{int(q_lens[b])})", int(lens[b]))
+        fail(ValueError, "seq_lens", f"at least each sequence's new tokens (sequence {b} has "
+             f"{int(q_lens[b])})", int(lens[b]))
     if plan.max_query_len is not None and bool((q_lens > plan.max_query_len).any()):
-        _fail(ValueError, "max_query_len", "at least every sequence's new tokens",
-              f"{plan.max_query_len} (a sequence has {int(q_lens.max())})")
+        fail(ValueError, "max_query_len", "at least every sequence's new tokens",
+             f"{plan.max_query_len} (a sequence has {int(q_lens.max())})")
     check_values(plan.block_tables, plan.seq_lens, num_pages, plan.page_size,
                  window_left=min(int(plan.options.window_left), MAX_CONTEXT_LEN),
                  q_len=q_lens.to(plan.seq_lens.device))

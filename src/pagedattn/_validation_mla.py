@@ -25,8 +25,8 @@ _CACHES = _FLOATS + ", float8_e4m3fn or float8_e5m2"
 
 
 def _dims(latent_dim: Any, rope_dim: Any, names=("latent_dim", "rope_dim")) -> None:
-    V._check_int(names[0], latent_dim, MIN_LATENT_DIM, MAX_LATENT_DIM)
-    V._check_int(names[1], rope_dim, MIN_ROPE_DIM, MAX_ROPE_DIM)
+    V.check_int(names[0], latent_dim, MIN_LATENT_DIM, MAX_LATENT_DIM)
+    V.check_int(names[1], rope_dim, MIN_ROPE_DIM, MAX_ROPE_DIM)
 
 
 def check_mla_plan(block_tables, context_lens, *, num_q_heads, latent_dim, rope_dim,
@@ -36,7 +36,7 @@ def check_mla_plan(block_tables, context_lens, *, num_q_heads, latent_dim, rope_
                  head_dim=64, page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
                  kv_layout="NHD", num_splits=None)
     _dims(latent_dim, rope_dim)
-    V._check_int("q_len", q_len, 1, MAX_Q_LEN)
+    V.check_int("q_len", q_len, 1, MAX_Q_LEN)
 
 
 def check_mla_call(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, context_lens) -> None:
@@ -49,33 +49,33 @@ def check_mla_call(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, context_len
              ("block_tables", block_tables, 2, V.INDEX_DTYPES, "int32 or int64"),
              ("context_lens", context_lens, 1, V.INDEX_DTYPES, "int32 or int64"))
     for name, t, rank, dtypes, words in table:
-        V._check_tensor(name, t, rank, dtypes, words)
+        V.check_tensor(name, t, rank, dtypes, words)
     if q_nope.dim() == 4:
-        V._check_int("q_nope", q_nope.shape[1], 1, MAX_Q_LEN)  # q_len
+        V.check_int("q_nope", q_nope.shape[1], 1, MAX_Q_LEN)  # q_len
     if q_pe.dim() != q_nope.dim() or q_pe.shape[:-1] != q_nope.shape[:-1]:
-        V._fail(ValueError, "q_pe", f"shape [{', '.join(map(str, q_nope.shape[:-1]))}, "
-                "rope_dim] (q_nope's but its last dim)", tuple(q_pe.shape))
+        V.fail(ValueError, "q_pe", f"shape [{', '.join(map(str, q_nope.shape[:-1]))}, "
+               "rope_dim] (q_nope's but its last dim)", tuple(q_pe.shape))
     if q_pe.dtype != q_nope.dtype:
-        V._fail(TypeError, "q_pe", f"q_nope's dtype {q_nope.dtype}", q_pe.dtype)
+        V.fail(TypeError, "q_pe", f"q_nope's dtype {q_nope.dtype}", q_pe.dtype)
     if ckv_cache.dtype in V.FLOAT_DTYPES and ckv_cache.dtype != q_nope.dtype:
-        V._fail(TypeError, "ckv_cache", f"q_nope's dtype {q_nope.dtype} (or an fp8 dtype)",
-                ckv_cache.dtype)
+        V.fail(TypeError, "ckv_cache", f"q_nope's dtype {q_nope.dtype} (or an fp8 dtype)",
+               ckv_cache.dtype)
     if kpe_cache.dtype != ckv_cache.dtype:
-        V._fail(TypeError, "kpe_cache", f"ckv_cache's dtype {ckv_cache.dtype}",
-                kpe_cache.dtype)
+        V.fail(TypeError, "kpe_cache", f"ckv_cache's dtype {ckv_cache.dtype}",
+               kpe_cache.dtype)
     if ckv_cache.shape[-1] != q_nope.shape[-1]:
-        V._fail(ValueError, "ckv_cache", f"latent_dim {q_nope.shape[-1]} (q_nope's) in the "
-                "last dim", ckv_cache.shape[-1])
+        V.fail(ValueError, "ckv_cache", f"latent_dim {q_nope.shape[-1]} (q_nope's) in the "
+               "last dim", ckv_cache.shape[-1])
     if kpe_cache.shape[:2] != ckv_cache.shape[:2] or kpe_cache.shape[-1] != q_pe.shape[-1]:
-        V._fail(ValueError, "kpe_cache", f"shape [{ckv_cache.shape[0]}, {ckv_cache.shape[1]}, "
-                f"{q_pe.shape[-1]}] (ckv_cache's pages and page size, q_pe's rope_dim)",
-                tuple(kpe_cache.shape))
+        V.fail(ValueError, "kpe_cache", f"shape [{ckv_cache.shape[0]}, {ckv_cache.shape[1]}, "
+               f"{q_pe.shape[-1]}] (ckv_cache's pages and page size, q_pe's rope_dim)",
+               tuple(kpe_cache.shape))
     V.check_same_device("q_nope", q_nope.device, (
         ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache),
         ("block_tables", block_tables), ("context_lens", context_lens)))
     if block_tables.shape[0] != q_nope.shape[0]:
-        V._fail(ValueError, "block_tables", f"{q_nope.shape[0]} rows (the batch)",
-                block_tables.shape[0])
+        V.fail(ValueError, "block_tables", f"{q_nope.shape[0]} rows (the batch)",
+               block_tables.shape[0])
 
 
 def check_mla_run(plan, q_nope, q_pe, ckv_cache, kpe_cache, *, scale, kv_scale, out,
@@ -84,34 +84,34 @@ def check_mla_run(plan, q_nope, q_pe, ckv_cache, kpe_cache, *, scale, kv_scale, 
     (metadata only)."""
     q_shape = plan.q_shape
     words = f"{plan.q_dtype} (the plan's q_dtype)"
-    V._check_tensor("q_nope", q_nope, len(q_shape), (plan.q_dtype,), words)
+    V.check_tensor("q_nope", q_nope, len(q_shape), (plan.q_dtype,), words)
     if tuple(q_nope.shape) != q_shape:
-        V._fail(ValueError, "q_nope", f"shape {q_shape} (the plan's batch, "
-                f"{'q_len, ' if len(q_shape) == 4 else ''}num_q_heads, latent_dim)",
-                tuple(q_nope.shape))
-    V._check_tensor("q_pe", q_pe, len(q_shape), (plan.q_dtype,), words)
+        V.fail(ValueError, "q_nope", f"shape {q_shape} (the plan's batch, "
+               f"{'q_len, ' if len(q_shape) == 4 else ''}num_q_heads, latent_dim)",
+               tuple(q_nope.shape))
+    V.check_tensor("q_pe", q_pe, len(q_shape), (plan.q_dtype,), words)
     pe_shape = (*q_shape[:-1], plan.rope_dim)
     if tuple(q_pe.shape) != pe_shape:
-        V._fail(ValueError, "q_pe", f"shape {pe_shape} (q_nope's but rope_dim last)",
-                tuple(q_pe.shape))
+        V.fail(ValueError, "q_pe", f"shape {pe_shape} (q_nope's but rope_dim last)",
+               tuple(q_pe.shape))
     words = f"{plan.kv_dtype} (the plan's kv_dtype)"
     for name, cache, dim in (("ckv_cache", ckv_cache, plan.latent_dim),
                              ("kpe_cache", kpe_cache, plan.rope_dim)):
-        V._check_tensor(name, cache, 3, (plan.kv_dtype,), words)
+        V.check_tensor(name, cache, 3, (plan.kv_dtype,), words)
         if tuple(cache.shape[1:]) != (plan.page_size, dim):
-            V._fail(ValueError, name, f"shape [num_pages, page_size={plan.page_size}, {dim}]",
-                    tuple(cache.shape))
+            V.fail(ValueError, name, f"shape [num_pages, page_size={plan.page_size}, {dim}]",
+                   tuple(cache.shape))
     if kpe_cache.shape[0] != ckv_cache.shape[0]:
-        V._fail(ValueError, "kpe_cache", f"{ckv_cache.shape[0]} pages (ckv_cache's)",
-                kpe_cache.shape[0])
+        V.fail(ValueError, "kpe_cache", f"{ckv_cache.shape[0]} pages (ckv_cache's)",
+               kpe_cache.shape[0])
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache),
                     ("kpe_cache", kpe_cache)):
         if t.device != plan.device:
-            V._fail(ValueError, name, f"a tensor on the plan's device {plan.device}", t.device)
+            V.fail(ValueError, name, f"a tensor on the plan's device {plan.device}", t.device)
     V.check_device_runnable("q_nope", q_nope)
     if scale is None:
-        V._fail(TypeError, "scale", "a Python float (MLA's softmax scale, 1 / sqrt(qk_nope + "
-                "qk_rope head dims) in DeepSeek-V3: no default)", "None")
+        V.fail(TypeError, "scale", "a Python float (MLA's softmax scale, 1 / sqrt(qk_nope + "
+               "qk_rope head dims) in DeepSeek-V3: no default)", "None")
     V.check_softmax_scale(scale)
     if out is not None:
         V.check_out(out, q_nope, ckv_cache, kpe_cache)
@@ -119,15 +119,15 @@ def check_mla_run(plan, q_nope, q_pe, ckv_cache, kpe_cache, *, scale, kv_scale, 
     V.check_scale_arg("kv_scale", kv_scale, 1, q_nope.device)
     if isinstance(kv_scale, numbers.Real) and abs(float(scale) * float(kv_scale)) \
             > V.KERNEL_SCALAR_MAX:  # the kernels fold scale * kv_scale * log2(e) into one
-        V._fail(ValueError, "kv_scale", f"scale * kv_scale {V._WITHIN}",
-                f"{kv_scale!r} with scale {scale!r}")
+        V.fail(ValueError, "kv_scale", f"scale * kv_scale {V.WITHIN}",
+               f"{kv_scale!r} with scale {scale!r}")
     if not isinstance(return_lse, bool):
-        V._fail(TypeError, "return_lse", "a Python bool", V._type_name(return_lse))
+        V.fail(TypeError, "return_lse", "a Python bool", V.type_name(return_lse))
     if validate is not None and not isinstance(validate, bool):
-        V._fail(TypeError, "validate", "None, True or False", V._type_name(validate))
+        V.fail(TypeError, "validate", "None, True or False", V.type_name(validate))
     if validate and q_nope.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        V._fail(ValueError, "validate", "None or False under CUDA-graph capture (True needs a "
-                "device-to-host sync)", True)
+        V.fail(ValueError, "validate", "None or False under CUDA-graph capture (True needs a "
+               "device-to-host sync)", True)
 
 
 def check_mla_values(plan, q_nope, q_pe, ckv_cache, kpe_cache, *, scale, kv_scale) -> None:

@@ -1,30 +1,38 @@
-"""The public surface: :func:`paged_decode`, :func:`plan_decode` and the impl table.
+"""The public surface: :func:`paged_decode`, :func:`plan_decode`, :func:`append_kv`,
+:func:`merge_states` and the impl table :data:`IMPLS`.
 
-Imports go one way: ``api -> launch -> kernels``. The launchers (and so Triton) are imported
-lazily, inside functions, on the first call, so ``import pagedattn`` never imports Triton: the
-CLI may still set ``TRITON_INTERPRET`` for itself on a machine without a GPU.
+Imports go one way: ``api`` on top, :mod:`pagedattn.plan` (``DecodePlan``, re-exported here
+with ``DecodeOutput``) and :mod:`pagedattn.one_shot` (the one-shot template cache) below it,
+``_validation``, ``options`` and ``_env`` below those, then ``launch -> kernels``. The
+launchers (and so Triton) are imported lazily, inside functions, on the first call, so
+``import pagedattn`` never imports Triton: the CLI may still set ``TRITON_INTERPRET`` for
+itself on a machine without a GPU.
 
 Dispatch is a table: :data:`IMPLS` maps each ``impl=`` name to an :class:`ImplSpec` (its
 launcher, its capabilities, its study stage). ``paged_decode`` checks the capabilities from
-the table, then either builds a :class:`DecodePlan` (the production kernel) or calls the
-stage's launcher; every stage launcher has one signature.
+the table, then either runs a :class:`DecodePlan` (the production kernel, through
+:mod:`pagedattn.one_shot`) or calls the stage's launcher; every stage launcher has one
+signature.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from pagedattn import _validation as V
+from pagedattn import one_shot
 from pagedattn import options as O
-from pagedattn._env import launch_guard, num_devices
+from pagedattn._env import on_device
+from pagedattn.one_shot import TEMPLATES, runnable, static_key
 from pagedattn.options import DecodeOptions
+from pagedattn.plan import DecodeOutput, DecodePlan, ValueChecks, nhd_views
+
+__all__ = ["IMPLS", "STAGES", "DecodeOutput", "DecodePlan", "ImplSpec", "append_kv",
+           "check_decode", "compiled_kernels", "merge_states", "paged_decode", "plan_decode"]
 
 
 def _stages():
@@ -37,18 +45,6 @@ def _append_kv_launcher():
     from pagedattn.launch.append_kv import append_kv
 
     return append_kv
-
-
-def _auto_launcher_class():
-    from pagedattn.launch.decode import AutoLauncher
-
-    return AutoLauncher
-
-
-def _one_shot_launcher():
-    from pagedattn.launch.decode import one_shot_launcher
-
-    return one_shot_launcher
 
 
 @dataclass(frozen=True)
@@ -82,21 +78,6 @@ IMPLS: dict[str, ImplSpec] = {
                      variants=True),
 }
 STAGES = tuple(name for name, spec in IMPLS.items() if spec.stage is not None)
-#: the largest scale the kernels take (they multiply it by log2(e) in float32)
-_SMAX = V.KERNEL_SCALAR_MAX
-_STRIDED = torch.strided  # the dense layout, tested by identity on the fast path
-_CALL_NAMES = frozenset(O.CALL)  # the per-call options' keywords of DecodePlan.run
-_NO_GUARD = contextlib.nullcontext()  # stateless: one for every launch without a device guard
-_SCHEDULE_KEYS = (None, *V.SCHEDULES)  # the one-shot fast path's schedules (exact strings)
-
-
-class DecodeOutput(NamedTuple):
-    """``paged_decode(..., return_lse=True)`` result."""
-
-    out: torch.Tensor  # the query's shape and dtype
-    # [batch, num_q_heads] (or [batch, q_len, num_q_heads]) float32, natural log; -inf for
-    # a row that saw no key (the sink with sinks)
-    lse: torch.Tensor
 
 
 def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
@@ -124,257 +105,6 @@ def _check_capabilities(spec: ImplSpec, key_cache, kv_layout, k_scale, v_scale,
             raise ValueError(f"{name}: impl={impl!r} takes no cache scales; use impl='auto'")
     if return_lse and not spec.lse:
         raise ValueError(f"return_lse: impl={impl!r} does not return the LSE; use impl='auto'")
-
-
-def _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
-                      window_left=-1, q_len=1, k_scale=None, v_scale=None, calls=None,
-                      caches=None, scale=None) -> None:
-    """The value checks (CPU tensors, or ``validate=True``); ``calls``: the per-call
-    variant tensors that are on."""
-    on_cpu = query.device.type == "cpu"
-    if validate is False or (validate is None and not on_cpu):
-        return
-    if validate and not on_cpu and torch.cuda.is_current_stream_capturing():
-        raise ValueError("validate: True needs a device-to-host sync, which CUDA-graph capture "
-                         "forbids; validate eagerly before capturing, or pass validate=None")
-    V.check_values(block_tables, context_lens, num_pages, page_size,
-                   window_left=min(int(window_left), O.INT32_MAX), q_len=q_len)
-    V.check_scalar_values((("k_scale", k_scale), ("v_scale", v_scale)))
-    if calls:
-        O.check_values(calls)
-    if caches is not None:  # (key_cache, value_cache, kv_layout): the float32 value bounds
-        V.check_value_ranges(query, caches[0], caches[1], block_tables, context_lens,
-                             kv_layout=caches[2], scale=scale, k_scale=k_scale,
-                             v_scale=v_scale, window_left=min(int(window_left), O.INT32_MAX),
-                             q_len=q_len)
-
-
-def _on_device(device: torch.device):
-    """Launch under the tensors' GPU (Triton launches on the current device): a no-op when it
-    is already current; on the CPU, one interpreted launch at a time
-    (:data:`pagedattn._env.INTERPRETER_LOCK`: the interpreter's state is process-wide)."""
-    if device.type != "cuda" or device.index is None or num_devices() == 1 or \
-            device.index == torch.cuda.current_device():
-        return launch_guard(device)
-    return torch.cuda.device(device)
-
-
-def _nhd(key_cache, value_cache, kv_layout):
-    """The kernels see NHD-shaped views; strides carry the HND layout."""
-    if kv_layout == "HND":
-        return key_cache.transpose(1, 2), value_cache.transpose(1, 2)
-    return key_cache, value_cache
-
-
-class DecodePlan:
-    """A decode step's launch plan for the production kernel: built once per step by
-    :func:`plan_decode`, run once per layer with :meth:`run`.
-
-    The plan owns its workspace and launch configuration, all decided from shapes. It keeps
-    references to ``block_tables`` and ``context_lens`` and reads them on the device at every
-    run, so a CUDA graph captured around :meth:`run` replays correctly after the caller updates
-    them in place (same shapes, lengths within ``max_pages * page_size``). One plan serves one
-    stream at a time (its workspace is reused by each run, and so are the arrival counters
-    in it through which a 16-bit cache's plan merges split rows inside its main kernel).
-    """
-
-    def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,
-                 page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
-                 options: DecodeOptions = O.DEFAULT, one_shot=False, table_shape=None,
-                 device=None, schedule="split", num_programs=None):
-        # a one-shot template (_ONE_SHOT_TEMPLATES) holds no tensor: it is built from the
-        # table's ``table_shape`` and ``device``, and each call passes its own tables
-        self.block_tables, self.context_lens = block_tables, context_lens
-        # a one-shot plan (paged_decode) runs once, through the launcher that every one-shot
-        # call of its static key shares (launch.decode.one_shot_launcher), which takes a fresh
-        # workspace per launch
-        self._one_shot = one_shot
-        self.ragged = ragged
-        # the plan-time variants, checked and normalized (pagedattn.options.plan_options)
-        self.q_len, self.options = int(q_len), options
-        # numpy integers pass validation (numbers.Integral); the launcher takes Python ints
-        self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
-        self.head_dim, self.page_size = int(head_dim), int(page_size)
-        self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
-        self.num_splits = None if num_splits is None else int(num_splits)
-        # the kernel's schedule ("split" or "persistent") and a persistent launch's programs
-        self.schedule = schedule
-        self.num_programs = None if num_programs is None else int(num_programs)
-        self.batch, self.max_pages = (block_tables.shape if table_shape is None
-                                      else table_shape)
-        self.device = block_tables.device if device is None else device
-        # a multi-token plan takes 4-D queries [batch, q_len, num_q_heads, head_dim]
-        self._q_shape = torch.Size((self.batch, num_q_heads, head_dim) if q_len == 1
-                                   else (self.batch, q_len, num_q_heads, head_dim))
-        self._lse_shape = tuple(self._q_shape[:-1])  # a tuple parses faster than a Size
-        # FlashAttention's one-token query [batch, 1, num_q_heads, head_dim] (_run_4d)
-        self._q_shape_4d = (torch.Size((self.batch, 1, num_q_heads, head_dim)) if q_len == 1
-                            else None)
-        self._cache_tail = torch.Size((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
-                                      else (num_kv_heads, page_size, head_dim))
-        self._launcher = None  # built on first use: importing Triton waits for a real launch
-        self.last_compiled: dict[str, object] = {}
-        self._on_cpu = self.device.type == "cpu"
-        self._default_scale = head_dim**-0.5
-        # a device guard is needed only where another GPU may be current, and the
-        # interpreter's lock on the CPU
-        self._guarded = self._on_cpu or self.device.type == "cuda" and num_devices() > 1
-
-    def _engine(self):
-        if self._launcher is None and self._one_shot:
-            with _on_device(self.device):
-                self._launcher = _one_shot_launcher()(
-                    self.batch, self.max_pages, self.num_q_heads,
-                    self.num_kv_heads, self.head_dim, self.page_size, self.q_dtype,
-                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.options,
-                    self.schedule, self.num_programs)
-        elif self._launcher is None:
-            with _on_device(self.device):
-                self._launcher = _auto_launcher_class()(
-                    batch=self.batch, max_pages=self.max_pages,
-                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
-                    kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
-                    ragged=self.ragged, q_len=self.q_len, options=self.options,
-                    schedule=self.schedule, num_programs=self.num_programs)
-        return self._launcher
-
-    def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
-            out=None, return_lse=False, validate=None, **variants):
-        """One layer's decode: ``softmax(q·Kᵀ·scale)·V`` over each sequence's tokens (with
-        the plan's variants and query length).
-
-        Args:
-            query: ``[batch, num_q_heads, head_dim]`` of the plan's ``q_dtype`` (``[batch,
-                q_len, num_q_heads, head_dim]`` for a plan with ``q_len > 1``); any strides.
-            key_cache, value_cache: the plan's layout and ``kv_dtype``, ``num_kv_heads``,
-                ``page_size`` and ``head_dim`` (see :func:`paged_decode`).
-            scale, k_scale, v_scale, out, return_lse, validate: as in :func:`paged_decode`.
-            variants: the per-call options of :mod:`pagedattn.options`, per-layer
-                ``[num_q_heads]`` float32 tensors on the plan's device, or ``None``; as in
-                :func:`paged_decode`:
-<variant options>
-
-        Returns:
-            ``out`` or ``DecodeOutput(out, lse)`` as :func:`paged_decode`.
-
-        Raises:
-            TypeError, ValueError: an input that does not match the plan (the message names
-                the argument), or what :func:`paged_decode` refuses.
-        """
-        variants = self._check_call(query, key_cache, value_cache, scale, k_scale, v_scale,
-                                    out, return_lse, validate, variants)
-        if self._on_cpu or validate:
-            _run_value_checks(query, self.block_tables, self.context_lens,
-                              key_cache.shape[0], self.page_size, validate,
-                              window_left=self.options.window_left, q_len=self.q_len,
-                              k_scale=k_scale, v_scale=v_scale, calls=variants,
-                              caches=(key_cache, value_cache, self.kv_layout), scale=scale)
-        return self._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                            return_lse, variants)
-
-    def _check_call(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                    return_lse, validate, variants: dict) -> dict:
-        """:meth:`run`'s metadata checks of a call (no data read): the serving call in one
-        expression (:meth:`_common_call`), anything else through ``check_run`` and the
-        per-call variants' checks. Returns the per-call variant tensors that are on
-        (``pagedattn.options.call_options``; empty for none), as :meth:`_launch` takes them.
-        ``compat.flash_attn`` runs it before it writes the caller's cache."""
-        if variants and all(v is None for v in variants.values()) \
-                and variants.keys() <= _CALL_NAMES:  # every per-call option spelled off
-            variants = {}
-        if variants or not self._common_call(query, key_cache, value_cache, scale, k_scale,
-                                             v_scale, out, return_lse, validate):
-            V.check_run(self, query, key_cache, value_cache, scale=scale, k_scale=k_scale,
-                        v_scale=v_scale, out=out, return_lse=return_lse, validate=validate)
-            variants = O.call_options(variants, self.num_q_heads, self.device)
-        return variants
-
-    def _run_4d(self, query, key_cache, value_cache, scale, return_lse):
-        """FlashAttention's repeated decode call (``compat.flash_attn``'s fast path): a
-        ``[batch, 1, num_q_heads, head_dim]`` query on a one-token plan, the same memory as the
-        3-D one, launched as it is (no view either way); the output is ``[batch, 1,
-        num_q_heads, head_dim]``, the LSE ``[batch, num_q_heads]``. ``None`` for any call that
-        is not the plain one: the caller then goes through :meth:`run`, whose checks name the
-        argument."""
-        q_shape = self._q_shape_4d
-        if q_shape is None or not self._common_call(query, key_cache, value_cache, scale, None,
-                                                    None, None, return_lse, None, q_shape):
-            return None
-        if self._on_cpu:  # as run: the value checks (on a 3-D view; the CPU only)
-            _run_value_checks(query[:, 0], self.block_tables, self.context_lens,
-                              key_cache.shape[0], self.page_size, None,
-                              window_left=self.options.window_left, q_len=1,
-                              caches=(key_cache, value_cache, self.kv_layout), scale=scale)
-        return self._launch(query, key_cache, value_cache, scale, None, None, None, return_lse)
-
-    def _common_call(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                     return_lse, validate, q_shape=None) -> bool:
-        """The serving call, checked in one expression (the host path is the eager time of a
-        small batch): plain tensors of the plan's shapes, dtypes and device, float or absent
-        scales, ``validate=None``. Anything else goes through the full check, which raises
-        the error naming the argument. ``q_shape``: the query's shape when not the plan's
-        (:meth:`_run_4d`)."""
-        device, strided = self.device, _STRIDED
-        q_shape = self._q_shape if q_shape is None else q_shape
-        # a sparse tensor is a torch.Tensor too: the layout test keeps it off the fast path
-        return (type(query) is torch.Tensor and query.shape == q_shape
-                and query.dtype == self.q_dtype and query.device == device
-                and query.layout is strided
-                and type(key_cache) is torch.Tensor and key_cache.dtype == self.kv_dtype
-                and key_cache.dim() == 4 and key_cache.shape[1:] == self._cache_tail
-                and key_cache.device == device and key_cache.layout is strided
-                and type(value_cache) is torch.Tensor and value_cache.shape == key_cache.shape
-                and value_cache.dtype == self.kv_dtype and value_cache.device == device
-                and value_cache.layout is strided
-                and (out is None or (type(out) is torch.Tensor and out.shape == q_shape
-                                     and out.dtype == self.q_dtype and out.device == device
-                                     and out.layout is strided
-                                     and out.is_contiguous()
-                                     and ((o := out.untyped_storage().data_ptr())
-                                          != query.untyped_storage().data_ptr()
-                                          or out.data_ptr() == query.data_ptr()
-                                          and out.stride() == query.stride())
-                                     and o != key_cache.untyped_storage().data_ptr()
-                                     and o != value_cache.untyped_storage().data_ptr()))
-                # in range (a NaN fails every comparison): the full check names the argument
-                and (scale is None or (type(scale) is float and -_SMAX <= scale <= _SMAX))
-                and (k_scale is None or (type(k_scale) is float and 0.0 < k_scale <= _SMAX
-                                         and (scale is None or abs(scale * k_scale) <= _SMAX)))
-                and (v_scale is None or (type(v_scale) is float and 0.0 < v_scale <= _SMAX))
-                and (return_lse is False or return_lse is True) and validate is None)
-
-    def _launch(self, query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                return_lse, calls=None, tables=None):
-        """The run after validation (``paged_decode`` validates once and comes here).
-        ``calls``: the per-call variant tensors that are on, contiguous
-        (:func:`pagedattn.options.call_options`).
-        ``tables``: a one-shot call's ``(block_tables, context_lens)`` for a template plan;
-        the call then returns ``(result, compiled)`` (a shared template keeps no
-        ``last_compiled``)."""
-        if out is None:  # the query's shape, dtype and device (checked): no size to parse
-            out = (torch.empty_like(query, memory_format=torch.contiguous_format)
-                   if type(query) is torch.Tensor
-                   else torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device))
-        lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=self.device)
-               if return_lse else None)
-        if self.batch > 0 and self.num_q_heads > 0:
-            if self.kv_layout != "NHD":
-                key_cache, value_cache = _nhd(key_cache, value_cache, self.kv_layout)
-            sm_scale = self._default_scale if scale is None else float(scale)
-            engine = self._launcher or self._engine()
-            block_tables, context_lens = tables or (self.block_tables, self.context_lens)
-            with _on_device(self.device) if self._guarded else _NO_GUARD:
-                compiled = engine.launch(
-                    query, key_cache, value_cache, block_tables, context_lens, out,
-                    lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, calls=calls)
-        else:
-            compiled = {}
-        result = DecodeOutput(out, lse) if lse is not None else out
-        if tables is not None:
-            return result, compiled
-        self.last_compiled = compiled
-        return result
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q_heads: int,
@@ -427,7 +157,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                  num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                  q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=kv_layout,
                  num_splits=num_splits)
-    V._check_int("q_len", q_len, 1)
+    V.check_int("q_len", q_len, 1)
     options = O.plan_options(variants)
     V.check_schedule(schedule, num_programs, num_splits=num_splits,
                      batch_invariant=options.batch_invariant)
@@ -548,52 +278,6 @@ def paged_decode(
     return result
 
 
-#: one-shot templates kept, at most (the oldest dropped first)
-_ONE_SHOT_TEMPLATES_MAX = 64
-#: static key (:func:`_static_key`) -> a template DecodePlan (no tensor): filled only by a
-#: call that passed check_metadata; see DESIGN.md's "Module state"
-_ONE_SHOT_TEMPLATES: dict[tuple, DecodePlan] = {}
-_TEMPLATES_LOCK = threading.Lock()
-
-
-def _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                options_key, schedule=None, num_programs=None) -> tuple | None:
-    """What :func:`check_metadata` reads of a one-shot call apart from the per-call checks of
-    the fast path: the shapes, dtypes and device of the tensors, the layout and the
-    plan-time variants (``options_key``: :func:`pagedattn.options.fast_key`, exact types: a
-    bool ``window_left`` is no int there). ``None`` for a call that is not plain
-    (non-tensors, other types, a 4-D query of one token, a per-call variant)."""
-    if not (options_key is not None and type(query) is torch.Tensor
-            and type(key_cache) is torch.Tensor
-            and type(block_tables) is torch.Tensor and type(context_lens) is torch.Tensor
-            and block_tables.layout is _STRIDED and context_lens.layout is _STRIDED
-            and (num_splits is None or type(num_splits) is int) and type(kv_layout) is str
-            and schedule in _SCHEDULE_KEYS
-            and (num_programs is None or type(num_programs) is int)):
-        return None
-    rank, shape = query.dim(), query.shape
-    if key_cache.dim() != 4 or not (rank == 3 or rank == 4 and shape[1] > 1):
-        return None
-    return (shape, query.dtype, query.device, key_cache.shape[1:], key_cache.dtype, kv_layout,
-            block_tables.shape, block_tables.dtype, context_lens.shape, context_lens.dtype,
-            num_splits, options_key, schedule, num_programs)
-
-
-def _new_template(key: tuple, plan: DecodePlan) -> DecodePlan:
-    with _TEMPLATES_LOCK:
-        if len(_ONE_SHOT_TEMPLATES) >= _ONE_SHOT_TEMPLATES_MAX:
-            del _ONE_SHOT_TEMPLATES[next(iter(_ONE_SHOT_TEMPLATES))]
-        return _ONE_SHOT_TEMPLATES.setdefault(key, plan)
-
-
-def _runnable(query) -> bool:
-    """``check_device_runnable`` as a test (the full check raises its error in order)."""
-    try:
-        V.check_device_runnable("query", query)
-    except ValueError:
-        return False
-    return True
-
 
 def compiled_kernels(query, key_cache, value_cache, block_tables, context_lens, *,
                      impl: str = "auto", **kwargs) -> tuple[object, dict[str, object]]:
@@ -630,21 +314,19 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
     # the fast path: a plain call of a static key that an earlier call passed check_metadata
     # with (everything check_metadata reads is the key or checked here per call)
     if type(impl) is str and impl == "auto":
-        key = _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                          O.fast_key(variants), schedule, num_programs)
-        plan = _ONE_SHOT_TEMPLATES.get(key) if key is not None else None
-        if plan is not None and plan._common_call(query, key_cache, value_cache, scale,
-                                                  k_scale, v_scale, out, return_lse, validate) \
+        key = static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
+                         O.fast_key(variants), schedule, num_programs)
+        plan = TEMPLATES.get(key) if key is not None else None
+        if plan is not None and plan.is_plain_call(query, key_cache, value_cache, scale,
+                                                   k_scale, v_scale, out, return_lse,
+                                                   validate) \
                 and block_tables.device == plan.device and context_lens.device == plan.device \
-                and (not plan._on_cpu or _runnable(query)):
-            if plan._on_cpu:  # validate is None here: the value checks run on the CPU
-                _run_value_checks(query, block_tables, context_lens, key_cache.shape[0],
-                                  plan.page_size, validate,
-                                  window_left=plan.options.window_left, q_len=plan.q_len,
-                                  k_scale=k_scale, v_scale=v_scale,
-                                  caches=(key_cache, value_cache, plan.kv_layout), scale=scale)
-            return plan._launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
-                                return_lse, tables=(block_tables, context_lens))
+                and (not plan.on_cpu or runnable(query)):
+            if plan.on_cpu:  # validate is None here: the value checks run on the CPU
+                plan.checks.check(query, key_cache, value_cache, block_tables, context_lens,
+                                  scale=scale, k_scale=k_scale, v_scale=v_scale)
+            return plan.launch(query, key_cache, value_cache, scale, k_scale, v_scale, out,
+                               return_lse, tables=(block_tables, context_lens))
     options, calls = check_decode(
         query, key_cache, value_cache, block_tables, context_lens, scale=scale, impl=impl,
         num_splits=num_splits, out=out, kv_layout=kv_layout, k_scale=k_scale,
@@ -655,50 +337,25 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
     spec = IMPLS[impl]
     _check_capabilities(spec, key_cache, kv_layout, k_scale, v_scale, return_lse, query,
                         variants)
-    num_pages, page_size, num_kv_heads, head_dim = V.cache_dims(key_cache, kv_layout)
-    _run_value_checks(query, block_tables, context_lens, num_pages, page_size, validate,
-                      window_left=options.window_left if spec.planned else -1,
-                      q_len=query.shape[1] if query.dim() == 4 else 1, k_scale=k_scale,
-                      v_scale=v_scale, calls=calls,
-                      caches=(key_cache, value_cache, kv_layout), scale=scale)
-    batch, num_q_heads = query.shape[0], query.shape[-2]
+    _, page_size, _, head_dim = V.cache_dims(key_cache, kv_layout)
+    ValueChecks(page_size, options.window_left if spec.planned else -1,
+                query.shape[1] if query.dim() == 4 else 1, kv_layout).check(
+        query, key_cache, value_cache, block_tables, context_lens, validate, scale=scale,
+        k_scale=k_scale, v_scale=v_scale, calls=calls)
     if spec.planned:
-        q_len = query.shape[1] if query.dim() == 4 else 1
-        squeeze = query.dim() == 4 and q_len == 1  # a one-token plan on 3-D views
-        if out is None:
-            out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        statics = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       page_size=page_size, q_dtype=query.dtype, kv_dtype=key_cache.dtype,
-                       kv_layout=kv_layout, num_splits=num_splits, q_len=q_len,
-                       options=options, one_shot=True, schedule=schedule or "split",
-                       num_programs=num_programs)
-        # validated: a call of this static key may take the fast path from now on (a call
-        # with per-call variants never does: its template serves the plain calls of the key)
-        plan_kw = {n: v for n, v in variants.items() if n not in O.CALL}
-        key = _static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                          O.fast_key(plan_kw) or options.key(), schedule, num_programs)
-        if key is None:  # a 4-D query of one token, a str subclass...: a plan of its own
-            plan = DecodePlan(block_tables, context_lens, **statics)
-        else:
-            plan = _ONE_SHOT_TEMPLATES.get(key) or _new_template(
-                key, DecodePlan(None, None, table_shape=block_tables.shape,
-                                device=query.device, **statics))
-        result, compiled = plan._launch(
-            query[:, 0] if squeeze else query, key_cache, value_cache, scale, k_scale,
-            v_scale, out[:, 0] if squeeze else out, return_lse, calls,
-            tables=(block_tables, context_lens))
-        if return_lse:
-            result = DecodeOutput(out, result.lse.unsqueeze(1) if squeeze else result.lse)
-        else:
-            result = out
-        return result, dict(compiled)  # a copy: the shared launcher's records
+        return one_shot.decode(
+            query, key_cache, value_cache, block_tables, context_lens, scale=scale,
+            num_splits=num_splits, schedule=schedule, num_programs=num_programs, out=out,
+            kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+            options=options, calls=calls,
+            plan_variants={n: v for n, v in variants.items() if n not in O.CALL})
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     compiled: dict[str, object] = {}
-    if batch > 0 and num_q_heads > 0:
-        key_cache, value_cache = _nhd(key_cache, value_cache, kv_layout)
+    if query.shape[0] > 0 and query.shape[-2] > 0:
+        key_cache, value_cache = nhd_views(key_cache, value_cache, kv_layout)
         sm_scale = head_dim**-0.5 if scale is None else float(scale)
-        with _on_device(query.device):
+        with on_device(query.device):
             compiled = spec.launcher()(query, key_cache, value_cache, block_tables,
                                        context_lens, out, scale=sm_scale,
                                        num_splits=num_splits) or {}
@@ -736,24 +393,10 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                           validate=validate)
 
 
-def _with_variants(fn, names: tuple, indent: int = 0):
-    """``fn`` takes the options ``names`` as ``**variants``: its ``__signature__`` lists them
-    (keyword-only, with their defaults and types, from :class:`DecodeOptions`), and with an
-    ``indent`` its docstring's ``<variant options>`` line becomes their Args entries."""
-    import inspect
 
-    sig = inspect.signature(fn)
-    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    fn.__signature__ = sig.replace(parameters=params + O.signature_params(names))
-    if indent:
-        fn.__doc__ = fn.__doc__.replace("<variant options>", O.docs(indent, names))
-    return fn
-
-
-_with_variants(paged_decode, tuple(O.OPTIONS), indent=12)
-_with_variants(compiled_kernels, tuple(O.OPTIONS))
-_with_variants(plan_decode, O.PLAN, indent=12)
-_with_variants(DecodePlan.run, O.CALL, indent=16)
+O.with_variants(paged_decode, tuple(O.OPTIONS), indent=12)
+O.with_variants(compiled_kernels, tuple(O.OPTIONS))
+O.with_variants(plan_decode, O.PLAN, indent=12)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> DecodeOutput:

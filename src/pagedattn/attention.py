@@ -25,7 +25,9 @@ import torch
 
 from pagedattn import _validation as V
 from pagedattn import options as O
-from pagedattn.api import DecodeOutput, _nhd, _on_device, plan_decode
+from pagedattn._env import on_device
+from pagedattn.api import plan_decode
+from pagedattn.plan import DecodeOutput, nhd_views
 
 
 def _auto_launcher_class():
@@ -73,7 +75,7 @@ class AttentionPlan:
     def _launcher(self, num_tokens: int):
         launcher = self._launchers.get(num_tokens)
         if launcher is None:
-            with _on_device(self.device):
+            with on_device(self.device):
                 launcher = _auto_launcher_class()(
                     batch=self.batch, max_pages=self.max_pages, num_q_heads=self.num_q_heads,
                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -133,9 +135,9 @@ class AttentionPlan:
         lse = (torch.full((num_tokens, self.num_q_heads), float("-inf"), dtype=torch.float32,
                           device=self.device) if return_lse else None)
         if num_tokens > 0 and self.batch > 0:
-            key_cache, value_cache = _nhd(key_cache, value_cache, self.kv_layout)
+            key_cache, value_cache = nhd_views(key_cache, value_cache, self.kv_layout)
             sm_scale = self.head_dim**-0.5 if scale is None else float(scale)
-            with _on_device(self.device):
+            with on_device(self.device):
                 self._launcher(num_tokens).launch(
                     query, key_cache, value_cache, self.block_tables, self.seq_lens, out, lse,
                     scale=sm_scale, k_scale=k_scale, v_scale=v_scale, calls=calls,
@@ -178,7 +180,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  kv_layout=kv_layout, num_splits=None, lens_name="seq_lens")
     V.check_query_start_loc(query_start_loc, block_tables)
     if max_query_len is not None:
-        V._check_int("max_query_len", max_query_len, 1)
+        V.check_int("max_query_len", max_query_len, 1)
     options = O.plan_options({"window_left": window_left, "logits_soft_cap": logits_soft_cap},
                              "plan_attention")
     return AttentionPlan(block_tables, seq_lens, query_start_loc, num_q_heads=num_q_heads,

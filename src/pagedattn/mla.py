@@ -24,7 +24,8 @@ import torch
 from pagedattn import _validation as V
 from pagedattn import _validation_mla as VM
 from pagedattn import options as O
-from pagedattn.api import DecodeOutput, _on_device
+from pagedattn._env import on_device
+from pagedattn.plan import DecodeOutput
 
 
 def _auto_launcher_class():
@@ -71,7 +72,7 @@ class MLADecodePlan:
                        self.page_size, self.q_dtype, self.kv_dtype, self.device,
                        self.num_splits, self.q_len, self.options, self.schedule,
                        self.num_programs)
-            with _on_device(self.device):
+            with on_device(self.device):
                 if self._one_shot:  # shared by every one-shot call of the key: no workspace
                     self._launcher = _one_shot_launcher()(*statics, rope_dim=self.rope_dim)
                 else:
@@ -130,7 +131,7 @@ class MLADecodePlan:
         lse = (torch.empty(self.q_shape[:-1], dtype=torch.float32, device=self.device)
                if return_lse else None)
         if self.batch > 0:
-            with _on_device(self.device):
+            with on_device(self.device):
                 self.last_compiled = self._engine().launch(
                     q_nope, ckv_cache, kpe_cache, self.block_tables, self.context_lens, out,
                     lse, scale=float(scale), k_scale=kv_scale, v_scale=kv_scale,
@@ -175,7 +176,7 @@ def plan_mla_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                       q_dtype=q_dtype, kv_dtype=kv_dtype, q_len=q_len)
     options = O.plan_options({"logits_soft_cap": logits_soft_cap}, "plan_mla_decode")
     if num_splits is not None:
-        V._check_int("num_splits", num_splits, 1, V.MAX_SPLITS)
+        V.check_int("num_splits", num_splits, 1, V.MAX_SPLITS)
     V.check_schedule(schedule, num_programs, num_splits=num_splits)
     return MLADecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
                          latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size,
@@ -228,8 +229,8 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
     VM.check_mla_call(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, context_lens)
     if q_nope.dim() == 4 and q_nope.shape[1] == 1:  # one token: the 3-D plan on views
         if q_pe.dim() != 4:
-            V._fail(ValueError, "q_pe", "a rank-4 tensor (q_nope's rank)",
-                    f"shape {tuple(q_pe.shape)}")
+            V.fail(ValueError, "q_pe", "a rank-4 tensor (q_nope's rank)",
+                   f"shape {tuple(q_pe.shape)}")
         if out is not None:
             V.check_out(out, q_nope, ckv_cache, kpe_cache)
         res = mla_decode(q_nope[:, 0], q_pe[:, 0], ckv_cache, kpe_cache, block_tables,

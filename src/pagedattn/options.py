@@ -56,34 +56,34 @@ class Option(NamedTuple):
 
 
 def _check_window(name, value) -> None:
-    V._check_int(name, value, -1)
+    V.check_int(name, value, -1)
 
 
 def _check_soft_cap(name, value) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        V._fail(TypeError, name, "a float or None", type(value).__name__)
-    if V._check_float32(name, value, f"a finite float > 0 {V._WITHIN}") < V.SOFTCAP_MIN:
+        V.fail(TypeError, name, "a float or None", type(value).__name__)
+    if V.check_float32(name, value, f"a finite float > 0 {V.WITHIN}") < V.SOFTCAP_MIN:
         # the kernels take ln(2) / cap too, which must stay finite in float32
-        V._fail(ValueError, name, f"a finite float >= {V.SOFTCAP_MIN:.3g}", value)
+        V.fail(ValueError, name, f"a finite float >= {V.SOFTCAP_MIN:.3g}", value)
 
 
 def _check_bool(name, value) -> None:
     if not isinstance(value, bool):
-        V._fail(TypeError, name, "a Python bool", V._type_name(value))
+        V.fail(TypeError, name, "a Python bool", V.type_name(value))
 
 
 def _sink_values(name, t) -> None:
     v = t.detach().double()
     V.first_bad(name, v, v.isnan() | (v > V.KERNEL_SCALAR_MAX)
                 | ((v < -V.KERNEL_SCALAR_MAX) & v.isfinite()),
-                f"sink logits {V._WITHIN}, or -inf for none")
+                f"sink logits {V.WITHIN}, or -inf for none")
 
 
 def _finite_slopes(name, t) -> None:
     v = t.detach().double()
-    V.first_bad(name, v, ~(v.abs() <= V.KERNEL_SCALAR_MAX), f"finite slopes {V._WITHIN}")
+    V.first_bad(name, v, ~(v.abs() <= V.KERNEL_SCALAR_MAX), f"finite slopes {V.WITHIN}")
 
 
 def _plan(default, **meta):
@@ -286,3 +286,17 @@ def signature_params(names: tuple = tuple(OPTIONS)) -> list:
     return [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=DEFAULTS[n],
                               annotation=hints[n]) for n in names]
 
+
+
+def with_variants(fn, names: tuple, indent: int = 0):
+    """``fn`` takes the options ``names`` as ``**variants``: its ``__signature__`` lists them
+    (keyword-only, with their defaults and types, from :class:`DecodeOptions`), and with an
+    ``indent`` its docstring's ``<variant options>`` line becomes their Args entries."""
+    import inspect
+
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    fn.__signature__ = sig.replace(parameters=params + signature_params(names))
+    if indent:
+        fn.__doc__ = fn.__doc__.replace("<variant options>", docs(indent, names))
+    return fn

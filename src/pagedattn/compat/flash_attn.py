@@ -93,7 +93,7 @@ _MAX_TILE_ROWS = 64
 #: plan on its own metadata tensors, least recently used first; ``fast``, the signature of the
 #: plain one-token decode call (the shapes and dtypes of its q, caches, table and lengths,
 #: and its mask, soft-cap and split options) -> its plan, which checks the query's and the
-#: caches' shapes and dtypes itself (``DecodePlan._run_4d``)
+#: caches' shapes and dtypes itself (``DecodePlan.run_4d``)
 _local = threading.local()
 #: pagedattn's argument names in the errors of the API this layer calls -> FlashAttention's
 #: (the table's: as the caller named it); a name of a dimension keeps its name after the
@@ -291,7 +291,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                     and type(cache_seqlens) is torch.Tensor and table.layout is _STRIDED \
                     and cache_seqlens.layout is _STRIDED and table.device == plan.device \
                     and cache_seqlens.device == plan.device:
-                if plan._on_cpu:  # the lengths and page ids, named as FA names them
+                if plan.on_cpu:  # the lengths and page ids, named as FA names them
                     V.check_values(table, cache_seqlens, k_cache.shape[0], plan.page_size,
                                    window_left=plan.options.window_left,
                                    names=("page_table" if block_table is None
@@ -300,8 +300,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                 if sinks is None:
                     # the plan checks q's and the caches' shapes and dtypes, and runs FA's
                     # [batch, 1, heads, dim] query as it is; None for anything else
-                    result = plan._run_4d(q, k_cache, v_cache, softmax_scale,
-                                          return_softmax_lse)
+                    result = plan.run_4d(q, k_cache, v_cache, softmax_scale,
+                                         return_softmax_lse)
                     if result is not None:
                         return (DecodeOutput(result.out, result.lse.unsqueeze(-1))
                                 if return_softmax_lse else result)
@@ -456,8 +456,8 @@ def _call(q, k_cache, v_cache, k, v, cache_seqlens, page_table, block_table, cac
     outs, lses = [], []
     for plan, query, calls, chunk_added, flat, sq in launches:
         _fill(plan, table, lens, chunk_added)
-        result = plan._launch(query, k_cache, v_cache, softmax_scale, None, None, None,
-                              bool(return_softmax_lse), calls)
+        result = plan.launch(query, k_cache, v_cache, softmax_scale, None, None, None,
+                             bool(return_softmax_lse), calls)
         out, lse = (result.out, result.lse) if return_softmax_lse else (result, None)
         if flat:  # [b, (hk sq g), d] -> [b, sq, (hk g), d]
             out = out.view(batch, num_kv_heads, sq, group, head_dim).permute(0, 2, 1, 3, 4) \
@@ -507,8 +507,8 @@ def _checked_launch(q, k_cache, v_cache, table, causal, window_left, softcap, nu
                 .reshape(plan_heads)
     else:
         query = q.squeeze(1) if sq == 1 else q
-    calls = plan._check_call(query, k_cache, v_cache, softmax_scale, None, None, None,
-                             return_lse, None, dict(sinks=sinks, alibi_slopes=alibi_slopes))
+    calls = plan.check_call(query, k_cache, v_cache, softmax_scale, None, None, None,
+                            return_lse, None, dict(sinks=sinks, alibi_slopes=alibi_slopes))
     return plan, query, calls, added, flat, sq
 
 

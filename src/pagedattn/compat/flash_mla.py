@@ -87,14 +87,14 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         raise TypeError("tile_scheduler_metadata: expected the FlashMLASchedMeta of "
                         f"get_mla_metadata(), got {type(tile_scheduler_metadata).__name__}")
     if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a Python bool, got {V._type_name(causal)}")
-    V._check_tensor("q", q, 4, V.FLOAT_DTYPES, "float32, float16 or bfloat16")
-    V._check_tensor("k_cache", k_cache, 4, V.FLOAT_DTYPES + V.FP8_DTYPES,
-                    "float32, float16, bfloat16 or an fp8 dtype")
+        raise TypeError(f"causal: expected a Python bool, got {V.type_name(causal)}")
+    V.check_tensor("q", q, 4, V.FLOAT_DTYPES, "float32, float16 or bfloat16")
+    V.check_tensor("k_cache", k_cache, 4, V.FLOAT_DTYPES + V.FP8_DTYPES,
+                   "float32, float16, bfloat16 or an fp8 dtype")
     if k_cache.shape[2] != 1:
         raise ValueError(f"k_cache: expected num_heads_k = 1 (dim 2: MLA's one latent), got "
                          f"{k_cache.shape[2]}")
-    V._check_int("head_dim_v", head_dim_v, 1, q.shape[-1])
+    V.check_int("head_dim_v", head_dim_v, 1, q.shape[-1])
     if k_cache.shape[-1] != q.shape[-1]:
         raise ValueError(f"k_cache: expected head_dim {q.shape[-1]} (q's) in the last dim, "
                          f"got {k_cache.shape[-1]}")

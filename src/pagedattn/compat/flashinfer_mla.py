@@ -54,7 +54,7 @@ _FI_NAMES = {"block_tables": "kv_indices", "context_lens": "kv_len_arr", "scale"
 
 
 def _index(name: str, t, rank: int = 1) -> torch.Tensor:
-    V._check_tensor(name, t, rank, V.INDEX_DTYPES, "int32 or int64")
+    V.check_tensor(name, t, rank, V.INDEX_DTYPES, "int32 or int64")
     return t
 
 
@@ -117,7 +117,7 @@ class BatchMLAPagedAttentionWrapper:
         if lse_mode not in (None, "base2", "base_e"):
             raise ValueError(f"lse_mode: expected None, 'base2' or 'base_e', got {lse_mode!r}")
         if not isinstance(causal, bool):
-            raise TypeError(f"causal: expected a Python bool, got {V._type_name(causal)}")
+            raise TypeError(f"causal: expected a Python bool, got {V.type_name(causal)}")
         V.check_softmax_scale(sm_scale)
         if sm_scale is None:
             raise TypeError("sm_scale: expected a float (1 / sqrt(qk_nope + qk_rope head "
@@ -126,7 +126,7 @@ class BatchMLAPagedAttentionWrapper:
         kv = _index("kv_indptr", kv_indptr).to("cpu", torch.int64)
         lens = _index("kv_len_arr", kv_len_arr).to("cpu", torch.int64)
         _index("kv_indices", kv_indices)
-        V._check_int("page_size", page_size, 1, V.MAX_CONTEXT_LEN)
+        V.check_int("page_size", page_size, 1, V.MAX_CONTEXT_LEN)
         batch = lens.shape[0]
         for name, t in (("qo_indptr", qo), ("kv_indptr", kv)):
             if t.shape[0] != batch + 1:
@@ -201,7 +201,7 @@ class BatchMLAPagedAttentionWrapper:
         plan = self._plan
         batch, q_len, heads = plan.batch, self._q_len, self._heads
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe)):
-            V._check_tensor(name, t, 3, V.FLOAT_DTYPES, "float32, float16 or bfloat16")
+            V.check_tensor(name, t, 3, V.FLOAT_DTYPES, "float32, float16 or bfloat16")
             if t.shape[:2] != (batch * q_len, heads):
                 raise ValueError(f"{name}: expected [{batch * q_len}, {heads}, dims] (the "
                                  f"plan's requests x query tokens, num_heads), got "
