@@ -103,9 +103,9 @@ DTYPE_OPTIONS = [("run", "--dtype", "pagedattn.bench.harness", "DTYPES", []),
                  ("generate", "--dtype", "pagedattn.serving.generate", "DTYPES", ["hi"]),
                  ("generate", "--cache-dtype", "pagedattn.serving.generate", "CACHE_DTYPES",
                   ["hi"]),
-                 ("bench-model", "--dtype", "pagedattn.serving.generate", "DTYPES", []),
-                 ("bench-model", "--cache-dtype", "pagedattn.serving.generate", "CACHE_DTYPES",
-                  [])]
+                 ("bench-model", "--dtype", "pagedattn.serving.bench_model", "DTYPES", []),
+                 ("bench-model", "--cache-dtype", "pagedattn.serving.bench_model",
+                  "CACHE_DTYPES", [])]
 
 
 @pytest.mark.parametrize("command, option, module, table, extra", DTYPE_OPTIONS,

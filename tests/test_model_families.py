@@ -1,8 +1,11 @@
-"""The model seam (pagedattn.serving.config): tiny random-weight transformers models of each
-supported family (Llama, Mistral with a sliding window shorter than the sequence, Qwen2 with
-QKV bias, Qwen3 with Q/K norms, Gemma 2 with soft-caps and alternating windows), saved as
-safetensors, loaded by ``load_hf`` and generated through the Engine (paged cache, the plan
-API's kernel), token for token and logit for logit as transformers' greedy ``generate``.
+"""The model seam (pagedattn.serving.config) and its family table (pagedattn.serving.families):
+for each family of ``FAMILIES``, a tiny random-weight transformers model (its ``CASES`` entry:
+Mistral with a sliding window shorter than the sequence, Gemma 2 with soft-caps and alternating
+windows), saved as safetensors, loaded by ``load_hf`` and generated through the Engine (paged
+cache, the plan API's kernel), token for token and logit for logit as transformers' greedy
+``generate``; each variant a family adds changes the logits when switched off. The table's
+generated text (the CLI's help, the unsupported-``model_type`` error, ``docs/models.md``)
+follows it.
 
 Tolerance: everything runs in float32 on both sides; the only differences are summation
 orders (the kernel's online softmax and split-KV merge, SDPA against eager matmuls), worth a
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,20 +27,42 @@ pytest.importorskip("safetensors")
 
 from pagedattn.serving.config import hf_config, load_hf  # noqa: E402
 from pagedattn.serving.engine import generate_greedy  # noqa: E402
+from pagedattn.serving.families import FAMILIES, families_markdown, family_names  # noqa: E402
 from pagedattn.serving.model import Transformer  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, WINDOW = 6, 8, 4  # 13 tokens in the cache: longer than the window
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=64)
-FAMILIES = {
-    "llama": (transformers.LlamaConfig, {}),
-    "mistral": (transformers.MistralConfig, {"sliding_window": WINDOW}),
-    "qwen2": (transformers.Qwen2Config, {}),
-    "qwen3": (transformers.Qwen3Config, {}),
-    "gemma2": (transformers.Gemma2Config, {
+NO_VARIANT = [(-1, None)]  # a decode step's one plan: no window, no soft-cap
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A family's test entry: its transformers config class and the keys it adds to
+    ``SHAPE``; the ``(window_left, logits_soft_cap)`` of each plan a decode step makes; the
+    ``ModelConfig`` changes and the weights (name endings, zeroed) that each switch one of
+    its variants off."""
+
+    config: type
+    extra: dict = dataclasses.field(default_factory=dict)
+    plans: list = dataclasses.field(default_factory=lambda: NO_VARIANT)
+    off: list = dataclasses.field(default_factory=list)
+    off_weights: tuple = ()
+
+
+#: one entry per family of FAMILIES (test_every_family_has_a_case)
+CASES = {
+    "llama": Case(transformers.LlamaConfig),
+    "mistral": Case(transformers.MistralConfig, {"sliding_window": WINDOW},
+                    plans=[(WINDOW - 1, None)], off=[{"window_left": ()}]),
+    "qwen2": Case(transformers.Qwen2Config, off_weights=("bq", "bk", "bv")),
+    "qwen3": Case(transformers.Qwen3Config),
+    "gemma2": Case(transformers.Gemma2Config, {
         "sliding_window": WINDOW, "query_pre_attn_scalar": 16,
-        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 5.0}),
+        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 5.0},
+        plans=[(WINDOW - 1, 5.0), (-1, 5.0)],
+        off=[{"window_left": ()}, {"logits_soft_cap": ()}, {"final_logit_soft_cap": 0.0}]),
 }
 
 
@@ -43,15 +70,16 @@ def build(family: str, tmp_path):
     """A random-weight transformers model of ``family``, saved to ``tmp_path``. Every
     parameter is redrawn (biases and norms too: their init is 0 / 1), Q/K large enough that
     Gemma 2's scores pass its soft-cap of 5."""
-    cls, extra = FAMILIES[family]
-    cfg = cls(**SHAPE, **extra, attn_implementation="eager", tie_word_embeddings=True)
+    case = CASES[family]
+    cfg = case.config(**SHAPE, **case.extra, attn_implementation="eager",
+                      tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                mean = 0.0 if family == "gemma2" else 1.0  # Gemma scales by (1 + w)
+                mean = 1.0 - FAMILIES[family].norm_offset  # Gemma scales by (1 + w)
                 p.copy_(mean + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 std = 0.5 if "q_proj" in name or "k_proj" in name else 0.2
@@ -87,8 +115,13 @@ def planned(monkeypatch):
     return calls
 
 
+def test_every_family_has_a_case():
+    assert list(CASES) == list(FAMILIES)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_generates_as_transformers(family, tmp_path, planned):
+    case = CASES[family]
     hf = build(family, tmp_path)
     prompt = torch.randint(1, 128, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2))
     prompt = prompt.tolist()
@@ -99,8 +132,7 @@ def test_family_generates_as_transformers(family, tmp_path, planned):
     assert got_tokens == want_tokens
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     # each decode step plans once per distinct variant pair of the layers
-    per_step = {"mistral": [(WINDOW - 1, None)], "gemma2": [(WINDOW - 1, 5.0), (-1, 5.0)]}
-    assert planned == per_step.get(family, [(-1, None)]) * (NEW_TOKENS - 1)
+    assert planned == case.plans * (NEW_TOKENS - 1)
     # the prompt prefilled chunk by chunk over the paged cache (Transformer.extend, the
     # variants applied by the prefill kernel): the same tokens and logits
     chunked = generate_greedy(model, [prompt], NEW_TOKENS, page_size=4, keep_logits=True,
@@ -111,19 +143,16 @@ def test_family_generates_as_transformers(family, tmp_path, planned):
                                rtol=1e-4, atol=1e-4)
 
     # the variants bite: each one switched off changes the logits
-    off = {"mistral": [{"window_left": ()}],
-           "gemma2": [{"window_left": ()}, {"logits_soft_cap": ()},
-                      {"final_logit_soft_cap": 0.0}]}.get(family, [])
-    if family == "qwen2":
-        off_weights = {k: (torch.zeros_like(v) if k.endswith(("bq", "bk", "bv")) else v)
+    if case.off_weights:
+        off_weights = {k: (torch.zeros_like(v) if k.endswith(case.off_weights) else v)
                        for k, v in weights.items()}
         _, logits = engine_greedy(Transformer(cfg, off_weights), prompt)
         assert (logits - want_logits).abs().max() > 1e-2
-    for change in off:
+    for change in case.off:
         _, logits = engine_greedy(Transformer(dataclasses.replace(cfg, **change), weights),
                                   prompt)
         assert (logits - want_logits).abs().max() > 1e-2, change
-    if off:  # a backend that applies no variants is refused for such a model
+    if case.off:  # a backend that applies no variants is refused for such a model
         from pagedattn.serving.baselines import DenseAttention
         with pytest.raises(ValueError, match="applies no attention variants"):
             model.with_attention(DenseAttention())
@@ -147,7 +176,8 @@ def test_hf_config_variants_per_layer():
 
 def test_load_hf_refuses_other_models(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(SHAPE, model_type="phi3")))
-    with pytest.raises(ValueError, match="model_type 'phi3'"):
+    listed = re.escape(f"(expected one of {', '.join(FAMILIES)})")
+    with pytest.raises(ValueError, match=f"model_type 'phi3' is not supported {listed}"):
         load_hf(tmp_path)
     with pytest.raises(ValueError, match="rope scaling 'yarn'"):
         hf_config(dict(SHAPE, model_type="llama", rope_scaling={"rope_type": "yarn"}))
@@ -187,3 +217,25 @@ def test_generate_cli_serves_a_hugging_face_directory(tmp_path, capsys):
         rc = e.code
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--model: no config.json" in err, err
+
+
+def test_docs_models_md_is_the_generated_table():
+    """docs/models.md is families_markdown()'s text: regenerate it with
+    ``PYTHONPATH=src python -m pagedattn.serving.families > docs/models.md``."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+    assert path.read_text(encoding="utf-8") == families_markdown(), (
+        "docs/models.md is stale: run PYTHONPATH=src python -m pagedattn.serving.families "
+        "> docs/models.md")
+    for mt, spec in FAMILIES.items():
+        assert f"| `{mt}` | {spec.name} |" in families_markdown()
+
+
+def test_generate_help_names_every_family():
+    from pagedattn import cli
+    from pagedattn._cli_types import OneLineParser
+
+    parser = OneLineParser(prog="pagedattn generate")
+    cli._command("generate").add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert f"of a {family_names()} model" in text, text
+    assert all(spec.name in family_names() for spec in FAMILIES.values())

@@ -236,3 +236,12 @@ def test_bench_model_default_results_name_follows_the_gpu():
     assert device_slug("NVIDIA H200") == "h200"  # the published serving-h200 pages
     assert device_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
     assert device_slug(None) == "cpu"
+
+
+def test_the_batch_options_stop_at_the_largest_decode_bucket():
+    """``--max-batch-size`` and ``--batches`` take up to ``_cli_types.MAX_BATCH``: the
+    runner's largest bucket (a larger batch has no CUDA graph to replay)."""
+    from pagedattn._cli_types import MAX_BATCH
+    from pagedattn.serving.runner import BUCKETS
+
+    assert BUCKETS[-1] == MAX_BATCH

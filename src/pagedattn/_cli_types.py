@@ -17,9 +17,12 @@ path a subcommand will really write (a default, or a file derived from a prefix)
 :func:`checked_output` at the top of its ``main``, the same check: symlinks are followed (a
 loop or a dangling link is refused), then the nearest existing directory must take a new file.
 
-A value that can only be judged after parsing (a model file, a device) is reported by raising
-:class:`ArgumentError` from the subcommand's ``main``: :func:`pagedattn.cli.main` prints it as one
-line and exits with status 2, the same way.
+A value that can only be judged after parsing (a model file, a device: :func:`resolve_device`)
+is reported by raising :class:`ArgumentError` from the subcommand's ``main``:
+:func:`pagedattn.cli.main` prints it as one line and exits with status 2, the same way.
+
+The dtype tables (:data:`DTYPES`, :data:`CACHE_DTYPES`) and :data:`MAX_BATCH` are the values
+the options of several subcommands share (``run``, ``generate``, ``bench-model``).
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["CPU_LIMIT_S", "DTYPE_SHORT", "INT_MAX", "ArgumentError", "OneLineParser",
-           "checked_output", "dtype_name", "name_list",
-           "nonneg_float", "nonneg_int", "output_dir", "output_file", "positive_float",
-           "positive_int", "refuse_unless_yes", "say_duration"]
+import torch
+
+__all__ = ["CACHE_DTYPES", "CPU_LIMIT_S", "DTYPES", "DTYPE_SHORT", "INT_MAX", "MAX_BATCH",
+           "ArgumentError", "OneLineParser", "checked_output", "dtype_name", "int_in",
+           "int_list_in", "name_list", "nonneg_float", "nonneg_int", "output_dir", "output_file",
+           "positive_float", "positive_int", "refuse_unless_yes", "resolve_device",
+           "say_duration"]
 
 
 class ArgumentError(ValueError):
@@ -80,6 +86,38 @@ def nonneg_float(text: str) -> float:
     return _number(text, float, "a non-negative number", lambda v: v >= 0)
 
 
+def int_in(lo: int, hi: int | None = None):
+    """An argparse type: an int in ``[lo, hi]`` (``hi`` None: no upper bound)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        top = INT_MAX if hi is None else hi  # torch holds sizes in 64 bits
+        if v < lo or v > top:
+            span = f"in [{lo}, 2^63 - 1]" if hi is None else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {v}")
+        return v
+    parse.__name__ = "int"  # argparse names the type in some messages
+    return parse
+
+
+def int_list_in(lo: int, hi: int):
+    """An argparse type: a comma list of ints, each in ``[lo, hi]`` (at least one)."""
+    what = f"comma-separated integers in [{lo}, {hi}]"
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(s) for s in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not all(lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return values
+    parse.__name__ = "int_list"  # argparse names the type in some messages
+    return parse
+
+
 def name_list(known: Iterable[str], *, what: str,
               presets: Mapping[str, Sequence[str]] | None = None,
               allow_none: bool = False) -> Callable[[str], list[str]]:
@@ -114,6 +152,13 @@ def name_list(known: Iterable[str], *, what: str,
 #: the short spelling of each float dtype beside torch's name: ``run`` took the short ones,
 #: ``generate``/``bench-model`` torch's; every dtype option takes both (:func:`dtype_name`)
 DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+#: a ``--dtype`` name -> its torch dtype (the model's, or the run's)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: a ``--cache-dtype`` name -> its torch dtype: a model dtype or an fp8 KV cache
+CACHE_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+#: the most sequences a serving option takes (``--max-batch-size``, ``--batches``): the
+#: largest decode bucket, :data:`pagedattn.serving.runner.BUCKETS`' last
+MAX_BATCH = 256
 
 
 def dtype_name(known: Iterable[str]) -> Callable[[str], str]:
@@ -134,6 +179,26 @@ def dtype_name(known: Iterable[str]) -> Callable[[str], str]:
 
     parse.__name__ = "dtype"  # argparse names the type in some messages
     return parse
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``name`` (``cpu``, ``cuda``, ``cuda:N``; None: CUDA when present) as a usable device.
+    Raises ArgumentError (a ValueError) naming ``--device`` for an unknown name or an absent
+    GPU."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ArgumentError(f"--device: expected cpu, cuda or cuda:N, got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ArgumentError(f"--device: expected cpu, cuda or cuda:N, got {name!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ArgumentError(f"--device: {name!r} asked for, but no CUDA GPU is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ArgumentError(f"--device: {name!r}, but only {torch.cuda.device_count()} GPU(s)")
+    return dev
 
 
 def _symlink_problem(path: Path) -> str | None:

@@ -54,6 +54,7 @@ import torch
 
 from pagedattn._cli_types import (
     CPU_LIMIT_S,
+    DTYPES,
     checked_output,
     dtype_name,
     name_list,
@@ -93,8 +94,6 @@ DEFAULT_IMPLS = ("auto", "split_kv_v4", "gqa_reuse_v3")
 #: per token for 32 heads), so the CPU default takes under a minute on 2 cores
 CPU_BATCH, CPU_MAX_CONTEXT, GPU_BATCH = 6, 32, 64
 RUN_PAGE_SIZE = 16  # the pages of ``pagedattn run``'s batch
-#: ``--dtype`` (``_cli_types.dtype_name``: fp32/fp16/bf16 also)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Timer = Callable[[Callable[[], object]], Timing]
 
 class Timers(NamedTuple):

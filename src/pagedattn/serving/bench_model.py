@@ -42,23 +42,22 @@ from pathlib import Path
 import torch
 
 from pagedattn._cli_types import (
+    CACHE_DTYPES,
     CPU_LIMIT_S,
+    DTYPES,
+    MAX_BATCH,
     checked_output,
     dtype_name,
+    int_in,
+    int_list_in,
     output_file,
     refuse_unless_yes,
+    resolve_device,
     say_duration,
 )
 from pagedattn._env import git_state
-from pagedattn.serving.cli_args import (
-    gguf_path,
-    int_in,
-    int_list_in,
-    reading_gguf,
-    resolve_device,
-)
 from pagedattn.serving.cpu_time import decode_seconds, engine_steps
-from pagedattn.serving.generate import CACHE_DTYPES, DTYPES, MAX_BATCH
+from pagedattn.serving.gguf_loader import gguf_path, reading_gguf
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis in two sentences.", "List three uses of a paperclip."]

@@ -1,14 +1,16 @@
 """The model seam: :class:`ModelConfig`, a format-independent description of a decoder, and
 :func:`load_hf`, the loader of a Hugging Face checkpoint directory (``config.json`` plus
-``*.safetensors``) of the Llama, Mistral, Qwen2, Qwen3 and Gemma 2 families. The GGUF loader
+``*.safetensors``) of a family of :data:`pagedattn.serving.families.FAMILIES` (its spec says
+what sets it apart from Llama; ``docs/models.md`` lists them). The GGUF loader
 (:mod:`pagedattn.serving.gguf_loader`) returns the same config and weight names.
 
 Weights come back in one layout for every format (``nn.Linear``'s out × in, fp32 on the
 CPU): ``embed``, ``final_norm``, ``lm_head`` (absent when tied) and ``layers.{i}.{name}`` for
 ``attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down`` and, where the family has them,
-``bq, bk, bv`` (Qwen2's QKV bias), ``q_norm, k_norm`` (Qwen3's per-head norms ``[head_dim]``),
-``post_attn_norm, post_ffn_norm`` (Gemma 2's extra norms). Gemma's ``(1 + w)`` RMSNorm weights
-come back with the 1 added (exact in fp32), so every norm is ``w * x / rms(x)``.
+``bq, bk, bv`` (QKV bias), ``q_norm, k_norm`` (per-head norms ``[head_dim]``),
+``post_attn_norm, post_ffn_norm`` (norms of the attention and FFN outputs). A family's norm
+offset comes back added (Gemma's ``(1 + w)``, exact in fp32), so every norm is
+``w * x / rms(x)``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from pagedattn.serving.families import FAMILIES, LAYER_PREFIX, TENSORS, family
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -29,9 +33,9 @@ class ModelConfig:
     The first fields are those of a Llama (SmolLM2); the rest default to Llama's behaviour:
     ``activation`` ``"silu"`` or ``"gelu_tanh"`` (the FFN's ``act(gate) * up``);
     ``qkv_bias`` (Q/K/V projections with a bias); ``qk_norm`` (an RMSNorm over ``head_dim``
-    of each Q and K head before RoPE); ``post_norms`` (Gemma 2's norms of the attention and
-    FFN outputs before each residual add); ``embed_scale`` (embeddings times it, in the
-    model's dtype; Gemma's ``sqrt(hidden)``); ``attn_scale`` (softmax scale, ``None`` for
+    of each Q and K head before RoPE); ``post_norms`` (norms of the attention and FFN
+    outputs before each residual add); ``embed_scale`` (embeddings times it, in the model's
+    dtype; Gemma's ``sqrt(hidden)``); ``attn_scale`` (softmax scale, ``None`` for
     ``head_dim ** -0.5``); ``final_logit_soft_cap`` (``cap * tanh(logits / cap)``, 0 off).
     Per layer (tuples of ``num_layers``, empty for "none anywhere"): ``window_left`` (keys
     attended besides the current one, -1 for all: the kernel's convention; Hugging Face's
@@ -85,18 +89,8 @@ class ModelConfig:
                 self.logits_soft_cap[layer] if self.logits_soft_cap else 0.0)
 
 
-#: Hugging Face ``model_type`` values :func:`load_hf` reads
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
-
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq",
-    "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo", "self_attn.q_proj.bias": "bq",
-    "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
-    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
-    "mlp.down_proj.weight": "w_down",
-}
+#: Hugging Face ``model_type`` values :func:`load_hf` reads (:data:`FAMILIES`' keys)
+HF_MODEL_TYPES = tuple(FAMILIES)
 
 
 def _bad(key: str, expected: str, got) -> None:
@@ -128,18 +122,23 @@ def _float(c: dict, key: str, default: float, zero: bool = False) -> float:
     return float(v)
 
 
+def _cap(c: dict, key: str | None) -> float:
+    """The soft-cap under ``key`` (0.0, off, when the family has no such key or the config
+    leaves it out)."""
+    return _float(c, key, 0.0, zero=True) if key else 0.0
+
+
 def hf_config(c: dict) -> ModelConfig:
-    """A :class:`ModelConfig` from a parsed ``config.json``, each field checked. Raises
-    ValueError naming the field for a ``model_type`` outside :data:`HF_MODEL_TYPES`, RoPE
-    scaling, ``attention_bias`` / ``mlp_bias`` (outside Qwen2's QKV bias), an activation
-    other than SiLU / tanh-GELU, a missing or malformed shape (``num_hidden_layers``,
-    ``num_attention_heads``, ...: ints >= 1, kv heads dividing the heads) or constant."""
+    """A :class:`ModelConfig` from a parsed ``config.json``, each field checked, its
+    family's options from the :class:`~pagedattn.serving.families.FamilySpec` of its
+    ``model_type``. Raises ValueError naming the field for a ``model_type`` outside
+    :data:`FAMILIES`, RoPE scaling, ``attention_bias`` / ``mlp_bias`` (outside a family with
+    QKV bias), an activation other than SiLU / tanh-GELU, a missing or malformed shape
+    (``num_hidden_layers``, ``num_attention_heads``, ...: ints >= 1, kv heads dividing the
+    heads) or constant."""
     if not isinstance(c, dict):
         raise ValueError(f"config.json: expected a JSON object, got a {type(c).__name__}")
-    mt = c.get("model_type")
-    if mt not in HF_MODEL_TYPES:
-        raise ValueError(f"config.json: model_type {mt!r} is not supported "
-                         f"(expected one of {', '.join(HF_MODEL_TYPES)})")
+    spec = family(c.get("model_type"))
     key = "rope_scaling" if c.get("rope_scaling") is not None else "rope_parameters"
     rope = c.get(key) or {}
     if not isinstance(rope, dict):
@@ -148,8 +147,8 @@ def hf_config(c: dict) -> ModelConfig:
     if rope_type != "default":
         raise ValueError(f"config.json: rope scaling {rope_type!r} is not supported")
     theta = _float(c, "rope_theta", _float(rope, "rope_theta", 10000.0))
-    for key in ("attention_bias", "mlp_bias"):  # Qwen2's QKV bias is implied, not this key
-        if c.get(key) and mt != "qwen2":
+    for key in ("attention_bias", "mlp_bias"):  # a QKV bias family's is implied, not this key
+        if c.get(key) and not spec.qkv_bias:
             raise ValueError(f"config.json: {key} (biases on the output or FFN projections) "
                              "is not supported")
     act = c.get("hidden_activation") or c.get("hidden_act", "silu")
@@ -167,36 +166,33 @@ def hf_config(c: dict) -> ModelConfig:
              f"num_attention_heads={heads}", None)
     head_dim = _int(c, "head_dim", hidden // heads)
     # sliding windows per layer: layer_types where the config has them (transformers >= 4.53
-    # writes them), else Mistral's every-layer window
+    # writes them), else the family's pattern
     window = _int(c, "sliding_window", 0) if c.get("sliding_window") is not None else None
-    if mt in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+    if spec.window_switch and not c.get(spec.window_switch, False):
         window = None
     types = c.get("layer_types")
     if types is None:
-        types = ["sliding_attention" if mt == "gemma2" and i % 2 == 0 or mt == "mistral"
-                 else "full_attention" for i in range(layers)]
+        types = ["sliding_attention" if spec.sliding(i) else "full_attention"
+                 for i in range(layers)]
     elif not (isinstance(types, list) and len(types) == layers and set(types) <= {
             "sliding_attention", "full_attention"}):
         _bad("layer_types", f"a list of num_hidden_layers={layers} 'sliding_attention' or "
              "'full_attention'", types)
     windows = tuple(window - 1 if window and t == "sliding_attention" else -1 for t in types)
-    gemma = mt == "gemma2"
-    cap = _float(c, "attn_logit_softcapping", 0.0, zero=True) if gemma else 0.0
+    cap = _cap(c, spec.attn_soft_cap_key)
+    scalar = spec.attn_scalar
     return ModelConfig(
         vocab_size=_int(c, "vocab_size"), hidden_size=hidden,
         intermediate_size=_int(c, "intermediate_size"), num_layers=layers, num_q_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta,
         rms_eps=_float(c, "rms_norm_eps", 1e-6),
         max_position=_int(c, "max_position_embeddings", 2048),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.tied)),
         bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"),
-        activation=acts[act],
-        qkv_bias=mt == "qwen2",
-        qk_norm=mt == "qwen3", post_norms=gemma,
-        embed_scale=math.sqrt(hidden) if gemma else None,
-        attn_scale=_float(c, "query_pre_attn_scalar", 256.0) ** -0.5 if gemma else None,
-        final_logit_soft_cap=(_float(c, "final_logit_softcapping", 0.0, zero=True) if gemma
-                              else 0.0),
+        activation=acts[act], qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
+        post_norms=spec.post_norms, embed_scale=spec.embed_factor(hidden),
+        attn_scale=_float(c, *scalar) ** -0.5 if scalar else None,
+        final_logit_soft_cap=_cap(c, spec.final_soft_cap_key),
         window_left=windows if any(w >= 0 for w in windows) else (),
         logits_soft_cap=(cap,) * layers if cap else ())
 
@@ -285,30 +281,20 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tenso
 
     raw, tensors = read_checkpoint(path, hf_config)
     cfg = hf_config(raw)
-    gemma = cfg.embed_scale is not None
-    norm_names = {"post_attention_layernorm.weight": "post_attn_norm" if gemma else "ffn_norm",
-                  "pre_feedforward_layernorm.weight": "ffn_norm",
-                  "post_feedforward_layernorm.weight": "post_ffn_norm"}
+    spec = family(raw["model_type"])
     weights: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}
     for name, t in dequantized(tensors, raw).items():
-        if name == "model.embed_tokens.weight":
-            key = "embed"
-        elif name == "model.norm.weight":
-            key = "final_norm"
-        elif name == "lm_head.weight":
-            key = "lm_head"
-        elif name.startswith("model.layers."):
-            _, _, idx, suffix = name.split(".", 3)
-            short = _HF_LAYER_NAMES.get(suffix) or norm_names.get(suffix)
-            if short is None:
-                continue
-            key = f"layers.{int(idx)}.{short}"
-        else:
+        key = TENSORS.get(name)
+        if key is None and name.startswith(LAYER_PREFIX):
+            idx, _, suffix = name[len(LAYER_PREFIX):].partition(".")
+            short = spec.layer_tensors.get(suffix)
+            key = None if short is None else f"layers.{int(idx)}.{short}"
+        if key is None:
             continue
         t = t.float()
-        if gemma and (key.endswith("norm")):
-            t = t + 1.0  # Gemma's RMSNorm scales by (1 + w)
+        if spec.norm_offset and key.endswith("norm"):
+            t = t + spec.norm_offset  # Gemma's RMSNorm scales by (1 + w)
         weights[key], names[key] = t, name
     if cfg.tie_word_embeddings:
         weights.pop("lm_head", None)

@@ -39,9 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.mla import plan_mla_decode
+from pagedattn.serving.families import MLA_FAMILIES
 
 #: the model types read, and the routers each may name
-MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+MODEL_TYPES = tuple(MLA_FAMILIES)
 _TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 

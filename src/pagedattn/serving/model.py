@@ -1,9 +1,9 @@
 """A small Llama (SmolLM2) in the style of gpt-fast: ``RMSNorm``, ``Attention``, ``FeedForward``,
 ``TransformerBlock`` and ``Transformer`` modules, with the attention backend a constructor
-choice. The other families (Mistral, Qwen2/3, Gemma 2) are options of the same modules, read
-from a :class:`~pagedattn.serving.config.ModelConfig`: QKV bias, Q/K norms, GeGLU, Gemma 2's
-post norms and embedding scale, a final logit soft-cap, and each layer's attention variants
-(window, soft-cap, softmax scale) through prefill and the decode plans.
+choice. The other families (:data:`pagedattn.serving.families.FAMILIES`) are options of the
+same modules, read from a :class:`~pagedattn.serving.config.ModelConfig`: QKV bias, Q/K norms,
+GeGLU, post norms and an embedding scale, a final logit soft-cap, and each layer's attention
+variants (window, soft-cap, softmax scale) through prefill and the decode plans.
 
 The attention backend owns the KV cache: each ``Attention`` layer computes its rotated
 ``q``/``k``/``v`` and calls ``backend(layer, q, k, v, step)``, where ``step`` is the backend's
@@ -462,7 +462,8 @@ class Transformer(nn.Module):
     @classmethod
     def from_hf(cls, path, *, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", impl: str = "auto") -> Transformer:
-        """Load a Hugging Face checkpoint directory (Llama, Mistral, Qwen2/3, Gemma 2); see
+        """Load a Hugging Face checkpoint directory of a family of
+        :data:`pagedattn.serving.families.FAMILIES`; see
         :func:`pagedattn.serving.config.load_hf`."""
         cfg, weights = load_hf(path)
         return cls(cfg, weights, dtype=dtype, device=device, impl=impl)
