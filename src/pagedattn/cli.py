@@ -64,7 +64,7 @@ COMMANDS: dict[str, tuple[Callable[[], Any], str]] = {
     "bench": (_bench, "benchmark impls and peers against the roofline"),
     "profile": (_profile, "Nsight Compute profile of impls on one shape"),
     "ladder": (_ladder, "the study's stage ladder: table, charts, report"),
-    "generate": (_generate, "generate text with SmolLM2 through the kernel"),
+    "generate": (_generate, "generate text through the kernel (SmolLM2, or --model DIR)"),
     "bench-model": (_bench_model,
                     "SmolLM2 serving throughput: eager vs CUDA graphs vs transformers"),
 }

@@ -26,7 +26,7 @@ tokens: the CPU smoke test.
 
 On the CPU every decode step runs in Triton's interpreter (seconds per step): the command
 first estimates how long the settings take (:func:`cpu_seconds`; the defaults: days) and
-refuses past :data:`CPU_LIMIT_S` unless ``--yes``, naming README's smoke run
+refuses past :data:`CPU_LIMIT_S` unless ``--yes``, naming docs/usage.md's smoke run
 (:data:`SMOKE_RUN`, a few minutes); otherwise it says how long it expects. The output files
 (``--out``'s, or the default's) are checked before any work.
 """
@@ -66,7 +66,7 @@ TINY_CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layer
                 max_position=64, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
 
 
-#: README's CPU smoke run of the real model (a few minutes)
+#: docs/usage.md's CPU smoke run of the real model (a few minutes)
 SMOKE_RUN = ("pagedattn bench-model --new-tokens 2 --batches 1 --trace-requests 0 --no-hf "
              "--out out/serving")
 

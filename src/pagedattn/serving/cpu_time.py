@@ -7,7 +7,7 @@ from __future__ import annotations
 #: CPU seconds of one eager decode step of SmolLM2-135M (30 layers, 9/3 heads, head_dim 64,
 #: bf16 cache) in Triton's interpreter at a bucket of ``b`` sequences: ``STEP_S[0] +
 #: STEP_S[1] * b``, twice that with an fp8 cache (:data:`FP8_STEP_FACTOR`); fitted to the
-#: README's smoke run (177 s of CPU time, 16 steps, the 2-core CI machine): an
+#: docs/usage.md's smoke run (177 s of CPU time, 16 steps, the 2-core CI machine): an
 #: estimate, and a busy machine takes longer (``generate``'s fp32 steps of ``gqa_reuse_v3``
 #: took 2.5 s at b 1 and 9.3 s at b 4 on that machine, busy)
 STEP_S = (0.6, 2.7)
