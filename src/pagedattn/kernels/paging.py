@@ -90,7 +90,7 @@ def _visible_tokens(n, window_left, Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr):
     walk: from :func:`_window_first` rounded down to a whole tile, so every tile and split
     starts at a multiple of ``BLOCK_N`` as without a window. The compiler then knows that
     tiles are page-aligned (a window starting mid-tile cost 160 registers against 118, and
-    so a quarter of the resident programs: perf-notes step 23); keys before the window in
+    so a quarter of the resident programs: docs/perf-notes.md); keys before the window in
     the first tile read the window's first row instead (their addresses are clamped to it)
     and are masked from the scores only, so no byte before the window is fetched."""
     start = _window_first(n, window_left, Q_LEN) // BLOCK_N * BLOCK_N

@@ -64,7 +64,7 @@ def _tile_int(x, TILES_I64: tl.constexpr):
     """``x`` in the dtype of tile indices: int32, or int64 where the launcher found that
     ``T · P`` may pass 2^31 (``TILES_I64``). int32 keeps 64-bit divisions (a subroutine call
     on the GPU) out of the piece loop, which took 7 registers more and 33 spill instructions
-    in the token loop at four programs per SM (perf-notes step 40)."""
+    in the token loop at four programs per SM (docs/perf-notes.md)."""
     if TILES_I64:
         return x.to(tl.int64)
     else:

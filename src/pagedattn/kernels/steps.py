@@ -155,10 +155,10 @@ def _fp8_dim_pairs(w, FP8: tl.constexpr, ASM: tl.constexpr):
     """fp8 V tile read as 16-bit words ``w`` (``[BLOCK_N, BLOCK_D // 2]``: dims ``2j`` in the
     low byte, ``2j + 1`` in the high byte) -> ``(even, odd)`` fp16 tiles, each exact. A tile of
     bytes whose reduction dim (tokens) is strided cannot go through ``ldmatrix.trans`` (16-bit
-    only): the byte tile was read from shared memory one byte per instruction (perf-notes step
-    28). Words transpose like fp16, and each pair of words becomes two fp16 pairs by one
-    ``prmt`` and two packed ``cvt`` (``ASM``: inline PTX, sm_89+; else plain Triton casts,
-    which the interpreter runs). ``FP8``: 1 e4m3, 2 e5m2."""
+    only): the byte tile was read from shared memory one byte per instruction
+    (docs/perf-notes.md). Words transpose like fp16, and each pair of words becomes two fp16
+    pairs by one ``prmt`` and two packed ``cvt`` (``ASM``: inline PTX, sm_89+; else plain
+    Triton casts, which the interpreter runs). ``FP8``: 1 e4m3, 2 e5m2."""
     if ASM and FP8 == 1:
         return tl.inline_asm_elementwise(
             "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
@@ -299,10 +299,10 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
         # the K/V loads stand here, in the loop's own body, not in a helper of their own: an
         # inlined helper's debug-scope labels split ptxas's blocks, and inside the loop that
         # cost the ALiBi kernel 162 registers against 128, the soft-cap one 12 spilled bytes
-        # (perf-notes step 31). A token's offset is page_id · stride_page (64-bit: pages pass
+        # (docs/perf-notes.md). A token's offset is page_id · stride_page (64-bit: pages pass
         # 2^31 elements on large caches) plus its slot's and head's offsets, in int32 where
-        # they fit (SLOT_OFFSETS_I32: one 64-bit product a row, not three; perf-notes step
-        # 38). With a window, keys before it read win_first's row (see above)
+        # they fit (SLOT_OFFSETS_I32: one 64-bit product a row, not three; docs/perf-notes.md).
+        # With a window, keys before it read win_first's row (see above)
         slot = (tl.maximum(tok, win_first) if HAS_WINDOW else tok) % PAGE_SIZE
         if not SLOT_OFFSETS_I32:
             slot = slot.to(tl.int64)

@@ -79,7 +79,7 @@ def fp8_v_pairs(value_cache: torch.Tensor, head_dim: int) -> int:
     """The ``FP8_V_PAIRS`` constexpr of a launch: 1 (e4m3) or 2 (e5m2) when an fp8 value cache
     can be read as 16-bit pairs of dims (unit dim stride, the other strides multiples of 16
     bytes, an even head_dim, a 16-byte aligned base: all part of a launch's binding), else 0
-    (bytes, as before). Pairs transpose through shared memory like fp16 (perf-notes step 28)."""
+    (bytes, as before). Pairs transpose through shared memory like fp16 (docs/perf-notes.md)."""
     if (value_cache.dtype not in FP8_DTYPES or head_dim % 2 or value_cache.stride(-1) != 1
             or any(st % 16 for st in value_cache.stride()[:-1])
             or value_cache.data_ptr() % 16):
@@ -227,7 +227,7 @@ class AutoLauncher:
         per_group = plan.per_group_merge
         # the per-group merge as a programmatic dependent launch: its programs start during
         # the main kernel's tail and wait in griddepcontrol.wait; the per-head merge (b1, b8)
-        # lost in graph replays with it, so it launches as before (perf-notes step 32). Off
+        # lost in graph replays with it, so it launches as before (docs/perf-notes.md). Off
         # without a merge, under the interpreter and before sm_90: the code is unchanged
         # a folded merge (policy.plan_launch decides): the last unit of each (sequence, kv
         # head) to arrive merges the pair's rows (FOLD_MERGE), counted in the owned
@@ -253,7 +253,7 @@ class AutoLauncher:
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
         # the merge's warps: four, or for MLA's wide tiles (rows, or split rows, x 512 latent
         # dims) one warp per 2,048 fp32 elements of a round's tile (a 64-row merge at four
-        # warps held 256 registers of each tile and spilled 8 KB: docs/perf-notes.md, step 42)
+        # warps held 256 registers of each tile and spilled 8 KB: docs/perf-notes.md)
         self.merge_warps = min(16, max(4, plan.merge_block * bd // 2048)) if self.mla else 4
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
