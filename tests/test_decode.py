@@ -272,7 +272,7 @@ def test_pdl_only_for_a_launched_per_group_merge(device):
         assert not launcher.fold_merge and launcher.launches_merge
         assert (launcher.merge_grid[1] == 2) is per_group
         assert launcher.pdl is (gpu and per_group)
-        assert launcher.main_constexprs["PDL"] is launcher.pdl
+        assert launcher.flags.PDL is launcher.pdl
         assert launcher.merge_constexprs.get("PDL", False) is launcher.pdl
     fp32 = AutoLauncher(batch=128, num_splits=None,
                         **dict(kw, q_dtype=torch.float32, kv_dtype=torch.float32))
@@ -488,8 +488,7 @@ def test_lean_loop_and_int32_slot_offsets_where_they_apply(device):
 
     def lean(**over):
         options = over.pop("options", {})
-        return AutoLauncher(**{**kw, **over}, options=plan_options(options)).main_constexprs[
-            "LEAN_SOFTMAX"]
+        return AutoLauncher(**{**kw, **over}, options=plan_options(options)).flags.LEAN_SOFTMAX
 
     assert lean() and lean(kv_dtype=torch.float8_e4m3fn) and lean(kv_dtype=torch.float16)
     assert lean(options=dict(batch_invariant=True))
@@ -543,8 +542,8 @@ def test_lean_loop_gives_the_bits_of_the_full_loop(cache_dtype, device, monkeypa
         plan = pagedattn.plan_decode(x.block_tables, x.context_lens, num_q_heads=8,
                                      num_kv_heads=2, head_dim=64, page_size=16,
                                      q_dtype=x.query.dtype, kv_dtype=cache_dtype)
-        constexprs = plan._engine().main_constexprs
-        return plan.run(*x[:3], return_lse=True, **scales), constexprs["LEAN_SOFTMAX"]
+        lean = plan._engine().flags.LEAN_SOFTMAX
+        return plan.run(*x[:3], return_lse=True, **scales), lean
 
     (lean_out, lean_lse), lean_on = run()
     heuristic = policy.heuristic_config

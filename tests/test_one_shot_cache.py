@@ -24,7 +24,7 @@ SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=8)
 def _static(launcher):
     """What a launcher decided from its key (its launch configuration)."""
     return (launcher.config, launcher.grid, launcher.merge_grid, launcher.merge_kernel,
-            launcher.main_constexprs, launcher.merge_constexprs, launcher.rows_max,
+            launcher.flags, launcher.merge_constexprs, launcher.rows_max,
             launcher.min_chunk, launcher.forced_splits, launcher.one_unit)
 
 

@@ -231,7 +231,7 @@ def test_int64_tile_indices(device, monkeypatch):
     inputs = _inputs(RAGGED, device, seed=50)
     plan = plan_decode(inputs.block_tables, inputs.context_lens, q_dtype=torch.float32,
                        schedule="persistent", num_programs=6, **SHAPE)
-    assert plan._engine().main_constexprs["TILES_I64"]
+    assert plan._engine().flags.TILES_I64
     out = plan.run(*inputs[:3])
     assert rel_l2_error(out, paged_decode_reference(*inputs).out) <= tolerance_for(torch.float32)
 

@@ -16,13 +16,8 @@ product into ``s - m_new`` and turn all-equal logits of ~2e11 into ``exp2(±1e4)
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import (
-    _clamped_context_len,
-    _dim_mask,
-    _kv_token_offsets,
-    _normalize,
-    _softmax_token_step,
-)
+from pagedattn.kernels.paging import _clamped_context_len, _dim_mask, _kv_token_offsets
+from pagedattn.kernels.softmax import _normalize, _softmax_token_step
 
 
 @triton.jit

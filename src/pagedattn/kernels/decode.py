@@ -112,8 +112,8 @@ sets where they are exact, each instruction for instruction the old loop when of
   key, so the running max is finite from the first tile on): the scores are exactly rounded
   products (``mul.rn``, which ptxas never contracts into the subtraction that follows), so
   ``exp2(s - max)`` is 1 at the max and at most 1 elsewhere, and a masked score still gives
-  0: the step drops :func:`~pagedattn.kernels.common._probs`' clamp and selects and
-  :func:`~pagedattn.kernels.common._rescale`'s select (fp8's issue-bound loop gains most).
+  0: the step drops :func:`~pagedattn.kernels.softmax._probs`' clamp and selects and
+  :func:`~pagedattn.kernels.softmax._rescale`'s select (fp8's issue-bound loop gains most).
   fp32 caches keep the full step (slower with it).
 * ``SLOT_OFFSETS_I32``: a token's offset within its page (``slot · stride_tok + kv_head ·
   stride_head``) in int32 where it fits for both caches (the launcher checks the strides),
@@ -121,51 +121,52 @@ sets where they are exact, each instruction for instruction the old loop when of
   instead of three.
 
 **Structure.** The kernels here are their steps in order, each a named ``@triton.jit`` helper
-of :mod:`pagedattn.kernels.common` that Triton inlines (constexpr flags stay constexpr
-arguments, so an unused branch leaves no code): ``_plan_unit`` (which sequence and rows a
-program owns), ``_unit_tokens`` (its token range), ``_tile_rows`` / ``_tile_ptrs`` /
-``_load_query``, the token loop (``_score_and_mask``, ``_online_softmax_step``), then
-``_store_result`` or ``_store_partial`` (and, folded, ``_arrive``, ``_merge_group_rows``,
-``_store_merged``); the per-group merge kernel uses ``_seq_rows``, ``_merge_group_rows``,
-``_store_merged`` and ``_store_empty``. The helpers named above (``_fp8_dim_pairs``,
-``_visible_tokens``, ...) live there too. The K/V loads stay in the token loop's body (see
-the loop).
+that Triton inlines (constexpr flags stay constexpr arguments, so an unused branch leaves no
+code): ``_plan_unit`` (which sequence and rows a program owns) and ``_unit_tokens`` (its token
+range) from :mod:`pagedattn.kernels.paging`; ``_tile_rows`` / ``_tile_ptrs`` / ``_load_query``,
+the token loop ``_attend_tiles`` (``_score_and_mask``, ``_online_softmax_step``), then
+``_store_result`` or ``_store_partial`` from :mod:`pagedattn.kernels.steps`; and, folded,
+``_arrive``, ``_merge_group_rows`` and ``_store_merged`` from :mod:`pagedattn.kernels.merge`.
+The per-group merge kernel uses ``_seq_rows``, ``_merge_group_rows``, ``_store_merged`` and
+``_store_empty``. The softmax's math is :mod:`pagedattn.kernels.softmax`'s. The K/V loads
+stay in the token loop's body (see the loop).
 """
 
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import (
-    LOG2E,
+from pagedattn.kernels.merge import (
     _arrive,
-    _attend_tiles,
-    _clamped_context_len,
-    _dim_mask,
     _empty_seq_result,
     _empty_seq_rows,
-    _fold_sink,
-    _kv_scales,
-    _load_latent_query,
-    _load_query,
-    _lse_ptrs,
     _merge_group_rows,
-    _natural_lse,
     _pdl_launch_dependents,
     _pdl_wait,
-    _plan_unit,
-    _program_sequence,
-    _rescale,
     _seq_rows,
     _store_empty,
     _store_merged,
-    _store_partial,
-    _store_result,
-    _tile_ptrs,
-    _tile_rows,
+)
+from pagedattn.kernels.paging import (
+    _clamped_context_len,
+    _dim_mask,
+    _plan_unit,
+    _program_sequence,
     _unit_tokens,
     _varlen_block,
 )
 from pagedattn.kernels.persistent import _persistent_program
+from pagedattn.kernels.softmax import LOG2E, _fold_sink, _natural_lse, _rescale
+from pagedattn.kernels.steps import (
+    _attend_tiles,
+    _kv_scales,
+    _load_latent_query,
+    _load_query,
+    _lse_ptrs,
+    _store_partial,
+    _store_result,
+    _tile_ptrs,
+    _tile_rows,
+)
 
 # runtime values that change from call to call: never specialized (no recompiles for a new
 # batch size, table width or split policy)

@@ -16,13 +16,8 @@ as in the study); the online softmax keeps a state per query head.
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import (
-    _dim_mask,
-    _normalize,
-    _page_ids,
-    _program_sequence,
-    _softmax_block_step,
-)
+from pagedattn.kernels.paging import _dim_mask, _page_ids, _program_sequence
+from pagedattn.kernels.softmax import _normalize, _softmax_block_step
 
 
 @triton.jit

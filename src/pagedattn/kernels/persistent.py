@@ -8,7 +8,7 @@ FlashMLA's tile scheduler):
 
 * **Work.** The step's ``BLOCK_N``-token tiles in one line, sequence-major, then kv head:
   segment ``(b, kv head)`` holds ``n_b = ceil(len_b / BLOCK_N)`` tiles (with a window, the
-  tiles of the visible keys, :func:`~pagedattn.kernels.common._visible_tokens`), and the
+  tiles of the visible keys, :func:`~pagedattn.kernels.paging._visible_tokens`), and the
   line holds ``T = num_kv_heads · Σ_b n_b`` of them. Every tile reads the same bytes, so an
   equal share of tiles is an equal share of bytes.
 * **Shares.** Program ``p`` takes tiles ``[⌊p·T/P'⌋, ⌊(p+1)·T/P'⌋)`` with ``P' = min(P, T)``
@@ -17,12 +17,12 @@ FlashMLA's tile scheduler):
   launch (no host sync: one plan serves every layer and CUDA-graph replays, and lengths
   updated in place are honoured).
 * **Pieces.** A program walks its share one segment at a time: each piece is the token loop
-  of :func:`~pagedattn.kernels.common._attend_tiles` over the piece's tiles. A piece that is a
+  of :func:`~pagedattn.kernels.steps._attend_tiles` over the piece's tiles. A piece that is a
   whole segment writes the result. Otherwise the piece is the first or the last of the
   program's share (a share's middle pieces are whole segments), so it stores its partial
   ``(m, l, acc)`` in the program's slot ``2p`` (first) or ``2p + 1`` (last).
 * **Merge, in the same launch.** After storing a partial, a program counts itself in at the
-  segment's arrival counter (:func:`~pagedattn.kernels.common._arrive`: a CTA barrier, one
+  segment's arrival counter (:func:`~pagedattn.kernels.merge._arrive`: a CTA barrier, one
   ``acq_rel`` atomic at GPU scope). The programs of a segment are ``owner(first tile) ..
   owner(last tile)``, known from ``T`` and ``P'`` alone, so the one that arrives last knows it
   is last, merges the segment's slots in program order (:func:`_merge_slots`, ``BLOCK_R``
@@ -39,24 +39,23 @@ split schedule's own code: the same token loop and epilogues.
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import (
-    LOG2E,
-    _arrive,
-    _attend_tiles,
+from pagedattn.kernels.merge import _arrive, _empty_seq_result, _store_merged
+from pagedattn.kernels.paging import (
     _clamped_context_len,
     _dim_mask,
-    _empty_seq_result,
+    _visible_tokens,
+    _window_first,
+)
+from pagedattn.kernels.softmax import LOG2E, _rescale
+from pagedattn.kernels.steps import (
+    _attend_tiles,
     _kv_scales,
     _load_latent_query,
     _load_query,
     _lse_ptrs,
-    _rescale,
-    _store_merged,
     _store_result,
     _tile_ptrs,
     _tile_rows,
-    _visible_tokens,
-    _window_first,
 )
 
 
@@ -65,7 +64,7 @@ def _tile_int(x, TILES_I64: tl.constexpr):
     """``x`` in the dtype of tile indices: int32, or int64 where the launcher found that
     ``T · P`` may pass 2^31 (``TILES_I64``). int32 keeps 64-bit divisions (a subroutine call
     on the GPU) out of the piece loop, which took 7 registers more and 33 spill instructions
-    in the token loop at four programs per SM (perf-notes step 40)."""
+    in the token loop at four programs per SM (docs/perf-notes.md)."""
     if TILES_I64:
         return x.to(tl.int64)
     else:

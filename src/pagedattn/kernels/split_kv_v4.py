@@ -19,13 +19,9 @@ programs for small batches and long contexts, but no GQA reuse (each query head 
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.common import (
-    _attend_tokens,
-    _clamped_context_len,
-    _dim_mask,
-    _merge_partials,
-    _normalize,
-)
+from pagedattn.kernels.fused_v1 import _attend_tokens
+from pagedattn.kernels.paging import _clamped_context_len, _dim_mask
+from pagedattn.kernels.softmax import _merge_partials, _normalize
 
 
 @triton.jit

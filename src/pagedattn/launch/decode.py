@@ -59,7 +59,6 @@ import functools
 from dataclasses import replace
 
 import torch
-import triton.language as tl
 
 from pagedattn._env import device_name_for, is_interpreter, num_sms
 from pagedattn._validation import FP8_DTYPES
@@ -71,36 +70,16 @@ from pagedattn.kernels.decode import (
 from pagedattn.launch import _triton_compat as tc
 from pagedattn.launch import policy, policy_mla
 from pagedattn.launch._common import LOG2E, block_d
+from pagedattn.launch.flags import UNBOUND, Binding, KernelFlags, kernel_flags
 from pagedattn.launch.policy import DecodeConfig
 from pagedattn.options import CALL_ARGS, DEFAULT, DecodeOptions
-
-# sequences scanned per vector step of the device-side split planner (context_lens loads)
-_BLOCK_B = 128
-
-
-def _dot_dtype(cache_dtype: torch.dtype, interpret: bool):
-    if cache_dtype in FP8_DTYPES:
-        return tl.float16  # fp8 -> fp16 converts in hardware; the query is range-scaled first
-    if cache_dtype == torch.bfloat16:
-        return tl.float32 if interpret else tl.bfloat16  # interpreter bf16 dots are garbage
-    return {torch.float16: tl.float16}.get(cache_dtype, tl.float32)
-
-
-def _dot_precision(cache_dtype: torch.dtype, interpret: bool) -> str:
-    """fp32 operands: split-bf16 on the GPU (``bf16x3``: each operand split into two bf16
-    terms, three tensor-core passes at twice TF32's rate, fp32-level accuracy: perf-notes
-    step 33), split-TF32 (``tf32x3``) in the interpreter, which has no bf16x3. Plain tf32
-    would miss the 1e-4 contract."""
-    if cache_dtype != torch.float32:
-        return "tf32"  # unused: 16-bit and fp8 dots
-    return "tf32x3" if interpret else "bf16x3"
 
 
 def fp8_v_pairs(value_cache: torch.Tensor, head_dim: int) -> int:
     """The ``FP8_V_PAIRS`` constexpr of a launch: 1 (e4m3) or 2 (e5m2) when an fp8 value cache
     can be read as 16-bit pairs of dims (unit dim stride, the other strides multiples of 16
     bytes, an even head_dim, a 16-byte aligned base: all part of a launch's binding), else 0
-    (bytes, as before). Pairs transpose through shared memory like fp16 (perf-notes step 28)."""
+    (bytes, as before). Pairs transpose through shared memory like fp16 (docs/perf-notes.md)."""
     if (value_cache.dtype not in FP8_DTYPES or head_dim % 2 or value_cache.stride(-1) != 1
             or any(st % 16 for st in value_cache.stride()[:-1])
             or value_cache.data_ptr() % 16):
@@ -126,8 +105,8 @@ _MAIN_SLOTS = ("query_ptr", "key_cache_ptr", "value_cache_ptr", "block_tables_pt
 #: an MLA launch's one more (``pagedattn.mla``): the query's rope part
 _MLA_SLOTS = (*_MAIN_SLOTS, "q_pe_ptr")
 #: the MLA arguments of a launch that is not MLA's (None: constexprs, no kernel parameter)
-_NO_MLA = dict(MLA=False, ROPE_DIM=0, BLOCK_DR=1, q_pe_ptr=None, stride_qpe_b=None,
-               stride_qpe_t=None, stride_qpe_h=None, stride_qpe_d=None)
+_NO_MLA = dict(q_pe_ptr=None, stride_qpe_b=None, stride_qpe_t=None, stride_qpe_h=None,
+               stride_qpe_d=None)
 _MERGE_SLOTS = ("context_lens_ptr", "out_ptr", "lse_ptr", "part_ml_ptr",
                 "part_acc_ptr", "seq_rows_ptr")
 #: (option name, kernel argument) of the per-call variants each kernel takes
@@ -240,13 +219,6 @@ class AutoLauncher:
         self.persistent = plan.num_programs > 0
         self.grid = ((plan.num_programs, 1, 1) if self.persistent
                      else (self.rows_max * num_kv_heads, 1, 1))
-        self.main_constexprs = dict(
-            HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=cfg.block_n, BLOCK_B=_BLOCK_B,
-            BLOCK_H=plan.block_h, PAGE_SIZE=page_size, DOT_DTYPE=_dot_dtype(kv_dtype, interpret),
-            DOT_PRECISION=_dot_precision(kv_dtype, interpret),
-            Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
-            Q_LEN=q_len, ONE_UNIT=self.one_unit, **options.constexprs(),
-        )
         self.rope_dim = rope_dim
         self._main_slots = _MLA_SLOTS if self.mla else _MAIN_SLOTS
         # the plan-time variants' runtime values (fixed for the launcher)
@@ -255,7 +227,7 @@ class AutoLauncher:
         per_group = plan.per_group_merge
         # the per-group merge as a programmatic dependent launch: its programs start during
         # the main kernel's tail and wait in griddepcontrol.wait; the per-head merge (b1, b8)
-        # lost in graph replays with it, so it launches as before (perf-notes step 32). Off
+        # lost in graph replays with it, so it launches as before (docs/perf-notes.md). Off
         # without a merge, under the interpreter and before sm_90: the code is unchanged
         # a folded merge (policy.plan_launch decides): the last unit of each (sequence, kv
         # head) to arrive merges the pair's rows (FOLD_MERGE), counted in the owned
@@ -267,26 +239,21 @@ class AutoLauncher:
         self.pdl = bool(cfg.pdl) and per_group and on_gpu and not interpret and (
             self.launches_merge) and pdl_supported(device.index if device.index is not None
                                                    else torch.cuda.current_device())
-        self.main_constexprs.update(PDL=self.pdl, FOLD_MERGE=self.fold_merge)
         #: varlen queries (paged prefill): ``[num_tokens, heads, head_dim]``, blocks of
         #: ``q_len`` new tokens a row, ``query_start_loc`` per launch (``launch``)
         self.varlen = num_tokens is not None
-        # the persistent schedule's flag and merge tile ((1, 1), unused, for the split one)
-        self.main_constexprs.update(VARLEN=self.varlen, PERSISTENT=self.persistent,
-                                    BLOCK_R=plan.persistent_merge[0],
-                                    BLOCK_HM=plan.persistent_merge[1],
-                                    TILES_I64=plan.tiles_i64)
-        # the lean online softmax (LEAN_SOFTMAX) needs every row of every tile to see a key
-        # (so the running max is finite from the first tile on) and a score whose last
-        # operation is the exact product: one query token (no causal rows), no window (no
-        # masked first keys) and no soft-cap (its tanh follows the product)
-        self.main_constexprs["LEAN_SOFTMAX"] = (
-            cfg.lean_softmax and q_len == 1 and plan.window_left < 0
-            and options.logits_soft_cap is None)
+        # the main kernel's constexprs (launch.flags): those of the plan now, with every
+        # binding flag off; launch() binds them, once per binding (self._bound_flags)
+        self._flag_facts = dict(head_dim=head_dim, page_size=page_size, q_len=q_len,
+                                q_dtype=q_dtype, kv_dtype=kv_dtype, interpret=interpret,
+                                pdl=self.pdl, varlen=self.varlen, rope_dim=rope_dim)
+        #: the plan's flags (:func:`~pagedattn.launch.flags.kernel_flags`, no binding)
+        self.flags: KernelFlags = kernel_flags(plan, options, UNBOUND, **self._flag_facts)
+        self._bound_flags: dict[Binding, dict[str, object]] = {}
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
         # the merge's warps: four, or for MLA's wide tiles (rows, or split rows, x 512 latent
         # dims) one warp per 2,048 fp32 elements of a round's tile (a 64-row merge at four
-        # warps held 256 registers of each tile and spilled 8 KB: docs/perf-notes.md, step 42)
+        # warps held 256 registers of each tile and spilled 8 KB: docs/perf-notes.md)
         self.merge_warps = min(16, max(4, plan.merge_block * bd // 2048)) if self.mla else 4
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
@@ -346,6 +313,17 @@ class AutoLauncher:
         n_ml, n_acc = self._n_ml, self._n_acc
         return (work[:n_ml], work[n_ml:n_ml + n_acc],
                 work[n_ml + n_acc:].view(torch.int32))
+
+    def _flags_for(self, binding: Binding) -> dict[str, object]:
+        """The main kernel's constexprs for one call's ``binding``, as keyword arguments
+        (:func:`~pagedattn.launch.flags.kernel_flags`, computed once per binding)."""
+        kwargs = self._bound_flags.get(binding)
+        if kwargs is None:
+            if len(self._bound_flags) >= _MAX_BINDINGS:
+                self._bound_flags.clear()
+            kwargs = self._bound_flags[binding] = kernel_flags(
+                self.plan, self.options, binding, **self._flag_facts).as_kwargs()
+        return kwargs
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
                scale: float, k_scale=None, v_scale=None, calls=None,
@@ -425,9 +403,7 @@ class AutoLauncher:
         if self.mla:  # [num_pages, page_size, blocks, dims] views of one head, stride 0
             key_cache, value_cache = (c.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
                                       for c in (key_cache, value_cache))
-            mla_args = dict(MLA=True, ROPE_DIM=self.rope_dim,
-                            BLOCK_DR=policy_mla.mla_block_dr(self.rope_dim), q_pe_ptr=q_pe,
-                            stride_qpe_b=q_pe.stride(0),
+            mla_args = dict(q_pe_ptr=q_pe, stride_qpe_b=q_pe.stride(0),
                             stride_qpe_t=q_pe.stride(1) if multi else 0,
                             stride_qpe_h=q_pe.stride(-2), stride_qpe_d=q_pe.stride(-1))
         k_t = v_t = None
@@ -468,15 +444,14 @@ class AutoLauncher:
             stride_bt_b=block_tables.stride(0), stride_bt_p=block_tables.stride(1),
             stride_ctx=context_lens.stride(0),
             stride_o_b=out.stride(0), stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
-            SCALE_FROM_PTR=tensor_scales, HAS_LSE=lse is not None,
-            SLOT_OFFSETS_I32=self.config.slot_offsets_i32 and all(
-                slot_offsets_fit_int32(c, self.page_size, self.num_kv_heads)
-                for c in (key_cache, value_cache)),
-            # MLA's values are its latent tiles (the rope cache is no value cache)
-            FP8_V_PAIRS=0 if self.mla else fp8_v_pairs(value_cache, self.head_dim),
-            ASM=not is_interpreter(),
-            **{flag: bool(calls) and name in calls for name, _, flag in _MAIN_CALLS},
-            **self.main_constexprs, **mla_args,
+            **self._flags_for(Binding(
+                scale_from_ptr=tensor_scales, has_lse=lse is not None,
+                calls=frozenset(calls) if calls else frozenset(),
+                slot_offsets_fit_int32=all(
+                    slot_offsets_fit_int32(c, self.page_size, self.num_kv_heads)
+                    for c in (key_cache, value_cache)),
+                fp8_v_pairs=fp8_v_pairs(value_cache, self.head_dim))),
+            **mla_args,
         )
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,

@@ -1,0 +1,173 @@
+"""The production kernel's ``tl.constexpr`` flags, decided in one place.
+
+:func:`kernel_flags` returns every constexpr parameter of ``_paged_decode_kernel``
+(:mod:`pagedattn.kernels.decode`) as one frozen :class:`KernelFlags`, its fields grouped by
+who sets them:
+
+* **shape and tile**: the model's shapes (head dims, page size, query tokens per sequence) and
+  the policy's tiles (:func:`pagedattn.launch.policy.plan_launch`);
+* **dtype**: the query's and the caches' dtypes (the dots' operand dtype and precision);
+* **variant**: the plan-time options (:mod:`pagedattn.options`, one flag each, read from their
+  declarations) and the kernel's modes (varlen queries, absorbed MLA);
+* **policy**: the schedule and the token loop's fast forms that the launch plan chose (one
+  unit, folded merge, persistent, PDL, lean softmax), and inline PTX off the interpreter;
+* **binding**: what one call's tensors decide (:class:`Binding`: tensor scales, LSE, the
+  per-call options, the caches' strides). Each is part of the launcher's binding key, so a
+  recorded launch never recomputes them.
+
+An :class:`~pagedattn.launch.decode.AutoLauncher` calls it once at plan time with no binding
+(:data:`UNBOUND`) and once for each binding it launches through ``kernel[grid]``, caching the
+result per binding, so no call rebuilds it. Every flag changes the compiled code, so each is
+off (or 1 / 0) unless its setter turns it on. ``DESIGN.md`` ("Kernel flags") tabulates each
+flag's setter and source; ``tests/test_flags.py`` checks that the fields are exactly the
+kernel's constexpr parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import triton.language as tl
+
+from pagedattn._validation import FP8_DTYPES
+from pagedattn.launch import policy_mla
+from pagedattn.launch._common import block_d
+from pagedattn.launch.policy import LaunchPlan
+from pagedattn.options import CALL_ARGS, DecodeOptions
+
+# sequences scanned per vector step of the device-side split planner (context_lens loads)
+BLOCK_B = 128
+
+
+def dot_dtype(cache_dtype: torch.dtype, interpret: bool):
+    """The dots' operand dtype (``DOT_DTYPE``) for a cache dtype."""
+    if cache_dtype in FP8_DTYPES:
+        return tl.float16  # fp8 -> fp16 converts in hardware; the query is range-scaled first
+    if cache_dtype == torch.bfloat16:
+        return tl.float32 if interpret else tl.bfloat16  # interpreter bf16 dots are garbage
+    return {torch.float16: tl.float16}.get(cache_dtype, tl.float32)
+
+
+def dot_precision(cache_dtype: torch.dtype, interpret: bool) -> str:
+    """fp32 operands (``DOT_PRECISION``): split-bf16 on the GPU (``bf16x3``: each operand
+    split into two bf16 terms, three tensor-core passes at twice TF32's rate, fp32-level
+    accuracy: measured in ``docs/perf-notes.md``), split-TF32 (``tf32x3``) in the
+    interpreter, which has no bf16x3. Plain tf32 would miss the 1e-4 contract."""
+    if cache_dtype != torch.float32:
+        return "tf32"  # unused: 16-bit and fp8 dots
+    return "tf32x3" if interpret else "bf16x3"
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """The facts of one call's tensors that set flags; each is part of the launcher's binding
+    key (:meth:`pagedattn.launch.decode.AutoLauncher.launch`)."""
+
+    scale_from_ptr: bool = False  # fp8 scales given as tensors (graph-safe), not floats
+    has_lse: bool = False  # the call writes the LSE
+    calls: frozenset[str] = frozenset()  # the per-call options that are on (by name)
+    # both caches' in-page offsets fit in int32 (launch.decode.slot_offsets_fit_int32)
+    slot_offsets_fit_int32: bool = False
+    fp8_v_pairs: int = 0  # the value cache as 16-bit dim pairs (launch.decode.fp8_v_pairs)
+
+
+#: the binding of a launcher before any call: every binding flag off
+UNBOUND = Binding()
+
+
+@dataclass(frozen=True, slots=True)
+class KernelFlags:
+    """Every ``tl.constexpr`` of the main kernel, by setter (see the module docstring)."""
+
+    # shape and tile
+    HEAD_DIM: int
+    BLOCK_D: int
+    BLOCK_H: int
+    BLOCK_N: int
+    BLOCK_B: int
+    PAGE_SIZE: int
+    Q_LEN: int
+    ROPE_DIM: int
+    BLOCK_DR: int
+    BLOCK_R: int
+    BLOCK_HM: int
+    # dtype
+    DOT_DTYPE: object
+    DOT_PRECISION: str
+    Q_POW2_SCALE: bool
+    # variant
+    HAS_WINDOW: bool
+    HAS_SOFTCAP: bool
+    BATCH_INVARIANT: bool
+    VARLEN: bool
+    MLA: bool
+    # policy
+    ONE_UNIT: bool
+    PERSISTENT: bool
+    FOLD_MERGE: bool
+    PDL: bool
+    LEAN_SOFTMAX: bool
+    TILES_I64: bool
+    ASM: bool
+    # binding
+    SCALE_FROM_PTR: bool
+    HAS_LSE: bool
+    HAS_SINKS: bool
+    HAS_ALIBI: bool
+    SLOT_OFFSETS_I32: bool
+    FP8_V_PAIRS: int
+
+    def as_kwargs(self) -> dict[str, object]:
+        """The flags as the kernel's keyword arguments."""
+        return {name: getattr(self, name) for name in FLAG_NAMES}
+
+
+#: the kernel's constexpr parameters, in the order of :class:`KernelFlags`
+FLAG_NAMES = tuple(f.name for f in fields(KernelFlags))
+
+
+def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UNBOUND, *,
+                 head_dim: int, page_size: int, q_len: int, q_dtype: torch.dtype,
+                 kv_dtype: torch.dtype, interpret: bool, pdl: bool, varlen: bool,
+                 rope_dim: int | None) -> KernelFlags:
+    """Every constexpr of the main kernel for a launch plan (the policy's
+    :class:`~pagedattn.launch.policy.LaunchPlan` and the launcher's facts: the shapes, the
+    dtypes, ``interpret``, ``pdl``: the per-group merge launched as a programmatic dependent,
+    which the launcher decides from the device, ``varlen`` and MLA's ``rope_dim``, ``None``
+    when not MLA), its plan-time ``options`` (their ``window_left`` as the plan has it: no
+    window where the table fits in one) and one call's ``binding``."""
+    cfg = plan.config
+    mla = rope_dim is not None
+    on = binding.calls
+    return KernelFlags(
+        # shape and tile
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=plan.block_h,
+        BLOCK_N=cfg.block_n, BLOCK_B=BLOCK_B, PAGE_SIZE=page_size, Q_LEN=q_len,
+        ROPE_DIM=rope_dim if mla else 0,
+        BLOCK_DR=policy_mla.mla_block_dr(rope_dim) if mla else 1,
+        # the persistent schedule's merge tile ((1, 1), unused, for the split one)
+        BLOCK_R=plan.persistent_merge[0], BLOCK_HM=plan.persistent_merge[1],
+        # dtype
+        DOT_DTYPE=dot_dtype(kv_dtype, interpret),
+        DOT_PRECISION=dot_precision(kv_dtype, interpret),
+        Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
+        # variant: HAS_WINDOW, HAS_SOFTCAP, BATCH_INVARIANT (pagedattn.options)
+        **options.constexprs(), VARLEN=varlen, MLA=mla,
+        # policy
+        ONE_UNIT=plan.one_unit, PERSISTENT=plan.num_programs > 0, FOLD_MERGE=plan.fold_merge,
+        PDL=pdl,
+        # the lean online softmax needs every row of every tile to see a key (so the running
+        # max is finite from the first tile on) and a score whose last operation is the exact
+        # product: one query token (no causal rows), no window (no masked first keys) and no
+        # soft-cap (its tanh follows the product)
+        LEAN_SOFTMAX=(cfg.lean_softmax and q_len == 1 and plan.window_left < 0
+                      and options.logits_soft_cap is None),
+        TILES_I64=plan.tiles_i64, ASM=not interpret,
+        # binding: HAS_SINKS, HAS_ALIBI (the per-call options that are on)
+        SCALE_FROM_PTR=binding.scale_from_ptr, HAS_LSE=binding.has_lse,
+        **{flag: name in on for name, _, flag, _ in CALL_ARGS},
+        SLOT_OFFSETS_I32=cfg.slot_offsets_i32 and binding.slot_offsets_fit_int32,
+        # MLA's values are its latent tiles (the rope cache is no value cache)
+        FP8_V_PAIRS=0 if mla else binding.fp8_v_pairs,
+    )

@@ -1,0 +1,78 @@
+"""``launch.flags.kernel_flags``: the one setter of the main kernel's constexprs."""
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+import triton.language as tl
+
+import pagedattn
+from pagedattn.kernels.decode import _paged_decode_kernel
+from pagedattn.launch.decode import AutoLauncher
+from pagedattn.launch.flags import FLAG_NAMES, UNBOUND, Binding, KernelFlags, kernel_flags
+from pagedattn.options import plan_options
+from pagedattn.testing import make_paged_inputs
+
+SHAPE = dict(batch=4, max_pages=8, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+             q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=torch.device("cpu"),
+             num_splits=None)
+
+
+def test_fields_are_the_kernels_constexprs():
+    """Every ``tl.constexpr`` parameter of the main kernel is a field of :class:`KernelFlags`
+    and nothing else is: a new constexpr without a setter fails here."""
+    params = inspect.signature(_paged_decode_kernel.fn).parameters.values()  # jit or interpreted
+    constexprs = [p.name for p in params if p.annotation in (tl.constexpr, "tl.constexpr")]
+    assert len(constexprs) > 30
+    assert sorted(FLAG_NAMES) == sorted(constexprs)
+    assert len(set(FLAG_NAMES)) == len(FLAG_NAMES)
+    flags = AutoLauncher(**SHAPE).flags
+    assert list(flags.as_kwargs()) == list(FLAG_NAMES)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        flags.HAS_LSE = True
+
+
+def test_plan_and_binding_set_their_groups():
+    """The plan's flags (no binding) have every binding flag off; a binding turns on its
+    own and leaves the plan's as they were; the plan-time options set theirs."""
+    launcher = AutoLauncher(**SHAPE, options=plan_options(dict(logits_soft_cap=30.0)))
+    plan = launcher.flags
+    assert plan.HEAD_DIM == 64 and plan.BLOCK_D == 64 and plan.PAGE_SIZE == 16
+    assert plan.Q_LEN == 1 and plan.HAS_SOFTCAP and not plan.HAS_WINDOW
+    assert not plan.LEAN_SOFTMAX  # the soft-cap's tanh follows the product
+    assert not (plan.HAS_LSE or plan.SCALE_FROM_PTR or plan.HAS_SINKS or plan.HAS_ALIBI
+                or plan.SLOT_OFFSETS_I32 or plan.FP8_V_PAIRS)
+    binding = Binding(scale_from_ptr=True, has_lse=True, calls=frozenset({"sinks"}),
+                      slot_offsets_fit_int32=True, fp8_v_pairs=1)
+    bound = kernel_flags(launcher.plan, launcher.options, binding, **launcher._flag_facts)
+    assert bound.HAS_LSE and bound.SCALE_FROM_PTR and bound.HAS_SINKS and not bound.HAS_ALIBI
+    assert bound.SLOT_OFFSETS_I32 is launcher.config.slot_offsets_i32
+    assert bound.FP8_V_PAIRS == 1
+    binding_fields = {"HAS_LSE", "SCALE_FROM_PTR", "HAS_SINKS", "HAS_ALIBI",
+                      "SLOT_OFFSETS_I32", "FP8_V_PAIRS"}
+    assert {n: getattr(bound, n) for n in FLAG_NAMES if n not in binding_fields} == \
+        {n: getattr(plan, n) for n in FLAG_NAMES if n not in binding_fields}
+    assert kernel_flags(launcher.plan, launcher.options, UNBOUND,
+                        **launcher._flag_facts) == plan
+    mla = AutoLauncher(**{**SHAPE, "num_kv_heads": 1, "head_dim": 512}, rope_dim=64)
+    assert mla.flags.MLA and mla.flags.ROPE_DIM == 64 and mla.flags.BLOCK_DR == 64
+    fp8_mla = kernel_flags(mla.plan, mla.options, binding, **mla._flag_facts)
+    assert fp8_mla.FP8_V_PAIRS == 0  # MLA's values are its latent tiles
+
+
+def test_a_binding_is_decided_once(device):
+    """Launches of one binding reuse its flags; a new binding (LSE on) adds one entry."""
+    x = make_paged_inputs([0, 5, 40], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                          page_size=8, dtype=torch.float16, seed=1, device=device)
+    plan = pagedattn.plan_decode(x.block_tables, x.context_lens, num_q_heads=4,
+                                 num_kv_heads=2, head_dim=16, page_size=8,
+                                 q_dtype=torch.float16, kv_dtype=torch.float16)
+    plan.run(*x[:3])
+    plan.run(*x[:3])
+    engine = plan._engine()
+    assert len(engine._bound_flags) == 1
+    plan.run(*x[:3], return_lse=True)
+    assert len(engine._bound_flags) == 2
+    assert sorted(b.has_lse for b in engine._bound_flags) == [False, True]
+    assert isinstance(engine.flags, KernelFlags)
