@@ -20,8 +20,9 @@ after a warm-up that keeps the
 GPU busy for at least ``WARMUP_S`` of wall time (flush + call back to back): an idle H200 sits
 at ~400 MHz and needs tens of milliseconds of load to reach its boost clock, and a warm-up of
 ten calls of a short kernel left the first timed calls of small shapes at the idle clock
-(eager medians of small shapes far above their graph medians in the same run). The host never syncs between repetitions (one sync at the
-end), so Python launch overhead overlaps the flush, as in ``triton.testing.do_bench``.
+(eager medians of small shapes far above their graph medians in the same run). The host
+never syncs between repetitions (one sync at the end), so Python launch overhead overlaps the
+flush, as in ``triton.testing.do_bench``.
 
 The read rate (:func:`measure_read_bandwidth`, 2 GiB) and the size-matched limit
 (:func:`time_read` of a row's minimal bytes) time the same streaming read over a buffer of

@@ -58,7 +58,8 @@ def mla_config(*, d_latent: int, rows: int, kv_dtype: torch.dtype, interpret: bo
                ) -> DecodeConfig:
     """The tiles of an MLA plan whose tile holds ``rows`` rows (``q_len`` x heads of a block,
     padded to at least 16), read off the compiled sm_90 kernels (not tuned on a GPU: the H200
-    runs were correct and far behind FlashInfer's MLA kernel). Eight warps: the ``rows x d_latent`` fp32 accumulator spread over 256
+    runs were correct and far behind FlashInfer's MLA kernel). Eight warps: the
+    ``rows x d_latent`` fp32 accumulator spread over 256
     threads (at 64 rows, one warpgroup's wgmma M, the two warpgroups each hold 256 of the
     512 value dims). 32-token latent tiles 2 deep up to 16 rows (bf16: 115 registers, 56 KB
     of shared memory, two programs per SM), 16-token tiles 2 deep above (32 rows: 144
