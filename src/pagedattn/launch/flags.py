@@ -8,7 +8,8 @@ who sets them:
   the policy's tiles (:func:`pagedattn.launch.policy.plan_launch`);
 * **dtype**: the query's and the caches' dtypes (the dots' operand dtype and precision);
 * **variant**: the plan-time options (:mod:`pagedattn.options`, one flag each, read from their
-  declarations) and the kernel's modes (varlen queries, absorbed MLA);
+  declarations: a new option adds its field here by itself) and the kernel's modes (varlen
+  queries, absorbed MLA);
 * **policy**: the schedule and the token loop's fast forms that the launch plan chose (one
   unit, folded merge, persistent, PDL, lean softmax), and inline PTX off the interpreter;
 * **binding**: what one call's tensors decide (:class:`Binding`: tensor scales, LSE, the
@@ -25,7 +26,7 @@ kernel's constexpr parameters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, make_dataclass
 
 import torch
 import triton.language as tl
@@ -34,7 +35,7 @@ from pagedattn._validation import FP8_DTYPES
 from pagedattn.launch import policy_mla
 from pagedattn.launch._common import block_d
 from pagedattn.launch.policy import LaunchPlan
-from pagedattn.options import CALL_ARGS, DecodeOptions
+from pagedattn.options import CALL_ARGS, OPTIONS, DecodeOptions
 
 # sequences scanned per vector step of the device-side split planner (context_lens loads)
 BLOCK_B = 128
@@ -76,55 +77,40 @@ class Binding:
 UNBOUND = Binding()
 
 
-@dataclass(frozen=True, slots=True)
-class KernelFlags:
-    """Every ``tl.constexpr`` of the main kernel, by setter (see the module docstring)."""
+#: the flags a variant of :mod:`pagedattn.options` sets, read from the declarations: the
+#: plan-time options' (``HAS_WINDOW``, ``HAS_SOFTCAP``, ``BATCH_INVARIANT``) and the per-call
+#: options' (``HAS_SINKS``, ``HAS_ALIBI``), so a new option needs no edit here
+PLAN_OPTION_FLAGS = tuple(o.flag for o in OPTIONS.values() if o.when == "plan")
+CALL_OPTION_FLAGS = tuple(flag for _, _, flag, _ in CALL_ARGS)
 
-    # shape and tile
-    HEAD_DIM: int
-    BLOCK_D: int
-    BLOCK_H: int
-    BLOCK_N: int
-    BLOCK_B: int
-    PAGE_SIZE: int
-    Q_LEN: int
-    ROPE_DIM: int
-    BLOCK_DR: int
-    BLOCK_R: int
-    BLOCK_HM: int
-    # dtype
-    DOT_DTYPE: object
-    DOT_PRECISION: str
-    Q_POW2_SCALE: bool
-    # variant
-    HAS_WINDOW: bool
-    HAS_SOFTCAP: bool
-    BATCH_INVARIANT: bool
-    VARLEN: bool
-    MLA: bool
-    # policy
-    ONE_UNIT: bool
-    PERSISTENT: bool
-    FOLD_MERGE: bool
-    PDL: bool
-    LEAN_SOFTMAX: bool
-    TILES_I64: bool
-    ASM: bool
-    # binding
-    SCALE_FROM_PTR: bool
-    HAS_LSE: bool
-    HAS_SINKS: bool
-    HAS_ALIBI: bool
-    SLOT_OFFSETS_I32: bool
-    FP8_V_PAIRS: int
-
-    def as_kwargs(self) -> dict[str, object]:
-        """The flags as the kernel's keyword arguments."""
-        return {name: getattr(self, name) for name in FLAG_NAMES}
-
-
+#: the kernel's constexpr parameters by setter, in the order of :class:`KernelFlags`
+GROUPS: dict[str, tuple[str, ...]] = {
+    "shape and tile": ("HEAD_DIM", "BLOCK_D", "BLOCK_H", "BLOCK_N", "BLOCK_B", "PAGE_SIZE",
+                       "Q_LEN", "ROPE_DIM", "BLOCK_DR", "BLOCK_R", "BLOCK_HM"),
+    "dtype": ("DOT_DTYPE", "DOT_PRECISION", "Q_POW2_SCALE"),
+    "variant": (*PLAN_OPTION_FLAGS, "VARLEN", "MLA"),
+    "policy": ("ONE_UNIT", "PERSISTENT", "FOLD_MERGE", "PDL", "LEAN_SOFTMAX", "TILES_I64",
+               "ASM"),
+    "binding": ("SCALE_FROM_PTR", "HAS_LSE", *CALL_OPTION_FLAGS, "SLOT_OFFSETS_I32",
+                "FP8_V_PAIRS"),
+}
 #: the kernel's constexpr parameters, in the order of :class:`KernelFlags`
-FLAG_NAMES = tuple(f.name for f in fields(KernelFlags))
+FLAG_NAMES = tuple(name for group in GROUPS.values() for name in group)
+
+
+def _as_kwargs(self) -> dict[str, object]:
+    """The flags as the kernel's keyword arguments."""
+    return {name: getattr(self, name) for name in FLAG_NAMES}
+
+
+#: Every ``tl.constexpr`` of the main kernel, one field each, by setter (:data:`GROUPS`; see
+#: the module docstring); frozen. Made from :data:`FLAG_NAMES`, so an option's flag is a
+#: field as soon as :mod:`pagedattn.options` declares it.
+KernelFlags = make_dataclass(
+    "KernelFlags", [(name, object) for name in FLAG_NAMES], frozen=True, slots=True,
+    namespace={"as_kwargs": _as_kwargs, "__module__": __name__,
+               "__doc__": "Every ``tl.constexpr`` of the main kernel, by setter "
+                          "(:data:`GROUPS`)."})
 
 
 def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UNBOUND, *,
