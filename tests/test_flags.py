@@ -11,7 +11,7 @@ import pagedattn
 from pagedattn.kernels.decode import _paged_decode_kernel
 from pagedattn.launch.decode import AutoLauncher
 from pagedattn.launch.flags import FLAG_NAMES, UNBOUND, Binding, KernelFlags, kernel_flags
-from pagedattn.options import plan_options
+from pagedattn.options import OPTIONS, Variants, plan_options, variants
 from pagedattn.testing import make_paged_inputs
 
 SHAPE = dict(batch=4, max_pages=8, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
@@ -24,7 +24,7 @@ def test_fields_are_the_kernels_constexprs():
     and nothing else is: a new constexpr without a setter fails here."""
     params = inspect.signature(_paged_decode_kernel.fn).parameters.values()  # jit or interpreted
     constexprs = [p.name for p in params if p.annotation in (tl.constexpr, "tl.constexpr")]
-    assert len(constexprs) > 30
+    assert len(constexprs) > 25
     assert sorted(FLAG_NAMES) == sorted(constexprs)
     assert len(set(FLAG_NAMES)) == len(FLAG_NAMES)
     flags = AutoLauncher(**SHAPE).flags
@@ -39,18 +39,20 @@ def test_plan_and_binding_set_their_groups():
     launcher = AutoLauncher(**SHAPE, options=plan_options(dict(logits_soft_cap=30.0)))
     plan = launcher.flags
     assert plan.HEAD_DIM == 64 and plan.BLOCK_D == 64 and plan.PAGE_SIZE == 16
-    assert plan.Q_LEN == 1 and plan.HAS_SOFTCAP and not plan.HAS_WINDOW
+    assert plan.Q_LEN == 1 and plan.VARIANTS.HAS_SOFTCAP and not plan.VARIANTS.HAS_WINDOW
     assert not plan.LEAN_SOFTMAX  # the soft-cap's tanh follows the product
-    assert not (plan.HAS_LSE or plan.SCALE_FROM_PTR or plan.HAS_SINKS or plan.HAS_ALIBI
-                or plan.SLOT_OFFSETS_I32 or plan.FP8_V_PAIRS)
+    assert not (plan.HAS_LSE or plan.SCALE_FROM_PTR or plan.VARIANTS.HAS_SINKS
+                or plan.VARIANTS.HAS_ALIBI or plan.SLOT_OFFSETS_I32 or plan.FP8_V_PAIRS)
     binding = Binding(scale_from_ptr=True, has_lse=True, calls=frozenset({"sinks"}),
                       slot_offsets_fit_int32=True, fp8_v_pairs=1)
     bound = kernel_flags(launcher.plan, launcher.options, binding, **launcher._flag_facts)
-    assert bound.HAS_LSE and bound.SCALE_FROM_PTR and bound.HAS_SINKS and not bound.HAS_ALIBI
+    assert bound.HAS_LSE and bound.SCALE_FROM_PTR
+    # the binding's per-call options in VARIANTS, beside the plan's own
+    assert plan.VARIANTS._replace(HAS_SINKS=True) == bound.VARIANTS
     assert bound.SLOT_OFFSETS_I32 is launcher.config.slot_offsets_i32
     assert bound.FP8_V_PAIRS == 1
-    binding_fields = {"HAS_LSE", "SCALE_FROM_PTR", "HAS_SINKS", "HAS_ALIBI",
-                      "SLOT_OFFSETS_I32", "FP8_V_PAIRS"}
+    binding_fields = {"HAS_LSE", "SCALE_FROM_PTR", "VARIANTS", "SLOT_OFFSETS_I32",
+                      "FP8_V_PAIRS"}
     assert {n: getattr(bound, n) for n in FLAG_NAMES if n not in binding_fields} == \
         {n: getattr(plan, n) for n in FLAG_NAMES if n not in binding_fields}
     assert kernel_flags(launcher.plan, launcher.options, UNBOUND,
@@ -76,3 +78,16 @@ def test_a_binding_is_decided_once(device):
     assert len(engine._bound_flags) == 2
     assert sorted(b.has_lse for b in engine._bound_flags) == [False, True]
     assert isinstance(engine.flags, KernelFlags)
+
+
+def test_variants_hold_every_options_flag():
+    """``VARIANTS`` has one field per declared option, named by its flag, in field order: a
+    new option's flag reaches the kernel's steps by itself. Off at the defaults; a plan-time
+    option's flag is on when its value is not the default (the value itself with
+    ``flag_value``), a per-call one's when the call holds it."""
+    assert Variants._fields == tuple(o.flag for o in OPTIONS.values())
+    off = variants(plan_options({}))
+    assert not any(off)
+    on = variants(plan_options(dict(window_left=7, batch_invariant=True)),
+                  frozenset({"alibi_slopes"}))
+    assert on == off._replace(HAS_WINDOW=True, BATCH_INVARIANT=True, HAS_ALIBI=True)

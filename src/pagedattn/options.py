@@ -4,13 +4,14 @@
 :class:`Option`) says everything the rest of the package needs: when it is fixed (``"plan"``:
 part of a plan's and the one-shot launcher's static key, a kernel argument fixed by the
 launcher; ``"call"``: a per-call ``[num_q_heads]`` float32 tensor, a slot of the recorded
-launch), the kernel's ``tl.constexpr`` flag it switches on, the kernel argument that carries
-its value (and what that argument holds when the flag is off), whether the merge kernels take
-it too, its check, its exact types for the one-shot fast path, its op-schema type and its
-docstring. The keywords of :func:`pagedattn.paged_decode`, :func:`pagedattn.plan_decode`
-(plan-time fields) and :meth:`pagedattn.DecodePlan.run` (per-call fields), the stages'
-refusal (``ImplSpec.variants``), the launcher's constexprs, kernel arguments, slots and key,
-and the custom ops' schemas (``serving/ops.py``) all come from these fields; the oracle
+launch), the flag it switches on (a field of the kernel's ``VARIANTS`` constexpr,
+:data:`Variants`), the kernel argument that carries its value (and what that argument holds
+when the flag is off), whether the merge kernels take it too, its check, its exact types for
+the one-shot fast path, its op-schema type and its docstring. The keywords of
+:func:`pagedattn.paged_decode`, :func:`pagedattn.plan_decode` (plan-time fields) and
+:meth:`pagedattn.DecodePlan.run` (per-call fields), the stages' refusal
+(``ImplSpec.variants``), the launcher's constexprs, kernel arguments, slots and key, and the
+custom ops' schemas (``serving/ops.py``) all come from these fields; the oracle
 (``pagedattn.reference``) takes the same keywords (``tests/test_variants.py`` checks it).
 
 A variant is off at its default, and off it costs nothing: the flag is ``False`` and the
@@ -37,7 +38,7 @@ class Option(NamedTuple):
     """The declaration of one variant (a :class:`DecodeOptions` field's metadata)."""
 
     when: str  # "plan" (fixed per plan, a constexpr specialization) or "call" (per call)
-    flag: str  # the kernel's tl.constexpr switched on when the value is not the default
+    flag: str  # its field of the kernel's VARIANTS, on when the value is not the default
     arg: str | None  # the kernel argument holding the value (None: the flag alone)
     off: Any  # a plan-time arg's value when the flag is off (a per-call one: a dummy pointer)
     schema: str  # its type in a torch.library schema
@@ -174,6 +175,19 @@ CALL = tuple(n for n, o in OPTIONS.items() if o.when == "call")
 #: slots
 CALL_ARGS = tuple((n, OPTIONS[n].arg, OPTIONS[n].flag, OPTIONS[n].merge) for n in CALL)
 DEFAULT = DecodeOptions()
+
+#: The main kernel's ``VARIANTS`` constexpr: every option's flag, one field each in field
+#: order (``Variants(HAS_WINDOW=..., HAS_SOFTCAP=..., HAS_SINKS=..., ...)``). The kernel and
+#: its steps read ``VARIANTS.<FLAG>``, so a new option's flag reaches the token loop
+#: (``kernels/steps.py``) without a new parameter in the kernels that pass it on.
+Variants = NamedTuple("Variants", [(o.flag, Any) for o in OPTIONS.values()])
+
+
+def variants(options: DecodeOptions, calls=frozenset()) -> Variants:
+    """The kernel's ``VARIANTS`` for plan-time ``options`` and the names of the per-call
+    options that are on (``calls``)."""
+    return Variants(**options.constexprs(), **{o.flag: n in calls for n, o in OPTIONS.items()
+                                               if o.when == "call"})
 
 
 def _unexpected(where: str, name: str) -> None:

@@ -2,134 +2,63 @@
 token-balanced split-KV planned on the device, and a log-sum-exp merge.
 
 **Work units.** A unit is (split row ``r``, kv head): tokens ``[s·chunk_b, min((s+1)·chunk_b,
-len_b))`` of sequence ``b`` for the whole query group of one kv head. Rows are numbered
-sequence-major: sequence ``b`` owns rows ``[start_b, start_b + n_b)`` with
-``n_b = ceil(len_b / chunk_b)``, so an empty sequence owns none.
+len_b))`` of sequence ``b`` for the whole query group of one kv head. Sequence ``b`` owns rows
+``[start_b, start_b + n_b)``, ``n_b = ceil(len_b / chunk_b)``; an empty sequence owns none.
 
-**Token-balanced splits, decided on the device.** Every program reads ``context_lens`` (no host
-sync; CUDA-graph replays with new lengths re-plan by themselves) and sizes one chunk for the
-whole batch so that the batch's token-work spreads over about ``target_units`` units:
-``chunk = roundup(max(min_chunk, ceil(total_tokens · num_kv_heads / target_units)), BLOCK_N)``;
-sequence ``b`` is cut into ``ceil(len_b / chunk)`` near-equal pieces of ``chunk_b =
-roundup(ceil(len_b / ceil(len_b / chunk)), BLOCK_N)`` tokens. Long sequences get many splits
-and short ones one, so the longest sequence no longer sets the time (FlashInfer's weakness on
-real traces). Because ``Σ ceil(len_b / chunk) ≤ total / chunk + batch``, the rows fit the
-workspace the host sized from shapes alone (``batch + target_units / num_kv_heads`` rows). A
-forced ``num_splits`` gives ``chunk_b = roundup(ceil(len_b / num_splits), BLOCK_N)`` instead.
+**Splits decided on the device.** Every program reads ``context_lens`` (no host sync: a CUDA
+graph replayed with new lengths re-plans by itself) and sizes one chunk for the batch so that
+its token-work spreads over about ``target_units`` units: ``chunk = roundup(max(min_chunk,
+ceil(total_tokens · num_kv_heads / target_units)), BLOCK_N)``, and sequence ``b`` is cut
+into ``ceil(len_b / chunk)`` near-equal pieces. Long sequences get many splits and short ones
+one, so the longest no longer sets the time. ``Σ ceil(len_b / chunk) ≤ total / chunk +
+batch``, so the rows fit the workspace the host sized from shapes alone. A forced
+``num_splits`` gives ``chunk_b = roundup(ceil(len_b / num_splits), BLOCK_N)``.
 
-**Grid.** One program per unit ``u``: ``u → (r = u // num_kv_heads, kv head = u %
-num_kv_heads)``; ``r → b`` by counting the sequences whose rows end at or before ``r`` (a
-vector scan of ``context_lens`` in ``BLOCK_B`` slices; batch size is a runtime value, never a
-constexpr). The launcher sizes the grid from shapes (``batch + target / num_kv_heads`` rows,
-and no more than ``batch · ceil(capacity / min_chunk)``); programs past the real rows exit
-after the scan. A ragged batch (mean length under half the longest) targets more units.
+**Grid.** One program per unit ``u``: ``r = u // num_kv_heads``, kv head ``u % num_kv_heads``;
+``r → b`` by a vector scan of ``context_lens`` (``BLOCK_B`` a step; the batch size is a
+runtime value, never a constexpr). Programs past the real rows exit after the scan.
 
-**One unit.** The query group, padded to ``BLOCK_H`` rows, is one tile; the program walks
-``BLOCK_N``-token tiles that may span several pages (the next tile's block-table entries are
-loaded one iteration ahead, so K/V loads never wait on a load of their own iteration), loads K
-and V once for the whole group, and runs the online softmax in the exp2 domain with
-``scale · log2(e)`` applied to the fp32 scores (fp32 accumulation; folding it into a 16-bit
-``q`` would round the scores by the query's precision and cost the LSE its accuracy at large
-logits, case B16). The dots are ``tl.dot`` with the group padded to ≥ 16 rows: tensor cores
-for 16-bit and fp8 caches, split-bf16 (``DOT_PRECISION="bf16x3"``; ``"tf32x3"`` in the
-interpreter: fp32-level accuracy, never plain tf32) for fp32 caches. fp8 caches are converted
-to fp16 in registers; the query is first scaled per row by a power of two into fp16's range
-(``Q_POW2_SCALE``: exact, and the scores divide it back out, so no cast narrows the caller's
-range, case N07); ``k_scale`` applies to the scores and ``v_scale`` to the output. Where the
-layout allows (``FP8_V_PAIRS``), the fp8 value tile is read as 16-bit pairs of dims, which
-transpose through shared memory like fp16 (a byte tile was read one byte per instruction),
-and its even and odd dims accumulate in two half-width P·V dots (:func:`_fp8_dim_pairs`).
-Token tiles are software-pipelined by Triton (``num_stages``).
+**One unit.** The query group, padded to ``BLOCK_H ≥ 16`` rows, is one tile; the token loop
+(:func:`~pagedattn.kernels.steps._attend_tiles`) walks ``BLOCK_N``-token tiles that may span
+pages, loads K and V once for the group, and runs the online softmax in the exp2 domain, the
+scale applied to the fp32 scores (never folded into a 16-bit ``q``: case B16). fp8 caches dot
+in fp16, the query scaled per row by a power of two into fp16's range first (``Q_POW2_SCALE``,
+exact: case N07); fp32 caches dot in split bf16 (``bf16x3``; ``tf32x3`` in the interpreter).
 
-A sequence with one row writes its normalized output (and LSE) directly; otherwise each unit
-writes its unnormalized partial ``(m, l, acc)`` to the workspace row, and the rows are
-combined with log-sum-exp rescaling, in one of three places (the launcher decides from
-shapes, dtypes and whether it owns its workspace):
+**The merge.** A sequence with one row writes its result (and LSE) directly; otherwise each
+unit writes its unnormalized partial ``(m, l, acc)`` to its workspace row, and the rows are
+combined with log-sum-exp rescaling in one of three places, which the launcher chooses:
 
-* **folded** (``FOLD_MERGE``: a plan's per-group merge, 16-bit caches; also a plan whose
-  merge would be per head when its sequences hold few split rows: it merges per group here,
-  ``DecodeConfig.fold_max_rows``): after storing its
-  partial, a unit passes a CTA barrier and increments the (sequence, kv head)'s arrival
-  counter with one ``acq_rel`` atomic at GPU scope (``_arrive``); the unit that arrives last
-  merges the pair's rows (``_merge_group_rows``, L2 loads: ``.cg``), writes the result and
-  resets the counter to 0, so the counters (in ``seq_rows``' place in the plan's workspace,
-  zeroed once when the plan is built) are zero again for the next launch or graph replay and
-  no merge kernel is launched. An empty sequence has no unit: program ``u < batch ·
-  num_kv_heads`` writes pair ``u``'s zeros (``_empty_seq_result``). The fold is per group,
-  so the last unit merges few rows (an early fused merge of 64 rows by one unit measured
-  slower; ``docs/perf-notes.md`` has both measurements);
-* ``_merge_per_group_kernel`` (one program per sequence and kv head, the same
-  ``_merge_group_rows``, so a folded merge's bits are the kernel's) when those programs fill
-  the SMs and the merge is not folded (a one-shot call's fresh workspace holds no zeroed
-  counters; fp8 and fp32 plans), on sm_90+ as a programmatic dependent launch (``PDL``:
-  ``_pdl_launch_dependents`` at the main kernel's start, ``_pdl_wait`` before the merge's
-  first read of the workspace);
-* else ``_merge_per_head_kernel`` (one per sequence and query head, split rows vectorized).
+* ``FOLD_MERGE``: the last unit of a (sequence, kv head) to arrive (one ``acq_rel`` atomic
+  on a counter that it resets) merges the pair's rows here, and no merge kernel runs;
+* ``_merge_per_group_kernel``: one program per (sequence, kv head), the same
+  ``_merge_group_rows`` (so a folded merge's bits are its), launched as a programmatic
+  dependent on sm_90+ (``PDL``);
+* ``_merge_per_head_kernel``: one program per (sequence, query head), when the per-group
+  programs would not fill the SMs.
 
-A per-group merge of several split rows per load round did not pay (perf-notes). Rows are
-exactly the non-empty splits, so no empty split is ever formed or read. Lengths are clamped
-to the table's capacity; block-table entries past ``ceil(len / page_size)`` are never read.
+**Variants** are the fields of one constexpr, ``VARIANTS`` (:data:`pagedattn.options.
+Variants`: one flag per option); with every flag off the compiled code is the plain
+kernel's, instruction for instruction. The window (``HAS_WINDOW``) also bounds the plan: only
+the tiles that hold visible keys are split, so no page before the window is read. The sink
+(``HAS_SINKS``) joins the denominator once, where the result is written (the unit, or the
+merge). ``BATCH_INVARIANT`` fixes the chunk at ``min_chunk``. Multi-token queries (``Q_LEN >
+1``) make the tile's rows ``Q_LEN × group`` (K/V read once for every token), each row causal
+and bottom-right aligned.
 
-**Variants** are ``constexpr`` flags of this one kernel; with every flag off the compiled code
-is the plain kernel's, instruction for instruction (the new runtime arguments are read under
-their flag only):
+**Schedules and fast forms**, set by the launcher where they are exact: ``ONE_UNIT`` (no
+sequence splits: program ``(b, kv head)`` takes the whole sequence, no scan, no merge),
+``PERSISTENT`` (:mod:`pagedattn.kernels.persistent`), ``LEAN_SOFTMAX`` (every row sees a key
+in every tile: exactly rounded products, no clamp, no select), ``SLOT_OFFSETS_I32``
+(in-page offsets in int32 where both caches allow), ``FP8_V_PAIRS`` (fp8 values read as
+16-bit pairs of dims). Lengths are clamped to the table's capacity; block-table entries past
+``ceil(len / page_size)`` are never read.
 
-* ``HAS_WINDOW`` (``window_left``): the ``Q_LEN`` query tokens together see keys ``[first,
-  len)`` with ``first = max(0, len - Q_LEN - window_left)``. The planner splits only the
-  tiles that hold them, from ``first`` rounded down to a multiple of ``BLOCK_N``
-  (``_visible_tokens`` in both scans), so tiles stay aligned as without a window; the first
-  tile's keys before ``first`` read ``first``'s own row and are masked from the scores, so
-  no byte and no block-table entry before the window is read, and bytes and time scale with
-  the window. With several query tokens each row also masks ``p < i - window_left``.
-* ``HAS_SOFTCAP`` (``softcap``): ``cap·tanh(s / cap)`` on the natural-domain logit
-  (``_soft_cap`` converts from and back to the exp2 domain), before any bias.
-* ``HAS_ALIBI`` (``alibi_ptr``): ``+ slope_h·(p - i)`` (times ``log2 e``) after the soft-cap.
-* ``HAS_SINKS`` (``sinks_ptr``): the sink joins the denominator exactly once, in the final
-  normalization: by the unit itself when the sequence has one split row (it writes the
-  result), else by the merge (folded or a kernel) after it has combined the rows (and for an
-  empty sequence: out 0, LSE = sink). Partials in the workspace never hold it.
-* ``Q_LEN`` > 1 (multi-token queries): the tile's rows are ``Q_LEN × group`` (token-major,
-  ``BLOCK_H = next_pow2(Q_LEN·group)``), so K/V are read once for every query token; row
-  ``(j, h)`` sits at position ``len - Q_LEN + j`` and masks keys after it (causal,
-  bottom-right aligned). Partials are indexed by (split row, query token, query head); such
-  a row may see no key of a split (``m = -inf``), so the merge weighs rows with
-  ``_rescale`` and a token that saw no key at all gets 0 (LSE ``-inf``, or the sink).
-  Multi-token plans always merge per group.
-* ``BATCH_INVARIANT``: ``chunk`` is the launcher's fixed ``min_chunk`` (a multiple of
-  ``BLOCK_N``) instead of a batch-wide target, so a sequence's splits, tiles and merge order
-  depend on its own length only; the launcher also fixes the merge kernel (per group).
-* ``ONE_UNIT``: the launcher knows from shapes that no sequence splits (the table's capacity
-  is at most the smallest chunk, or ``num_splits=1``), or plans none (a sliding window whose
-  (sequence, kv head) pairs fill the GPU: ``window_one_unit``): program ``(b, kv head)`` takes the
-  whole sequence, without the two scans of ``context_lens``, writes the result (an empty
-  sequence: 0, LSE ``-inf`` or the sink) and no merge is launched. The arithmetic of a
-  non-empty sequence is the one-row path's, bit for bit.
-
-**The token loop's fast forms** (measured in ``docs/perf-notes.md``), two more flags the launcher
-sets where they are exact, each instruction for instruction the old loop when off:
-
-* ``LEAN_SOFTMAX`` (one query token, no window, no soft-cap: every row of every tile sees a
-  key, so the running max is finite from the first tile on): the scores are exactly rounded
-  products (``mul.rn``, which ptxas never contracts into the subtraction that follows), so
-  ``exp2(s - max)`` is 1 at the max and at most 1 elsewhere, and a masked score still gives
-  0: the step drops :func:`~pagedattn.kernels.softmax._probs`' clamp and selects and
-  :func:`~pagedattn.kernels.softmax._rescale`'s select (fp8's issue-bound loop gains most).
-  fp32 caches keep the full step (slower with it).
-* ``SLOT_OFFSETS_I32``: a token's offset within its page (``slot · stride_tok + kv_head ·
-  stride_head``) in int32 where it fits for both caches (the launcher checks the strides),
-  and only the page's ``page_id · stride_page`` in 64-bit: one 64-bit product a token row
-  instead of three.
-
-**Structure.** The kernels here are their steps in order, each a named ``@triton.jit`` helper
-that Triton inlines (constexpr flags stay constexpr arguments, so an unused branch leaves no
-code): ``_plan_unit`` (which sequence and rows a program owns) and ``_unit_tokens`` (its token
-range) from :mod:`pagedattn.kernels.paging`; ``_tile_rows`` / ``_tile_ptrs`` / ``_load_query``,
-the token loop ``_attend_tiles`` (``_score_and_mask``, ``_online_softmax_step``), then
-``_store_result`` or ``_store_partial`` from :mod:`pagedattn.kernels.steps`; and, folded,
-``_arrive``, ``_merge_group_rows`` and ``_store_merged`` from :mod:`pagedattn.kernels.merge`.
-The per-group merge kernel uses ``_seq_rows``, ``_merge_group_rows``, ``_store_merged`` and
-``_store_empty``. The softmax's math is :mod:`pagedattn.kernels.softmax`'s. The K/V loads
-stay in the token loop's body (see the loop).
+**Structure.** The kernels are their steps in order, each a ``@triton.jit`` helper that Triton
+inlines: ``_plan_unit`` and ``_unit_tokens`` (:mod:`pagedattn.kernels.paging`), the query and
+the token loop, ``_store_result`` or ``_store_partial`` (:mod:`pagedattn.kernels.steps`),
+and the merges (:mod:`pagedattn.kernels.merge`). ``DESIGN.md`` draws the path; the
+measurements behind each choice are in ``docs/perf-notes.md``.
 """
 
 import triton
@@ -205,12 +134,12 @@ def _paged_decode_kernel(
     Q_POW2_SCALE: tl.constexpr,  # rescale each query row by a power of two into DOT_DTYPE's range
     SCALE_FROM_PTR: tl.constexpr,  # scales come as tensors (graph-safe), not floats
     HAS_LSE: tl.constexpr,
+    # the options' flags (pagedattn.options.Variants): HAS_WINDOW (a sliding window of
+    # window_left keys), HAS_SOFTCAP (softcap * tanh(s / softcap)), HAS_SINKS (one sink logit
+    # per query head), HAS_ALIBI (+ slope_h * (p - i)), BATCH_INVARIANT (chunk = min_chunk,
+    # whatever the batch)
+    VARIANTS: tl.constexpr,
     Q_LEN: tl.constexpr = 1,  # query tokens per sequence; rows = Q_LEN x group (token-major)
-    HAS_WINDOW: tl.constexpr = False,  # sliding window of window_left keys
-    HAS_SOFTCAP: tl.constexpr = False,  # softcap * tanh(s / softcap)
-    HAS_SINKS: tl.constexpr = False,  # one sink logit per query head
-    HAS_ALIBI: tl.constexpr = False,  # + slope_h * (p - i)
-    BATCH_INVARIANT: tl.constexpr = False,  # chunk = min_chunk, whatever the batch
     ONE_UNIT: tl.constexpr = False,  # one unit per sequence (row r = sequence b): no merge
     FP8_V_PAIRS: tl.constexpr = 0,  # fp8 V read as 16-bit dim pairs: 1 e4m3, 2 e5m2 (0: off)
     ASM: tl.constexpr = False,  # inline PTX (GPU only): FP8_V_PAIRS' cvt, the exact products
@@ -238,6 +167,10 @@ def _paged_decode_kernel(
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
+    HAS_WINDOW: tl.constexpr = VARIANTS.HAS_WINDOW
+    HAS_SINKS: tl.constexpr = VARIANTS.HAS_SINKS
+    HAS_ALIBI: tl.constexpr = VARIANTS.HAS_ALIBI
+    BATCH_INVARIANT: tl.constexpr = VARIANTS.BATCH_INVARIANT
     _pdl_launch_dependents(PDL)  # the merge's programs may launch once all of ours run
     if PERSISTENT:  # a program per equal share of the step's tiles, merges in this launch
         _persistent_program(
@@ -249,8 +182,8 @@ def _paged_decode_kernel(
             stride_k_tok, stride_k_head, stride_k_d, stride_v_page, stride_v_tok,
             stride_v_head, stride_v_d, stride_bt_b, stride_bt_p, stride_ctx, stride_o_b,
             stride_o_h, stride_o_d, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N, BLOCK_B, PAGE_SIZE,
-            DOT_DTYPE, DOT_PRECISION, Q_POW2_SCALE, SCALE_FROM_PTR, HAS_LSE, Q_LEN, HAS_WINDOW,
-            HAS_SOFTCAP, HAS_SINKS, HAS_ALIBI, FP8_V_PAIRS, ASM, LEAN_SOFTMAX,
+            DOT_DTYPE, DOT_PRECISION, Q_POW2_SCALE, SCALE_FROM_PTR, HAS_LSE, Q_LEN, VARIANTS,
+            FP8_V_PAIRS, ASM, LEAN_SOFTMAX,
             SLOT_OFFSETS_I32, BLOCK_R, BLOCK_HM, TILES_I64, MLA, ROPE_DIM, BLOCK_DR, q_pe_ptr,
             stride_qpe_b, stride_qpe_t, stride_qpe_h, stride_qpe_d)
         return
@@ -325,9 +258,8 @@ def _paged_decode_kernel(
                               mask_d, stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
                               stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
                               stride_bt_b, stride_bt_p, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N,
-                              PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, HAS_WINDOW,
-                              HAS_SOFTCAP, HAS_ALIBI, FP8_V_PAIRS, ASM, LEAN_SOFTMAX,
-                              SLOT_OFFSETS_I32, MLA, ROPE_DIM, BLOCK_DR)
+                              PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, VARIANTS, FP8_V_PAIRS,
+                              ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA, ROPE_DIM, BLOCK_DR)
 
     if ONE_UNIT:  # the sequence's only unit (an empty one too: out 0)
         _store_result(out_ptr, lse_ptr, sinks_ptr, qb, q_tok, heads, mask_h, offs_d, mask_hd,

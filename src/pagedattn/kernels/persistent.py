@@ -210,8 +210,7 @@ def _persistent_program(
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_POW2_SCALE: tl.constexpr,
     SCALE_FROM_PTR: tl.constexpr, HAS_LSE: tl.constexpr, Q_LEN: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, FP8_V_PAIRS: tl.constexpr, ASM: tl.constexpr,
+    VARIANTS: tl.constexpr, FP8_V_PAIRS: tl.constexpr, ASM: tl.constexpr,
     LEAN_SOFTMAX: tl.constexpr, SLOT_OFFSETS_I32: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HM: tl.constexpr, TILES_I64: tl.constexpr,
     MLA: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DR: tl.constexpr, q_pe_ptr, stride_qpe_b,
@@ -220,6 +219,9 @@ def _persistent_program(
     """One program of the persistent schedule (see the module docstring): its share of the
     step's tiles, piece by piece, each piece's result or partial, and the merges of the
     segments whose last piece it finishes."""
+    HAS_WINDOW: tl.constexpr = VARIANTS.HAS_WINDOW
+    HAS_SINKS: tl.constexpr = VARIANTS.HAS_SINKS
+    HAS_ALIBI: tl.constexpr = VARIANTS.HAS_ALIBI
     p = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_q_heads = num_kv_heads * group
@@ -285,9 +287,8 @@ def _persistent_program(
                 win_first, window_left, softcap, offs_n, offs_d, mask_d, stride_k_page,
                 stride_k_tok, stride_k_head, stride_k_d, stride_v_page, stride_v_tok,
                 stride_v_head, stride_v_d, stride_bt_b, stride_bt_p, HEAD_DIM, BLOCK_H, BLOCK_D,
-                BLOCK_N, PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, HAS_WINDOW, HAS_SOFTCAP,
-                HAS_ALIBI, FP8_V_PAIRS, ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA, ROPE_DIM,
-                BLOCK_DR)
+                BLOCK_N, PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, VARIANTS, FP8_V_PAIRS, ASM,
+                LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA, ROPE_DIM, BLOCK_DR)
 
             if (j0 == 0) & (j1 == n_tiles):  # the whole segment: the result, the sink once
                 _store_result(out_ptr, lse_ptr, sinks_ptr, b, q_tok, heads, mask_h, offs_d,

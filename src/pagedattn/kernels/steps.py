@@ -179,8 +179,7 @@ def _fp8_dim_pairs(w, FP8: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
                     window_left, softcap, qpe_dot, kpe, DOT_DTYPE: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, Q_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, Q_LEN: tl.constexpr, VARIANTS: tl.constexpr,
                     LEAN: tl.constexpr = False, ASM: tl.constexpr = False,
                     MLA: tl.constexpr = False):
     """A tile's exp2-domain scores ``[BLOCK_H, BLOCK_N]``: ``q·kᵀ · qk_scale``, then the
@@ -191,24 +190,26 @@ def _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_fir
     tile's keys before ``win_first``). ``LEAN``: the product is exactly rounded
     (:func:`_exact_mul`, inline PTX with ``ASM``), as :func:`_softmax_block_step`'s
     ``LEAN`` form needs. ``MLA``: the keys are ``[latent | rope]``, so the rope parts' dot
-    ``qpe_dot·kpeᵀ`` accumulates onto the latent one (unused otherwise)."""
+    ``qpe_dot·kpeᵀ`` accumulates onto the latent one (unused otherwise). ``VARIANTS``: the
+    options' flags (:data:`pagedattn.options.Variants`), read here by name; a variant of the
+    scores goes here, under its flag."""
     dot = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     if MLA:
         dot = tl.dot(qpe_dot, tl.trans(kpe.to(DOT_DTYPE)), dot, input_precision=DOT_PRECISION)
     s = _exact_mul(dot, qk_scale[:, None], ASM) if LEAN else dot * qk_scale[:, None]
-    if HAS_SOFTCAP:
+    if VARIANTS.HAS_SOFTCAP:
         s = _soft_cap(s, softcap)
-    if HAS_ALIBI:
+    if VARIANTS.HAS_ALIBI:
         if Q_LEN > 1:
             s += alibi2[:, None] * (tok[None, :] - q_pos[:, None]).to(tl.float32)
         else:
             s += alibi2[:, None] * (tok - (ctx - 1)).to(tl.float32)[None, :]
     if Q_LEN > 1:  # per row: causal, and the row's own window ([first, ctx) is the union)
         seen = mask_n[None, :] & (tok[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
+        if VARIANTS.HAS_WINDOW:
             seen = seen & (tok[None, :] >= q_pos[:, None] - window_left)
         s = tl.where(seen, s, float("-inf"))
-    elif HAS_WINDOW:
+    elif VARIANTS.HAS_WINDOW:
         s = tl.where((mask_n & (tok >= win_first))[None, :], s, float("-inf"))
     else:
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -250,9 +251,9 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
                   stride_bt_b, stride_bt_p, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_LEN: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  FP8_V_PAIRS: tl.constexpr, ASM: tl.constexpr, LEAN_SOFTMAX: tl.constexpr,
-                  SLOT_OFFSETS_I32: tl.constexpr, MLA: tl.constexpr = False,
+                  VARIANTS: tl.constexpr, FP8_V_PAIRS: tl.constexpr, ASM: tl.constexpr,
+                  LEAN_SOFTMAX: tl.constexpr, SLOT_OFFSETS_I32: tl.constexpr,
+                  MLA: tl.constexpr = False,
                   ROPE_DIM: tl.constexpr = 0, BLOCK_DR: tl.constexpr = 1):
     """The token loop: the online softmax of the tile's rows (``q_dot``, ``qk_scale``,
     ``alibi2``: :func:`_load_query` and the ALiBi slopes) over tokens ``[tok_start,
@@ -270,7 +271,9 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
     ``d_latent``), ``value_cache_ptr`` the rope cache (``ROPE_DIM`` dims, ``BLOCK_DR``
     padded; ``stride_v_*`` its strides) and ``qpe_dot`` the query's rope part
     (:func:`_load_latent_query`; unused otherwise): each latent tile is loaded once and
-    serves as the keys of the scores and as the values of ``P·V``."""
+    serves as the keys of the scores and as the values of ``P·V``. ``VARIANTS``: the options'
+    flags (:data:`pagedattn.options.Variants`), passed on to :func:`_score_and_mask`."""
+    HAS_WINDOW: tl.constexpr = VARIANTS.HAS_WINDOW
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -332,7 +335,7 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
                             tok_next // PAGE_SIZE, tok_next < tok_end)
         s = _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
                             window_left, softcap, qpe_dot, v, DOT_DTYPE, DOT_PRECISION, Q_LEN,
-                            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, LEAN_SOFTMAX, ASM, MLA)
+                            VARIANTS, LEAN_SOFTMAX, ASM, MLA)
         if MLA:  # P·V over the latent tile the scores read
             m, l, acc = _online_softmax_step(m, l, acc, s, k, DOT_DTYPE, DOT_PRECISION,
                                              LEAN_SOFTMAX)

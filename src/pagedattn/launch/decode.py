@@ -470,7 +470,8 @@ class AutoLauncher:
                 stride_ctx=context_lens.stride(0), stride_o_b=out.stride(0),
                 stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
                 stride_o_t=main_args["stride_o_t"],
-                HAS_LSE=lse is not None, **{flag: main_args[flag] for _, _, flag in _MERGE_CALLS},
+                HAS_LSE=lse is not None,
+                **{flag: getattr(main_args["VARIANTS"], flag) for _, _, flag in _MERGE_CALLS},
                 **self.merge_constexprs,
             )
             merge = self.merge_kernel[self.merge_grid](

@@ -7,14 +7,15 @@ who sets them:
 * **shape and tile**: the model's shapes (head dims, page size, query tokens per sequence) and
   the policy's tiles (:func:`pagedattn.launch.policy.plan_launch`);
 * **dtype**: the query's and the caches' dtypes (the dots' operand dtype and precision);
-* **variant**: the plan-time options (:mod:`pagedattn.options`, one flag each, read from their
-  declarations: a new option adds its field here by itself) and the kernel's modes (varlen
-  queries, absorbed MLA);
+* **variant**: ``VARIANTS``, every option's flag in one bundle (:data:`pagedattn.options.
+  Variants`, made from the declarations: a new option adds its flag there by itself; the
+  plan-time options' flags are the plan's, the per-call options' the binding's), and the
+  kernel's modes (varlen queries, absorbed MLA);
 * **policy**: the schedule and the token loop's fast forms that the launch plan chose (one
   unit, folded merge, persistent, PDL, lean softmax), and inline PTX off the interpreter;
 * **binding**: what one call's tensors decide (:class:`Binding`: tensor scales, LSE, the
-  per-call options, the caches' strides). Each is part of the launcher's binding key, so a
-  recorded launch never recomputes them.
+  caches' strides; the per-call options that are on, in ``VARIANTS``). Each is part of the
+  launcher's binding key, so a recorded launch never recomputes them.
 
 An :class:`~pagedattn.launch.decode.AutoLauncher` calls it once at plan time with no binding
 (:data:`UNBOUND`) and once for each binding it launches through ``kernel[grid]``, caching the
@@ -35,7 +36,7 @@ from pagedattn._validation import FP8_DTYPES
 from pagedattn.launch import policy_mla
 from pagedattn.launch._common import block_d
 from pagedattn.launch.policy import LaunchPlan
-from pagedattn.options import CALL_ARGS, OPTIONS, DecodeOptions
+from pagedattn.options import DecodeOptions, variants
 
 # sequences scanned per vector step of the device-side split planner (context_lens loads)
 BLOCK_B = 128
@@ -77,22 +78,15 @@ class Binding:
 UNBOUND = Binding()
 
 
-#: the flags a variant of :mod:`pagedattn.options` sets, read from the declarations: the
-#: plan-time options' (``HAS_WINDOW``, ``HAS_SOFTCAP``, ``BATCH_INVARIANT``) and the per-call
-#: options' (``HAS_SINKS``, ``HAS_ALIBI``), so a new option needs no edit here
-PLAN_OPTION_FLAGS = tuple(o.flag for o in OPTIONS.values() if o.when == "plan")
-CALL_OPTION_FLAGS = tuple(flag for _, _, flag, _ in CALL_ARGS)
-
 #: the kernel's constexpr parameters by setter, in the order of :class:`KernelFlags`
 GROUPS: dict[str, tuple[str, ...]] = {
     "shape and tile": ("HEAD_DIM", "BLOCK_D", "BLOCK_H", "BLOCK_N", "BLOCK_B", "PAGE_SIZE",
                        "Q_LEN", "ROPE_DIM", "BLOCK_DR", "BLOCK_R", "BLOCK_HM"),
     "dtype": ("DOT_DTYPE", "DOT_PRECISION", "Q_POW2_SCALE"),
-    "variant": (*PLAN_OPTION_FLAGS, "VARLEN", "MLA"),
+    "variant": ("VARIANTS", "VARLEN", "MLA"),
     "policy": ("ONE_UNIT", "PERSISTENT", "FOLD_MERGE", "PDL", "LEAN_SOFTMAX", "TILES_I64",
                "ASM"),
-    "binding": ("SCALE_FROM_PTR", "HAS_LSE", *CALL_OPTION_FLAGS, "SLOT_OFFSETS_I32",
-                "FP8_V_PAIRS"),
+    "binding": ("SCALE_FROM_PTR", "HAS_LSE", "SLOT_OFFSETS_I32", "FP8_V_PAIRS"),
 }
 #: the kernel's constexpr parameters, in the order of :class:`KernelFlags`
 FLAG_NAMES = tuple(name for group in GROUPS.values() for name in group)
@@ -125,7 +119,6 @@ def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UN
     window where the table fits in one) and one call's ``binding``."""
     cfg = plan.config
     mla = rope_dim is not None
-    on = binding.calls
     return KernelFlags(
         # shape and tile
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=plan.block_h,
@@ -138,8 +131,9 @@ def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UN
         DOT_DTYPE=dot_dtype(kv_dtype, interpret),
         DOT_PRECISION=dot_precision(kv_dtype, interpret),
         Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
-        # variant: HAS_WINDOW, HAS_SOFTCAP, BATCH_INVARIANT (pagedattn.options)
-        **options.constexprs(), VARLEN=varlen, MLA=mla,
+        # variant: every option's flag (pagedattn.options.Variants; the per-call ones: on
+        # when the binding's call holds the option)
+        VARIANTS=variants(options, binding.calls), VARLEN=varlen, MLA=mla,
         # policy
         ONE_UNIT=plan.one_unit, PERSISTENT=plan.num_programs > 0, FOLD_MERGE=plan.fold_merge,
         PDL=pdl,
@@ -150,9 +144,8 @@ def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UN
         LEAN_SOFTMAX=(cfg.lean_softmax and q_len == 1 and plan.window_left < 0
                       and options.logits_soft_cap is None),
         TILES_I64=plan.tiles_i64, ASM=not interpret,
-        # binding: HAS_SINKS, HAS_ALIBI (the per-call options that are on)
+        # binding
         SCALE_FROM_PTR=binding.scale_from_ptr, HAS_LSE=binding.has_lse,
-        **{flag: name in on for name, _, flag, _ in CALL_ARGS},
         SLOT_OFFSETS_I32=cfg.slot_offsets_i32 and binding.slot_offsets_fit_int32,
         # MLA's values are its latent tiles (the rope cache is no value cache)
         FP8_V_PAIRS=0 if mla else binding.fp8_v_pairs,
