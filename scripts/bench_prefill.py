@@ -31,15 +31,13 @@ register cap keeps), replaced while the plan is built and first run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import sys
 from dataclasses import dataclass
 
 import torch
 
 import pagedattn
-from pagedattn.bench.report import format_row
+from pagedattn.bench.report import dump_rows, format_row
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
 
@@ -130,10 +128,9 @@ def fa3_varlen(path: str):
     """FA3's paged varlen call: ``flash_attn_with_kvcache`` with ``cu_seqlens_q``,
     ``max_seqlen_q``, ``page_table`` and ``cache_seqlens`` (its ``flash_attn_varlen_func``
     takes no page table), from the peers' FA3 unpacked by ``fa3_peer.py``'s loader."""
-    spec = importlib.util.spec_from_file_location("fa3_peer", path)
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
-    fa = peer._load()  # flash_attn_interface.flash_attn_with_kvcache
+    from fa_dropin_per_call import load_fa3  # noqa: PLC0415 (scripts/ is the script's path)
+
+    fa = load_fa3(path)  # flash_attn_interface.flash_attn_with_kvcache
 
     def make(inputs, query, qsl, row: Row):
         lens = inputs.context_lens.int()
@@ -217,9 +214,7 @@ def main(argv=None) -> int:
             res["compute_us"] = flops / (args.peak_tflops * 1e12) * 1e6
         print(format_row(res), flush=True)
         results.append(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    dump_rows(results, args.json)
     return 1 if failures else 0
 
 

@@ -23,6 +23,7 @@ import torch
 
 import pagedattn
 from pagedattn.bench.peers import flashinfer_page_table
+from pagedattn.bench.report import dump_rows
 from pagedattn.bench.shapes import BenchBatch, build_batch, get_shape, make_shape
 from pagedattn.testing import rel_l2_error, tolerance_for
 
@@ -213,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["flashinfer"] = fi
         results.append(row)
         print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    dump_rows(results, args.json)
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 
 import torch
 
 import pagedattn
-from pagedattn.bench.report import format_row
+from pagedattn.bench.report import dump_rows, format_row
 from pagedattn.bench.shapes import build_batch, get_shape, make_shape
 from pagedattn.compat import flash_attn_with_kvcache
 from pagedattn.testing import rel_l2_error, tolerance_for
@@ -129,9 +128,7 @@ def main(argv=None) -> int:
                 res["ours / fa3"] = res[f"pagedattn {key}"] / res[f"fa3 {key}"]
             print(format_row(res), flush=True)
             results.append(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    dump_rows(results, args.json)
     return 1 if failures else 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 
 import pagedattn
 from pagedattn.bench import peers
+from pagedattn.bench.report import dump_rows
 from pagedattn.bench.shapes import BenchBatch, BenchShape, ModelShape
 from pagedattn.testing import make_paged_inputs
 
@@ -103,9 +103,7 @@ def main() -> int:
                     pstats.Stats(prof).sort_stats(order).print_stats(25)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in r.items()), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    dump_rows(results, args.json)
     return 0
 
 

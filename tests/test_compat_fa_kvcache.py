@@ -323,24 +323,15 @@ def test_the_per_call_bench_checks_every_pattern_on_the_cpu():
     (the same tensors, fresh views, fresh tensors), interpreter-sized, each output against the
     float64 oracle (exit 0, twelve errors within the dtype's tolerance); a bad ``--rows``
     exits 2 with one line."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from _scripts import assert_unknown_row_exits_2, run_script
 
     from pagedattn.testing import tolerance_for
 
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
-    script = str(root / "scripts" / "fa_dropin_per_call.py")
-    run = subprocess.run([sys.executable, script, "--dry-run"], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = run_script("fa_dropin_per_call.py", "--dry-run", interpret=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if " err " in line]
     assert {line.split(" | ")[1] for line in lines} == {
         "pattern same", "pattern views", "pattern fresh"}
     errs = [float(line.split(" err ")[1].split()[0]) for line in lines]
     assert len(errs) == 12 and max(errs) <= tolerance_for(torch.bfloat16)
-    bad = subprocess.run([sys.executable, script, "--dry-run", "--rows", "nope"], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert_unknown_row_exits_2("fa_dropin_per_call.py")

@@ -107,11 +107,14 @@ def _check_requests(o, q, kv_data_fp32, kv_indptr, kv_last_page_len, kv_layout, 
         torch.testing.assert_close(o[i], o_ref_i, rtol=1e-3, atol=1e-3)
 
 
-def _plan_and_run(device, q, kv_data, batch_size, kv_len, page_size, num_kv_heads,
-                  num_qo_heads, head_dim, kv_layout, pos_encoding_mode, logits_soft_cap,
-                  return_lse, q_dtype, kv_dtype, num_pages_per_seq, total_num_pages):
-    """Upstream's shared middle: one page run per sequence, plan, run (``None`` when the
-    plan is refused: ROPE_LLAMA, see the module docstring)."""
+def _plan_run_and_check(device, q, kv_data, kv_data_fp32, batch_size, kv_len, page_size,
+                        num_kv_heads, num_qo_heads, head_dim, kv_layout, pos_encoding_mode,
+                        logits_soft_cap, return_lse, q_dtype, kv_dtype, num_pages_per_seq,
+                        total_num_pages):
+    """Upstream's shared middle: one page run per sequence, plan, run, each request against
+    the single-request reference (``kv_data_fp32``: the 5-D float32 cache, ``[pages, 2, ...]``).
+    Returns ``(o, wrapper)``, or ``None`` when the plan is refused (ROPE_LLAMA, see the module
+    docstring: checked to raise ValueError naming ``pos_encoding_mode``)."""
     kv_indptr = (
         torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * num_pages_per_seq
     )
@@ -135,26 +138,42 @@ def _plan_and_run(device, q, kv_data, batch_size, kv_len, page_size, num_kv_head
         o, _ = wrapper.run(q, kv_data, return_lse=True)
     else:
         o = wrapper.run(q, kv_data)
-    return o, wrapper, kv_indptr, kv_last_page_len
+    _check_requests(o, q, kv_data_fp32, kv_indptr, kv_last_page_len, kv_layout, num_kv_heads,
+                    head_dim, kv_dtype, pos_encoding_mode, logits_soft_cap)
+    return o, wrapper
 
 
-def run_batch_decode_case(device, batch_size, kv_len, page_size, num_kv_heads, num_qo_heads,
-                          head_dim, kv_layout, pos_encoding_mode, logits_soft_cap, return_lse,
-                          q_dtype, kv_dtype, contiguous_kv):
-    """Upstream's ``test_batch_decode_with_paged_kv_cache`` body."""
+def _query_and_cache_shape(device, batch_size, kv_len, page_size, num_kv_heads, num_qo_heads,
+                           head_dim, kv_layout, q_dtype, contiguous_kv, planes):
+    """Upstream's shared opening: the query ``[batch, num_qo_heads, head_dim]`` (drawn first),
+    ``num_pages_per_seq``, ``total_num_pages``, and the shape of a cache of ``planes`` (``[2]``:
+    K and V in one tensor, ``[]``: one of a tuple's two) in ``kv_layout``; not ``contiguous_kv``:
+    a 2 before every dim but the first (the test keeps index 1 of each: strided data).
+    Returns ``(q, num_pages_per_seq, total_num_pages, kv_shape)``."""
     q = torch.randn(batch_size, num_qo_heads, head_dim, device=device, dtype=q_dtype)
     num_pages_per_seq = (kv_len + page_size - 1) // page_size
     total_num_pages = num_pages_per_seq * batch_size
     if kv_layout == "HND":
-        kv_shape = [total_num_pages, 2, num_kv_heads, page_size, head_dim]
+        kv_shape = [total_num_pages, *planes, num_kv_heads, page_size, head_dim]
     else:
-        kv_shape = [total_num_pages, 2, page_size, num_kv_heads, head_dim]
+        kv_shape = [total_num_pages, *planes, page_size, num_kv_heads, head_dim]
     if not contiguous_kv:
         tmp = [kv_shape[0]]
         for v in kv_shape[1:]:
             tmp.append(2)
             tmp.append(v)
         kv_shape = tmp
+    return q, num_pages_per_seq, total_num_pages, kv_shape
+
+
+def run_batch_decode_case(device, batch_size, kv_len, page_size, num_kv_heads, num_qo_heads,
+                          head_dim, kv_layout, pos_encoding_mode, logits_soft_cap, return_lse,
+                          q_dtype, kv_dtype, contiguous_kv):
+    """Upstream's ``test_batch_decode_with_paged_kv_cache`` body."""
+    q, num_pages_per_seq, total_num_pages, kv_shape = _query_and_cache_shape(
+        device, batch_size, kv_len, page_size, num_kv_heads, num_qo_heads, head_dim, kv_layout,
+        q_dtype, contiguous_kv, planes=[2])
+    if not contiguous_kv:
         kv_data_fp32 = torch.randn(*kv_shape, dtype=torch.float32, device=device)
         kv_data = kv_data_fp32.to(kv_dtype)
         kv_data = kv_data[:, 1, :, 1, :, 1, :, 1, :]
@@ -167,15 +186,13 @@ def run_batch_decode_case(device, batch_size, kv_len, page_size, num_kv_heads, n
     else:
         kv_data_fp32 = torch.randn(*kv_shape, dtype=torch.float32, device=device)
         kv_data = kv_data_fp32.to(kv_dtype)
-    ran = _plan_and_run(device, q, kv_data, batch_size, kv_len, page_size, num_kv_heads,
-                        num_qo_heads, head_dim, kv_layout, pos_encoding_mode, logits_soft_cap,
-                        return_lse, q_dtype, kv_dtype, num_pages_per_seq, total_num_pages)
+    ran = _plan_run_and_check(device, q, kv_data, kv_data_fp32, batch_size, kv_len, page_size,
+                              num_kv_heads, num_qo_heads, head_dim, kv_layout,
+                              pos_encoding_mode, logits_soft_cap, return_lse, q_dtype,
+                              kv_dtype, num_pages_per_seq, total_num_pages)
     if ran is None:
         return
-    o, wrapper, kv_indptr, kv_last_page_len = ran
-
-    _check_requests(o, q, kv_data_fp32, kv_indptr, kv_last_page_len, kv_layout, num_kv_heads,
-                    head_dim, kv_dtype, pos_encoding_mode, logits_soft_cap)
+    o, wrapper = ran
 
     # test user-allocated output
     o_buffer = torch.empty_like(o)
@@ -183,24 +200,14 @@ def run_batch_decode_case(device, batch_size, kv_len, page_size, num_kv_heads, n
     torch.testing.assert_close(o, o_buffer, rtol=1e-3, atol=1e-3)
 
 
-# repeats run_batch_decode_case's setup as upstream's two test bodies do, to stay diffable
 def run_tuple_case(device, batch_size, kv_len, page_size, num_kv_heads, num_qo_heads,
                    head_dim, kv_layout, pos_encoding_mode, logits_soft_cap, return_lse,
                    q_dtype, kv_dtype, contiguous_kv):
     """Upstream's ``test_batch_decode_with_tuple_paged_kv_cache`` body."""
-    q = torch.randn(batch_size, num_qo_heads, head_dim, device=device, dtype=q_dtype)
-    num_pages_per_seq = (kv_len + page_size - 1) // page_size
-    total_num_pages = num_pages_per_seq * batch_size
-    if kv_layout == "HND":
-        kv_shape = [total_num_pages, num_kv_heads, page_size, head_dim]
-    else:
-        kv_shape = [total_num_pages, page_size, num_kv_heads, head_dim]
+    q, num_pages_per_seq, total_num_pages, kv_shape = _query_and_cache_shape(
+        device, batch_size, kv_len, page_size, num_kv_heads, num_qo_heads, head_dim, kv_layout,
+        q_dtype, contiguous_kv, planes=[])
     if not contiguous_kv:
-        tmp = [kv_shape[0]]
-        for v in kv_shape[1:]:
-            tmp.append(2)
-            tmp.append(v)
-        kv_shape = tmp
         kv_data_fp32 = [torch.randn(*kv_shape, dtype=torch.float32, device=device)
                         for _ in range(2)]
         kv_data = [kv_data_fp32[i].to(kv_dtype) for i in range(2)]
@@ -212,17 +219,12 @@ def run_tuple_case(device, batch_size, kv_len, page_size, num_kv_heads, num_qo_h
                         for _ in range(2)]
         kv_data = [kv_data_fp32[i].to(kv_dtype) for i in range(2)]
     kv_data = tuple(kv_data)
-    ran = _plan_and_run(device, q, kv_data, batch_size, kv_len, page_size, num_kv_heads,
-                        num_qo_heads, head_dim, kv_layout, pos_encoding_mode, logits_soft_cap,
-                        return_lse, q_dtype, kv_dtype, num_pages_per_seq, total_num_pages)
-    if ran is None:
-        return
-    o, wrapper, kv_indptr, kv_last_page_len = ran
-
     # the 5-D view of the two caches, for the shared gather
     stacked = torch.stack([kv_data_fp32[0], kv_data_fp32[1]], dim=1)
-    _check_requests(o, q, stacked, kv_indptr, kv_last_page_len, kv_layout, num_kv_heads,
-                    head_dim, kv_dtype, pos_encoding_mode, logits_soft_cap)
+    _plan_run_and_check(device, q, kv_data, stacked, batch_size, kv_len, page_size,
+                        num_kv_heads, num_qo_heads, head_dim, kv_layout, pos_encoding_mode,
+                        logits_soft_cap, return_lse, q_dtype, kv_dtype, num_pages_per_seq,
+                        total_num_pages)
 
 
 _FULL = [

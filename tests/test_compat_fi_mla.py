@@ -88,6 +88,35 @@ def _wrapper(device, **kw):
                                          **kw)
 
 
+def _uniform_inputs(device, batch_size, kv_len, qo_len, num_heads, page_size, dtype):
+    """Upstream's opening of its uniform-length tests, seeded (42) and drawn in its order:
+    ``q_nope [batch·qo_len, heads, 512]``, ``q_pe [batch·qo_len, heads, 64]``, ``ckv``
+    ``[batch·pages_num, page_size, 512]``, ``kpe [batch·pages_num, page_size, 64]`` of
+    ``dtype``, and ``pages_num = ceil(kv_len / page_size)`` (each request's pages)."""
+    torch.manual_seed(42)
+    q_nope = torch.randn(batch_size * qo_len, num_heads, HEAD_DIM_CKV, dtype=dtype,
+                         device=device)
+    q_pe = torch.randn(batch_size * qo_len, num_heads, HEAD_DIM_KPE, dtype=dtype,
+                       device=device)
+    pages_num = math.ceil(kv_len / page_size)
+    ckv = torch.randn(batch_size * pages_num, page_size, HEAD_DIM_CKV, dtype=dtype,
+                      device=device)
+    kpe = torch.randn(batch_size * pages_num, page_size, HEAD_DIM_KPE, dtype=dtype,
+                      device=device)
+    return q_nope, q_pe, ckv, kpe, pages_num
+
+
+def _uniform_meta(device, batch_size, kv_len, qo_len, pages_num):
+    """The plan's int32 metadata for ``batch_size`` requests of ``qo_len`` queries and
+    ``kv_len`` keys each, request ``b`` on pages ``[b·pages_num, (b + 1)·pages_num)``:
+    ``(qo_indptr, kv_indptr [batch + 1], kv_indices [batch·pages_num], kv_len_arr [batch])``."""
+    q_indptr = torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * qo_len
+    kv_indptr = torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * pages_num
+    kv_indices = torch.arange(0, batch_size * pages_num, device=device, dtype=torch.int32)
+    kv_lens = torch.full((batch_size,), kv_len, dtype=torch.int32, device=device)
+    return q_indptr, kv_indptr, kv_indices, kv_lens
+
+
 def test_batch_mla_without_kpe(device):
     torch.manual_seed(42)
     batch_size, qo_len, kv_len, num_heads = 2, 3, 97, 16
@@ -103,10 +132,8 @@ def test_batch_mla_without_kpe(device):
                       device=device)
     sm_scale = 1.0 / math.sqrt(128)
     wrapper = _wrapper(device, backend="fa2")
-    q_indptr = torch.arange(batch_size + 1, device=device, dtype=torch.int32) * qo_len
-    kv_indptr = torch.arange(batch_size + 1, device=device, dtype=torch.int32) * pages_num
-    kv_indices = torch.arange(batch_size * pages_num, device=device, dtype=torch.int32)
-    kv_lens = torch.full((batch_size,), kv_len, dtype=torch.int32, device=device)
+    q_indptr, kv_indptr, kv_indices, kv_lens = _uniform_meta(device, batch_size, kv_len,
+                                                             qo_len, pages_num)
     wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, num_heads, head_dim_ckv,
                  head_dim_kpe, page_size, False, sm_scale, dtype, dtype)
     output, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)
@@ -189,26 +216,16 @@ def test_batch_mla_oob_kv_nan(device, batch_size, kv_len, qo_len, num_heads, cau
                               page_size, dtype):
     if causal and qo_len > kv_len:
         pytest.skip("qo_len > kv_len not supported for causal attention")
-    torch.manual_seed(42)
-    q_nope = torch.randn(batch_size * qo_len, num_heads, HEAD_DIM_CKV, dtype=dtype,
-                         device=device)
-    q_pe = torch.randn(batch_size * qo_len, num_heads, HEAD_DIM_KPE, dtype=dtype,
-                       device=device)
-    pages_num = math.ceil(kv_len / page_size)
-    ckv = torch.randn(batch_size * pages_num, page_size, HEAD_DIM_CKV, dtype=dtype,
-                      device=device)
-    kpe = torch.randn(batch_size * pages_num, page_size, HEAD_DIM_KPE, dtype=dtype,
-                      device=device)
+    q_nope, q_pe, ckv, kpe, pages_num = _uniform_inputs(device, batch_size, kv_len, qo_len,
+                                                        num_heads, page_size, dtype)
     for i in range(batch_size):  # the out-of-bounds slots of each last page: NaN
         last_page_len = kv_len - (pages_num - 1) * page_size
         ckv[(i + 1) * pages_num - 1, last_page_len:, :] = float("nan")
         kpe[(i + 1) * pages_num - 1, last_page_len:, :] = float("nan")
     sm_scale = 1.0 / ((128 + 64) ** 0.5)
     wrapper = _wrapper(device, backend="fa2")
-    q_indptr = torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * qo_len
-    kv_indptr = torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * pages_num
-    kv_indices = torch.arange(0, batch_size * pages_num, device=device, dtype=torch.int32)
-    kv_lens = torch.full((batch_size,), kv_len, dtype=torch.int32, device=device)
+    q_indptr, kv_indptr, kv_indices, kv_lens = _uniform_meta(device, batch_size, kv_len,
+                                                             qo_len, pages_num)
     wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, num_heads, HEAD_DIM_CKV,
                  HEAD_DIM_KPE, page_size, causal, sm_scale, q_nope.dtype, ckv.dtype)
     o, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)
@@ -235,16 +252,8 @@ def test_batch_mla_page_attention(device, batch_size, kv_len, qo_len, num_heads,
     replay reads: the same buffers)."""
     if causal and qo_len > kv_len:
         pytest.skip("qo_len > kv_len not supported for causal attention")
-    torch.manual_seed(42)
-    q_nope = torch.randn(batch_size * qo_len, num_heads, HEAD_DIM_CKV, dtype=dtype,
-                         device=device)
-    q_pe = torch.randn(batch_size * qo_len, num_heads, HEAD_DIM_KPE, dtype=dtype,
-                       device=device)
-    pages_num = math.ceil(kv_len / page_size)
-    ckv = torch.randn(batch_size * pages_num, page_size, HEAD_DIM_CKV, dtype=dtype,
-                      device=device)
-    kpe = torch.randn(batch_size * pages_num, page_size, HEAD_DIM_KPE, dtype=dtype,
-                      device=device)
+    q_nope, q_pe, ckv, kpe, pages_num = _uniform_inputs(device, batch_size, kv_len, qo_len,
+                                                        num_heads, page_size, dtype)
     sm_scale = 1.0 / ((128 + 64) ** 0.5)
     wrapper = _wrapper(
         device, backend="fa3", use_cuda_graph=True,
@@ -252,10 +261,8 @@ def test_batch_mla_page_attention(device, batch_size, kv_len, qo_len, num_heads,
         kv_indptr=torch.empty(batch_size + 1, dtype=torch.int32, device=device),
         kv_indices=torch.empty(4096, dtype=torch.int32, device=device),
         kv_len_arr=torch.empty(batch_size, dtype=torch.int32, device=device))
-    q_indptr = torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * qo_len
-    kv_indptr = torch.arange(0, batch_size + 1, device=device, dtype=torch.int32) * pages_num
-    kv_indices = torch.arange(0, batch_size * pages_num, device=device, dtype=torch.int32)
-    kv_lens = torch.full((batch_size,), kv_len, dtype=torch.int32, device=device)
+    q_indptr, kv_indptr, kv_indices, kv_lens = _uniform_meta(device, batch_size, kv_len,
+                                                             qo_len, pages_num)
     args = (num_heads, HEAD_DIM_CKV, HEAD_DIM_KPE, page_size, causal, sm_scale, q_nope.dtype,
             ckv.dtype)
     graph = None
@@ -311,6 +318,20 @@ def _run_mla(device, q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, k
     return wrapper.run(q_nope, q_pe, ckv, kpe, **kwargs)
 
 
+def _bf16_and_fp8(device, q_nope, q_pe, ckv_fp8, ckv_scale, kpe_fp8, kpe_scale, meta,
+                  num_heads, page_size, causal, sm_scale):
+    """Upstream's comparison of its fp8 tests: the bf16 query run on the bf16 dequantization
+    of the fp8 caches (the reference), then on the fp8 caches with their per-tensor scales;
+    ``meta``: ``(qo_indptr, kv_indptr, kv_indices, kv_len_arr)``. Returns ``(o_bf16, o_fp8)``,
+    ``[batch·qo_len, num_heads, 512]`` bf16 each."""
+    common = (*meta, num_heads, page_size, causal, sm_scale, torch.bfloat16)
+    o_bf16 = _run_mla(device, q_nope, q_pe, _ref_dequant_to_bf16(ckv_fp8, ckv_scale),
+                      _ref_dequant_to_bf16(kpe_fp8, kpe_scale), *common, torch.bfloat16)
+    o_fp8 = _run_mla(device, q_nope, q_pe, ckv_fp8, kpe_fp8, *common, torch.float8_e4m3fn,
+                     ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+    return o_bf16, o_fp8
+
+
 def _fp8_case(device, batch_size, kv_len, qo_len, page_size, num_heads, ckv_mag, kpe_mag,
               q_scale, q_dtype=torch.bfloat16):
     q_nope = torch.randn(batch_size * qo_len, num_heads, HEAD_DIM_CKV, device=device,
@@ -344,11 +365,8 @@ def test_batch_mla_fp8_kv_matches_bf16_reference(device, batch_size, kv_len, qo_
     q_nope, q_pe, ckv_fp8, ckv_scale, kpe_fp8, kpe_scale, meta = _fp8_case(
         device, batch_size, kv_len, qo_len, page_size, num_heads, 0.1, 0.1, 0.1)
     sm_scale = 1.0 / math.sqrt(HEAD_DIM_CKV + HEAD_DIM_KPE)
-    common = (*meta, num_heads, page_size, causal, sm_scale, torch.bfloat16)
-    o_bf16 = _run_mla(device, q_nope, q_pe, _ref_dequant_to_bf16(ckv_fp8, ckv_scale),
-                      _ref_dequant_to_bf16(kpe_fp8, kpe_scale), *common, torch.bfloat16)
-    o_fp8 = _run_mla(device, q_nope, q_pe, ckv_fp8, kpe_fp8, *common, torch.float8_e4m3fn,
-                     ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+    o_bf16, o_fp8 = _bf16_and_fp8(device, q_nope, q_pe, ckv_fp8, ckv_scale, kpe_fp8, kpe_scale,
+                                  meta, num_heads, page_size, causal, sm_scale)
     assert o_bf16.shape == o_fp8.shape
     assert (o_fp8.float() - o_bf16.float()).abs().max().item() < 1.5e-2
 
@@ -363,11 +381,8 @@ def test_batch_mla_fp8_kv_scale_sensitivity(device, ckv_magnitude, kpe_magnitude
         device, batch_size, kv_len, qo_len, page_size, num_heads, ckv_magnitude,
         kpe_magnitude, q_scale)
     sm_scale = 1.0 / math.sqrt(HEAD_DIM_CKV + HEAD_DIM_KPE)
-    common = (*meta, num_heads, page_size, False, sm_scale, torch.bfloat16)
-    o_bf16 = _run_mla(device, q_nope, q_pe, _ref_dequant_to_bf16(ckv_fp8, ckv_scale),
-                      _ref_dequant_to_bf16(kpe_fp8, kpe_scale), *common, torch.bfloat16)
-    o_fp8 = _run_mla(device, q_nope, q_pe, ckv_fp8, kpe_fp8, *common, torch.float8_e4m3fn,
-                     ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+    o_bf16, o_fp8 = _bf16_and_fp8(device, q_nope, q_pe, ckv_fp8, ckv_scale, kpe_fp8, kpe_scale,
+                                  meta, num_heads, page_size, False, sm_scale)
     assert (o_fp8.float() - o_bf16.float()).abs().max().item() < 5e-2
 
 
@@ -412,11 +427,8 @@ def test_fp8_kv_kpe_dominant_no_row_aliasing(device):
             torch.arange(0, B + 1, dtype=torch.int32, device=device) * (kl // P),
             torch.arange(0, nps, dtype=torch.int32, device=device),
             torch.full((B,), kl, dtype=torch.int32, device=device))
-    common = (*meta, H, P, False, 1.0, torch.bfloat16)
-    o_bf16 = _run_mla(device, q_nope, q_pe, _ref_dequant_to_bf16(ckv_fp8, ckv_scale),
-                      _ref_dequant_to_bf16(kpe_fp8, kpe_scale), *common, torch.bfloat16)
-    o_fp8 = _run_mla(device, q_nope, q_pe, ckv_fp8, kpe_fp8, *common, torch.float8_e4m3fn,
-                     ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+    o_bf16, o_fp8 = _bf16_and_fp8(device, q_nope, q_pe, ckv_fp8, ckv_scale, kpe_fp8, kpe_scale,
+                                  meta, H, P, False, 1.0)
     assert o_bf16[0, 0, 0].item() > 50.0
     assert (o_fp8.float() - o_bf16.float()).abs().max().item() < 1e-3
 

@@ -215,16 +215,9 @@ def test_recorded_launch_binds_what_triton_binds_for_every_compiled_case():
     Triton's C launch exactly what ``kernel[grid](**kwargs)`` hands it: Triton binds and
     specializes the arguments itself (interpreter off, in a subprocess), and a recording
     ``CudaLauncher`` stands in for the compiled binary. No GPU, no compile."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from _scripts import run_script
 
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root / "src")
-    run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"),
-                          "--bindings"], env=env, capture_output=True, text=True, timeout=300)
+    run = run_script("compile_sm90.py", "--bindings", interpret=False, timeout=300)
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     same = [line for line in run.stdout.splitlines() if line.endswith(": same C launch arguments")]
     assert len(same) >= 24 and f"bindings: 0 of {len(same)} case(s) differ" in run.stdout, \

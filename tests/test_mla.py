@@ -12,14 +12,11 @@ before any launch and any write.
 
 import dataclasses
 import math
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _scripts import compiled_sm90
 
 from pagedattn import mla_decode, mla_decode_reference, plan_mla_decode
 from pagedattn.testing import make_mla_inputs, rel_l2_error, tolerance_for
@@ -309,18 +306,11 @@ def test_mla_kernels_compile_for_sm90():
     an H200's 227 KB of shared memory a program and 255 registers; where the policy says the
     token loop does not spill (TP8's 16 rows, the fp8 32-row tiles, the persistent 16-row
     tiles), it does not (docs/perf-notes.md, step 42)."""
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root / "src")
     cases = ("mla-tp1-bf16", "mla-tp8-bf16", "mla-tp1-fp8", "mla-tp8-persistent",
              "mla-tp1-q_len2")
-    run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"), "--cases",
-                          ",".join(cases)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    lines = [line for line in run.stdout.splitlines() if " ok," in line]
-    assert {line.split(":")[0] for line in lines} == set(cases)
-    for line in lines:
+    lines = compiled_sm90(cases)
+    assert set(lines) == set(cases)
+    for line in lines.values():
         assert int(re.search(r"(\d+) bytes of shared memory", line).group(1)) <= 227 * 1024
         loop = re.search(r"(\d+) spill instructions in the token loop", line)
         if loop is not None and line.startswith(("mla-tp8", "mla-tp1-fp8")):

@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 from _hardening import head_values
+from _scripts import compiled_sm90
 
 from pagedattn import paged_decode, paged_decode_reference, plan_decode
 from pagedattn.serving import ops
@@ -314,22 +315,11 @@ def test_persistent_kernels_compile_for_sm90():
     within the register cap of three resident 4-warp programs per SM (168; fp32 255, two per
     SM) and spill nothing inside the token loop (what spills, spills around it: once a piece,
     not once a tile; perf-notes step 40)."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root / "src")
     cases = ("persistent-bf16", "persistent-fp8", "persistent-fp32", "persistent-everything",
              "persistent-int64")
-    run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"), "--cases",
-                          ",".join(cases)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    lines = {line.split(":")[0]: line for line in run.stdout.splitlines() if " ok," in line}
+    lines = compiled_sm90(cases)
     assert set(lines) == set(cases)  # the main kernel alone: no merge kernel is launched
     for case, line in lines.items():
         regs = re.search(r"(\d+) registers", line)

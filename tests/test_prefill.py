@@ -11,6 +11,7 @@ must stay NaN: engines pad their batches). Each sequence's new tokens are the la
 import pytest
 import torch
 from _hardening import head_values
+from _scripts import assert_unknown_row_exits_2, compiled_sm90, run_script
 
 from pagedattn import (
     paged_attention,
@@ -207,21 +208,10 @@ def test_prefill_kernels_compile_for_sm90():
     """The varlen cases compile for sm_90 without the interpreter (a subprocess) on Hopper's
     wgmma (64-row tiles), within the register budget of the policy's resident 4-warp programs
     per SM (two: 255), nothing spilled inside the token loop."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root / "src")
     cases = ("prefill-bf16", "prefill-fp8", "prefill-everything")
-    run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"), "--cases",
-                          ",".join(cases)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    lines = {line.split(":")[0]: line for line in run.stdout.splitlines() if " ok," in line}
+    lines = compiled_sm90(cases)
     assert set(lines) == set(cases)  # one kernel a call, no merge
     from pagedattn.launch import policy
 
@@ -238,20 +228,9 @@ def test_prefill_kernels_compile_for_sm90():
 def test_the_prefill_bench_checks_its_rows_on_the_cpu():
     """``scripts/bench_prefill.py --dry-run``: the three rows, interpreter-sized, checked
     against the oracle (exit 0, an error per row); a bad ``--rows`` exits 2."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
-    script = str(root / "scripts" / "bench_prefill.py")
-    run = subprocess.run([sys.executable, script, "--dry-run"], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = run_script("bench_prefill.py", "--dry-run", interpret=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     errs = [float(line.split("pagedattn err ")[1].split()[0])
             for line in run.stdout.splitlines() if "pagedattn err" in line]
     assert len(errs) == 3 and max(errs) <= tolerance_for(torch.float32)
-    bad = subprocess.run([sys.executable, script, "--dry-run", "--rows", "nope"], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert_unknown_row_exits_2("bench_prefill.py")

@@ -29,7 +29,6 @@ untimed; the report's timing columns say n/a.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Callable
@@ -39,7 +38,7 @@ import torch
 
 import pagedattn
 from pagedattn.bench.peers import FLASHINFER_WORKSPACE_BYTES, PeerUnsupported
-from pagedattn.bench.report import format_row
+from pagedattn.bench.report import dump_rows, format_row
 from pagedattn.testing import MLAInputs, make_mla_inputs, rel_l2_error, tolerance_for
 
 #: the dense bf16 tensor-core peak of an H200 (H100 SXM alike), TFLOP/s (spec)
@@ -261,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                           peers=() if args.no_peers else tuple(PEERS), timing=timing)
         print(format_row(row), flush=True)
         rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    dump_rows(rows, args.json)
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -79,6 +79,16 @@ def format_row(row: dict[str, Any]) -> str:
                       for k, v in row.items())
 
 
+def dump_rows(rows: list[dict[str, Any]], path: str | None) -> None:
+    """Write ``rows`` (the lab's and the scripts' progress rows, as printed) to ``path`` as a
+    JSON list, one-space indented, when a path is given (``--json``); nothing otherwise. Unlike
+    :func:`write_json`: no meta, no units, the rows as they are (a non-finite float is written
+    as JSON's ``NaN``/``Infinity``)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def compile_metadata(compiled_kernel: Any) -> dict[str, Any]:
     """Registers, spills, shared memory (bytes), warps and stages of a compiled Triton kernel,
     as returned by a launch (``kernel = _kern[grid](...)``). Missing facts are ``None``; the

@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -93,8 +94,25 @@ class ModelConfig:
 HF_MODEL_TYPES = tuple(FAMILIES)
 
 
-def _bad(key: str, expected: str, got) -> None:
+def bad_field(key: str, expected: str, got) -> NoReturn:
+    """Raise the ValueError of a malformed ``config.json`` field, in the one form its readers
+    (this module's, :mod:`pagedattn.serving.deepseek`'s) use:
+    ``config.json: <key>: expected <expected>, got <repr(got)>``."""
     raise ValueError(f"config.json: {key}: expected {expected}, got {got!r}")
+
+
+def int_field(key: str, v, low: int) -> int:
+    """``v``, the value of field ``key``, when it is an int >= ``low`` (a bool is not);
+    else :func:`bad_field`'s ValueError (``expected an int >= <low>``)."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        bad_field(key, f"an int >= {low}", v)
+    return v
+
+
+def is_finite_number(v) -> bool:
+    """Whether ``v`` is a finite int or float (a bool, a string, None, NaN and inf are not):
+    what a numeric ``config.json`` field must be before its own range is checked."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _int(c: dict, key: str, default=None, low: int = 1) -> int:
@@ -105,9 +123,7 @@ def _int(c: dict, key: str, default=None, low: int = 1) -> int:
         if default is None:
             raise ValueError(f"config.json: {key}: missing (an int >= {low})")
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        _bad(key, f"an int >= {low}", v)
-    return v
+    return int_field(key, v, low)
 
 
 def _float(c: dict, key: str, default: float, zero: bool = False) -> float:
@@ -116,9 +132,8 @@ def _float(c: dict, key: str, default: float, zero: bool = False) -> float:
     v = c.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-            or v < 0 or (v == 0 and not zero):
-        _bad(key, f"a finite number {'>=' if zero else '>'} 0", v)
+    if not is_finite_number(v) or v < 0 or (v == 0 and not zero):
+        bad_field(key, f"a finite number {'>=' if zero else '>'} 0", v)
     return float(v)
 
 
@@ -142,7 +157,7 @@ def hf_config(c: dict) -> ModelConfig:
     key = "rope_scaling" if c.get("rope_scaling") is not None else "rope_parameters"
     rope = c.get(key) or {}
     if not isinstance(rope, dict):
-        _bad(key, "an object or null", rope)
+        bad_field(key, "an object or null", rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"config.json: rope scaling {rope_type!r} is not supported")
@@ -160,9 +175,9 @@ def hf_config(c: dict) -> ModelConfig:
     heads = _int(c, "num_attention_heads")
     kv_heads = _int(c, "num_key_value_heads", heads)
     if heads % kv_heads:
-        _bad("num_key_value_heads", f"a divisor of num_attention_heads={heads}", kv_heads)
+        bad_field("num_key_value_heads", f"a divisor of num_attention_heads={heads}", kv_heads)
     if c.get("head_dim") is None and hidden % heads:
-        _bad("head_dim", f"a value, as hidden_size={hidden} is no multiple of "
+        bad_field("head_dim", f"a value, as hidden_size={hidden} is no multiple of "
              f"num_attention_heads={heads}", None)
     head_dim = _int(c, "head_dim", hidden // heads)
     # sliding windows per layer: layer_types where the config has them (transformers >= 4.53
@@ -176,7 +191,7 @@ def hf_config(c: dict) -> ModelConfig:
                  for i in range(layers)]
     elif not (isinstance(types, list) and len(types) == layers and set(types) <= {
             "sliding_attention", "full_attention"}):
-        _bad("layer_types", f"a list of num_hidden_layers={layers} 'sliding_attention' or "
+        bad_field("layer_types", f"a list of num_hidden_layers={layers} 'sliding_attention' or "
              "'full_attention'", types)
     windows = tuple(window - 1 if window and t == "sliding_attention" else -1 for t in types)
     cap = _cap(c, spec.attn_soft_cap_key)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.mla import plan_mla_decode
+from pagedattn.serving.config import bad_field, int_field, is_finite_number
 from pagedattn.serving.families import MLA_FAMILIES
 
 #: the model types read, and the routers each may name
@@ -46,21 +47,19 @@ MODEL_TYPES = tuple(MLA_FAMILIES)
 _TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 
-def _bad(field: str, expected: str, got) -> None:
-    raise ValueError(f"config.json: {field}: expected {expected}, got {got!r}")
-
-
 def _int(c: dict, key: str, default=None, low: int = 1) -> int:
-    v = c.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        _bad(key, f"an int >= {low}", v)
-    return v
+    """``c[key]`` (``default`` when absent), an int >= ``low``. Unlike the Llama-family
+    reader's (:mod:`pagedattn.serving.config`), a null field is not replaced by ``default``
+    and a missing one without a default is refused as ``got None``."""
+    return int_field(key, c.get(key, default), low)
 
 
 def _float(c: dict, key: str, default=None) -> float:
+    """``c[key]`` (``default`` when absent), any finite number (the sign is not checked; a
+    null field is refused as ``got None``)."""
     v = c.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        _bad(key, "a finite number", v)
+    if not is_finite_number(v):
+        bad_field(key, "a finite number", v)
     return float(v)
 
 
@@ -108,14 +107,14 @@ def hf_config(c: dict) -> DeepseekConfig:
     (experts not divisible into groups, ``topk_group`` past ``n_group``)."""
     mt = c.get("model_type")
     if mt not in MODEL_TYPES:
-        _bad("model_type", f"one of {MODEL_TYPES}", mt)
+        bad_field("model_type", f"one of {MODEL_TYPES}", mt)
     v3 = mt == "deepseek_v3"
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
     if not isinstance(rope, dict):
-        _bad("rope_scaling", "an object or null", rope)
+        bad_field("rope_scaling", "an object or null", rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):
-        _bad("rope_scaling", "the default rope or 'yarn'", rope_type)
+        bad_field("rope_scaling", "the default rope or 'yarn'", rope_type)
     theta = _float(c, "rope_theta", rope.get("rope_theta", 10000.0))
     q_lora = c.get("q_lora_rank")
     if q_lora is not None:
@@ -123,23 +122,23 @@ def hf_config(c: dict) -> DeepseekConfig:
     experts = _int(c, "n_routed_experts")
     n_group = _int(c, "n_group", 1)
     if experts % n_group:
-        _bad("n_group", f"a divisor of n_routed_experts={experts}", n_group)
+        bad_field("n_group", f"a divisor of n_routed_experts={experts}", n_group)
     topk_group = _int(c, "topk_group", 1)
     if topk_group > n_group:
-        _bad("topk_group", f"at most n_group={n_group}", topk_group)
+        bad_field("topk_group", f"at most n_group={n_group}", topk_group)
     method = c.get("topk_method", "noaux_tc" if v3 else "greedy")
     if method not in _TOPK_METHODS or (v3 != (method == "noaux_tc")):
-        _bad("topk_method", "'noaux_tc' (deepseek_v3) or 'greedy'/'group_limited_greedy' "
+        bad_field("topk_method", "'noaux_tc' (deepseek_v3) or 'greedy'/'group_limited_greedy' "
              "(deepseek_v2)", method)
     top_k = _int(c, "num_experts_per_tok")
     if top_k > experts:
-        _bad("num_experts_per_tok", f"at most n_routed_experts={experts}", top_k)
+        bad_field("num_experts_per_tok", f"at most n_routed_experts={experts}", top_k)
     heads = _int(c, "num_attention_heads")
     if c.get("num_key_value_heads", heads) != heads:
-        _bad("num_key_value_heads", f"num_attention_heads={heads} (MLA)",
+        bad_field("num_key_value_heads", f"num_attention_heads={heads} (MLA)",
              c.get("num_key_value_heads"))
     if c.get("moe_layer_freq", 1) != 1:
-        _bad("moe_layer_freq", "1", c.get("moe_layer_freq"))
+        bad_field("moe_layer_freq", "1", c.get("moe_layer_freq"))
     if rope_type == "yarn":
         rope = {"factor": _float(rope, "factor"),
                 "original_max_position_embeddings": _int(rope,

@@ -165,6 +165,17 @@ def extend_attend(meta: StepMetadata) -> Attend:
     return attend
 
 
+def _checked_query_start(token_ids: torch.Tensor, meta: StepMetadata) -> list[int]:
+    """``meta.query_start`` (host ``[batch + 1]`` offsets) once ``token_ids`` (``[num_tokens]``)
+    holds exactly its last offset's tokens: a ragged pass (prefill, extend) reads its tokens
+    by these offsets. Raises ValueError naming ``token_ids`` otherwise."""
+    starts = meta.query_start
+    if token_ids.shape[0] != starts[-1]:
+        raise ValueError(f"token_ids: expected {starts[-1]} tokens (meta), "
+                         f"got {token_ids.shape[0]}")
+    return starts
+
+
 def prefill_mask(query_start: list[int], device: torch.device) -> torch.Tensor:
     """``[N, N]`` bool: token ``i`` sees token ``j`` when both belong to one prompt (the
     ``query_start`` segments) and ``j <= i``."""
@@ -544,15 +555,9 @@ class Transformer(nn.Module):
         Returns: the last position's logits per prompt, ``[num_prompts, vocab]`` (model dtype).
         Raises ValueError if ``token_ids`` and ``meta`` disagree on the token count.
         """
-        starts = meta.query_start
-        if token_ids.shape[0] != starts[-1]:
-            raise ValueError(f"token_ids: expected {starts[-1]} tokens (meta), "
-                             f"got {token_ids.shape[0]}")
+        starts = _checked_query_start(token_ids, meta)
         step = PagedStep(cache, meta, prefill_mask(starts, token_ids.device), None)
-        x = self(token_ids, meta.positions, step)
-        cache.needs_calibration = False
-        last = torch.tensor([b - 1 for b in starts[1:]], device=x.device)
-        return self.logits(x[last])
+        return self._last_logits(token_ids, meta, cache, step)
 
     def extend(self, token_ids: torch.Tensor, meta: StepMetadata,
                cache: PagedKVCache) -> torch.Tensor:
@@ -571,17 +576,22 @@ class Transformer(nn.Module):
         Raises ValueError if ``token_ids`` and ``meta`` disagree on the token count, or a
         sequence brings no token.
         """
-        starts = meta.query_start
-        if token_ids.shape[0] != starts[-1]:
-            raise ValueError(f"token_ids: expected {starts[-1]} tokens (meta), "
-                             f"got {token_ids.shape[0]}")
+        starts = _checked_query_start(token_ids, meta)
         if any(b <= a for a, b in zip(starts[:-1], starts[1:], strict=True)):
             raise ValueError("meta: expected at least one new token per sequence, got "
                              f"query_start {starts}")
         step = PagedStep(cache, meta, None, extend_attend(meta), cache.needs_calibration)
+        return self._last_logits(token_ids, meta, cache, step)
+
+    def _last_logits(self, token_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache,
+                     step: PagedStep) -> torch.Tensor:
+        """The ragged pass of :meth:`prefill` and :meth:`extend` through ``step``: every layer
+        over ``token_ids`` (``[num_tokens]``) at ``meta.positions``, then
+        ``cache.needs_calibration`` cleared (an fp8 cache without scales took them in this
+        pass); returns each sequence's last token's logits, ``[batch, vocab]`` (model dtype)."""
         x = self(token_ids, meta.positions, step)
         cache.needs_calibration = False
-        last = torch.tensor([b - 1 for b in starts[1:]], device=x.device)
+        last = torch.tensor([b - 1 for b in meta.query_start[1:]], device=x.device)
         return self.logits(x[last])
 
     def decode(self, token_ids: torch.Tensor, meta: StepMetadata,
