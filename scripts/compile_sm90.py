@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case}: {verdict or 'same C launch arguments'}", flush=True)
         print(f"bindings: {bad} of {checked} case(s) differ")
         return 1 if bad else 0
-    differ = 0
+    differ = missing = 0
     for name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
         setattr(L, name, _Compile(getattr(L, name)))
     print(f"triton {tc.triton.__version__}, ptxas {PTXAS}, nvdisasm {NVDISASM}", flush=True)
@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.compare:
                 old = Path(args.compare, f"{case}.{kind}.ptx")
                 if not old.is_file():
-                    verdict = f"no {old} to compare"
+                    verdict = f"no {old} to compare (a new case)"
+                    missing += 1
                 elif ptx_code(old.read_text()) != ptx_code(c.asm["ptx"]):
                     verdict = "DIFFERENT instructions from"
                 elif (old_res := resources(old.read_text())) != res:
@@ -434,11 +435,12 @@ def main(argv: list[str] | None = None) -> int:
                                f"({_resources_text(old_res)[2:]} before) from")
                 else:
                     verdict = "same instructions as"
-                differ += verdict != "same instructions as"
+                differ += old.is_file() and verdict != "same instructions as"
                 print(f"  {verdict} {old}" if old.is_file() else f"  {verdict}", flush=True)
     if args.compare:
-        print(f"compare: {differ} kernel(s) differ from {args.compare}")
-    return 1 if differ else 0
+        print(f"compare: {differ} kernel(s) differ from {args.compare}"
+              + (f", {missing} without a file there (new cases)" if missing else ""))
+    return 1 if differ or missing else 0
 
 
 if __name__ == "__main__":

@@ -89,6 +89,17 @@ def test_every_option_is_tested():
         assert not options.is_default(name, _example(name, "cpu"))
 
 
+def test_every_option_is_documented():
+    """Each field of ``DecodeOptions`` has its row in ``docs/usage.md``'s variants table (the
+    keyword in backticks, ``name=`` or ``name`` followed by a space): the one page a new
+    variant edits by hand."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    table = text.split("## The variants", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    for name in options.OPTIONS:
+        assert any(f"`{name}=" in row or f"`{name}`" in row for row in rows), name
+
+
 @pytest.mark.parametrize("num_splits", SPLITS)
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_each_option_against_the_oracle(device, name, num_splits):
@@ -544,6 +555,13 @@ def test_kernels_compile_for_sm90(tmp_path):
     diff = subprocess.run(compare, env=env, capture_output=True, text=True, timeout=600)
     assert diff.returncode == 1 and "DIFFERENT instructions from" in diff.stdout, diff.stdout
     assert "compare: 1 kernel(s) differ" in diff.stdout
+    # a kernel with no file to compare with (a new case) is counted apart, and fails the run
+    main.write_text(main.read_text().replace("ld.global.nc", "ld.global", 1))
+    (ref / "plain-fp8.paged_decode_merge.ptx").unlink()
+    new = subprocess.run(compare, env=env, capture_output=True, text=True, timeout=600)
+    assert new.returncode == 1 and "(a new case)" in new.stdout, new.stdout
+    assert "compare: 0 kernel(s) differ from" in new.stdout
+    assert "1 without a file there (new cases)" in new.stdout
 
 
 @pytest.mark.parametrize("change, unit", [
