@@ -58,6 +58,7 @@ CASES = {
                     plans=[(WINDOW - 1, None)], off=[{"window_left": ()}]),
     "qwen2": Case(transformers.Qwen2Config, off_weights=("bq", "bk", "bv")),
     "qwen3": Case(transformers.Qwen3Config),
+    "gemma": Case(transformers.GemmaConfig),
     "gemma2": Case(transformers.Gemma2Config, {
         "sliding_window": WINDOW, "query_pre_attn_scalar": 16,
         "attn_logit_softcapping": 5.0, "final_logit_softcapping": 5.0},

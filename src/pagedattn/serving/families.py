@@ -124,6 +124,8 @@ FAMILIES: Mapping[str, FamilySpec] = MappingProxyType({
                         layer_tensors=layer_names(_QKV_BIAS)),
     "qwen3": FamilySpec("Qwen3", "Qwen3-0.6B", qk_norm=True, window_switch="use_sliding_window",
                         layer_tensors=layer_names(_QK_NORM)),
+    "gemma": FamilySpec("Gemma", "gemma-2b", norm_offset=1.0, embed_scale="sqrt(hidden_size)",
+                        tied=True),
     "gemma2": FamilySpec("Gemma 2", "gemma-2-2b", post_norms=True, norm_offset=1.0,
                          embed_scale="sqrt(hidden_size)", windows="even layers",
                          attn_soft_cap_key="attn_logit_softcapping",
