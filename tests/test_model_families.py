@@ -67,12 +67,12 @@ CASES = {
 }
 
 
-def build(family: str, tmp_path):
-    """A random-weight transformers model of ``family``, saved to ``tmp_path``. Every
-    parameter is redrawn (biases and norms too: their init is 0 / 1), Q/K large enough that
-    Gemma 2's scores pass its soft-cap of 5."""
+def build(family: str, tmp_path, extra: dict | None = None):
+    """A random-weight transformers model of ``family`` (``extra``: more config keys), saved
+    to ``tmp_path``. Every parameter is redrawn (biases and norms too: their init is 0 / 1),
+    Q/K large enough that Gemma 2's scores pass its soft-cap of 5."""
     case = CASES[family]
-    cfg = case.config(**SHAPE, **case.extra, attn_implementation="eager",
+    cfg = case.config(**SHAPE, **case.extra, **(extra or {}), attn_implementation="eager",
                       tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
@@ -157,6 +157,97 @@ def test_family_generates_as_transformers(family, tmp_path, planned):
         from pagedattn.serving.baselines import DenseAttention
         with pytest.raises(ValueError, match="applies no attention variants"):
             model.with_attention(DenseAttention())
+
+
+#: Llama 3.x's RoPE scaling, its original context cut to 16 tokens so that most of the 8
+#: frequencies of a 16-dim head fall in the scaled or the blended band
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _llama3(tmp_path):
+    """A tiny Llama 3.x model, saved to ``tmp_path`` (transformers 5 names the RoPE object
+    ``rope_parameters`` and puts the base in it; 4.x ``rope_scaling``)."""
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return build("llama", tmp_path, {"rope_parameters": dict(LLAMA3_ROPE,
+                                                                 rope_theta=10000.0)})
+    return build("llama", tmp_path, {"rope_scaling": LLAMA3_ROPE})
+
+
+def _prompt():
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(1, 128, (PROMPT_LEN,), generator=g).tolist()
+
+
+def test_llama3_rope_scaling_generates_as_transformers(tmp_path):
+    """Llama 3.x (``rope_type`` llama3): the frequencies are transformers' own bits, the
+    model generates as transformers token for token, and the scaling bites (the default
+    frequencies change the logits)."""
+    hf = _llama3(tmp_path)
+    cfg, weights = load_hf(tmp_path)
+    unscaled = dataclasses.replace(cfg, rope_inv_freq=())
+    assert torch.equal(cfg.inv_freq(), hf.model.rotary_emb.inv_freq.float())
+    assert not torch.equal(cfg.inv_freq(), unscaled.inv_freq())
+    want_tokens, want_logits = hf_greedy(hf, _prompt())
+    got_tokens, got_logits = engine_greedy(Transformer(cfg, weights), _prompt())
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    _, logits = engine_greedy(Transformer(unscaled, weights), _prompt())
+    assert (logits - want_logits).abs().max() > 1e-2
+
+
+def test_llama3_gguf_rope_freqs(tmp_path):
+    """The same model as a llama.cpp GGUF (Q/K rows permuted as llama.cpp's converter does,
+    the scaling as ``rope_freqs.weight``, per-frequency divisors): ``load_gguf`` applies
+    them, and the model generates as transformers."""
+    gguf = pytest.importorskip("gguf")
+    from pagedattn.serving import gguf_loader
+
+    hf = _llama3(tmp_path / "hf")
+    cfg, weights = load_hf(tmp_path / "hf")
+    divisors = dataclasses.replace(cfg, rope_inv_freq=()).inv_freq() / cfg.inv_freq()
+    path = tmp_path / "llama3.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_q_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tensor("rope_freqs.weight", divisors.numpy())
+    gguf_names = {ours: suffix for suffix, ours in gguf_loader._LAYER_NAMES.items()}
+    for name, t in weights.items():
+        t = t.numpy()
+        if name.startswith("layers."):
+            _, i, ours = name.split(".", 2)
+            if ours in ("wq", "wk"):  # llama.cpp's permute, undone by the loader
+                heads = cfg.num_q_heads if ours == "wq" else cfg.num_kv_heads
+                t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2)
+                t = t.reshape(-1, cfg.hidden_size)
+            w.add_tensor(f"blk.{i}.{gguf_names[ours]}", t.copy())
+        else:
+            w.add_tensor({"embed": "token_embd.weight", "final_norm": "output_norm.weight"}[name],
+                         t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gcfg, gweights = gguf_loader.load_gguf(path)
+    torch.testing.assert_close(gcfg.inv_freq(), cfg.inv_freq(), rtol=1e-6, atol=0)
+    want_tokens, want_logits = hf_greedy(hf, _prompt())
+    got_tokens, got_logits = engine_greedy(Transformer(gcfg, gweights), _prompt())
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    # the lab's transformers baseline of a GGUF (bench-model) takes the same frequencies
+    from pagedattn.serving.baselines import hf_from_weights
+    base_tokens, base_logits = hf_greedy(
+        hf_from_weights(gcfg, gweights, torch.float32, "cpu"), _prompt())
+    assert base_tokens == want_tokens
+    torch.testing.assert_close(base_logits, want_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_hf_config_variants_per_layer():

@@ -120,6 +120,9 @@ def hf_from_weights(cfg: LlamaConfig, w: dict[str, torch.Tensor], dtype: torch.d
         tie_word_embeddings="lm_head" not in w)  # type: ignore[call-arg]  # rope_theta: 4.x, 5.x
     m: Any = transformers.LlamaForCausalLM(hf_cfg)
     m.load_state_dict(hf_state_dict(w), strict=False)
+    if cfg.rope_inv_freq:  # Llama 3's scaled frequencies (a GGUF's rope_freqs), as ours
+        with torch.no_grad():
+            m.model.rotary_emb.inv_freq.copy_(cfg.inv_freq())
     return m.to(dtype=dtype, device=device).eval()
 
 

@@ -41,6 +41,9 @@ class ModelConfig:
     Per layer (tuples of ``num_layers``, empty for "none anywhere"): ``window_left`` (keys
     attended besides the current one, -1 for all: the kernel's convention; Hugging Face's
     ``sliding_window`` ``w`` is ``w - 1``) and ``logits_soft_cap`` (0.0 for none).
+    ``rope_inv_freq``: RoPE's ``head_dim // 2`` inverse frequencies where they are not
+    ``rope_theta ** (-2i / head_dim)`` (empty: they are), e.g. Llama 3's scaled ones
+    (:func:`llama3_inv_freq`).
     """
 
     vocab_size: int
@@ -65,6 +68,7 @@ class ModelConfig:
     final_logit_soft_cap: float = 0.0
     window_left: tuple[int, ...] = ()
     logits_soft_cap: tuple[float, ...] = ()
+    rope_inv_freq: tuple[float, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -83,6 +87,18 @@ class ModelConfig:
             if v and len(v) != self.num_layers:
                 raise ValueError(f"{name}: expected {self.num_layers} entries (one per layer) "
                                  f"or none, got {len(v)}")
+        if self.rope_inv_freq and (len(self.rope_inv_freq) != self.head_dim // 2 or not all(
+                math.isfinite(f) and f > 0 for f in self.rope_inv_freq)):
+            raise ValueError(f"rope_inv_freq: expected {self.head_dim // 2} finite frequencies "
+                             f"> 0 (head_dim // 2) or none, got {self.rope_inv_freq!r}")
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE's ``[head_dim // 2]`` fp32 inverse frequencies: ``rope_inv_freq``, or
+        ``rope_theta ** (-2i / head_dim)`` computed as transformers does."""
+        if self.rope_inv_freq:
+            return torch.tensor(self.rope_inv_freq, dtype=torch.float32)
+        return 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64)
+                                          .to(torch.float32) / self.head_dim))
 
     def layer_variants(self, layer: int) -> tuple[int, float]:
         """``(window_left, logits_soft_cap)`` of ``layer``: ``-1`` and ``0.0`` when off."""
@@ -137,6 +153,38 @@ def _float(c: dict, key: str, default: float, zero: bool = False) -> float:
     return float(v)
 
 
+#: the keys of Llama 3's RoPE scaling (``rope_type`` ``"llama3"``), each required
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
+
+def llama3_inv_freq(rope: dict, key: str, head_dim: int, theta: float) -> tuple[float, ...]:
+    """Llama 3's RoPE inverse frequencies (Llama 3.1-3.3's ``rope_type`` ``"llama3"``,
+    ``rope`` the ``config.json`` object under ``key``): the default ones divided by
+    ``factor`` where the wavelength ``2π / f`` exceeds ``original_max_position_embeddings /
+    low_freq_factor``, kept where it is below ``original_max_position_embeddings /
+    high_freq_factor``, and blended linearly in ``original / wavelength`` between. In fp32,
+    operation for operation as transformers' ``_compute_llama3_parameters``, so the
+    frequencies are its bits. Raises ValueError naming a missing or malformed key."""
+    for k in LLAMA3_ROPE_KEYS:
+        v = rope.get(k)
+        if v is None:
+            raise ValueError(f"config.json: {key}.{k}: missing (Llama 3's RoPE scaling)")
+        if not is_finite_number(v) or v <= 0:
+            bad_field(f"{key}.{k}", "a finite number > 0", v)
+    factor, low, high, original = (float(rope[k]) for k in LLAMA3_ROPE_KEYS)
+    if high <= low:
+        bad_field(f"{key}.high_freq_factor", f"a number > low_freq_factor={low}", high)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
+                           .to(torch.float32) / head_dim))
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > original / low, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return tuple(torch.where(medium, smoothed, scaled).tolist())
+
+
 def _cap(c: dict, key: str | None) -> float:
     """The soft-cap under ``key`` (0.0, off, when the family has no such key or the config
     leaves it out)."""
@@ -147,20 +195,21 @@ def hf_config(c: dict) -> ModelConfig:
     """A :class:`ModelConfig` from a parsed ``config.json``, each field checked, its
     family's options from the :class:`~pagedattn.serving.families.FamilySpec` of its
     ``model_type``. Raises ValueError naming the field for a ``model_type`` outside
-    :data:`FAMILIES`, RoPE scaling, ``attention_bias`` / ``mlp_bias`` (outside a family with
-    QKV bias), an activation other than SiLU / tanh-GELU, a missing or malformed shape
-    (``num_hidden_layers``, ``num_attention_heads``, ...: ints >= 1, kv heads dividing the
-    heads) or constant."""
+    :data:`FAMILIES`, RoPE scaling other than Llama 3's (:func:`llama3_inv_freq`),
+    ``attention_bias`` / ``mlp_bias`` (outside a family with QKV bias), an activation other
+    than SiLU / tanh-GELU, a missing or malformed shape (``num_hidden_layers``,
+    ``num_attention_heads``, ...: ints >= 1, kv heads dividing the heads) or constant."""
     if not isinstance(c, dict):
         raise ValueError(f"config.json: expected a JSON object, got a {type(c).__name__}")
     spec = family(c.get("model_type"))
-    key = "rope_scaling" if c.get("rope_scaling") is not None else "rope_parameters"
-    rope = c.get(key) or {}
+    rope_key = "rope_scaling" if c.get("rope_scaling") is not None else "rope_parameters"
+    rope = c.get(rope_key) or {}
     if not isinstance(rope, dict):
-        bad_field(key, "an object or null", rope)
+        bad_field(rope_key, "an object or null", rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"config.json: rope scaling {rope_type!r} is not supported")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"config.json: rope scaling {rope_type!r} is not supported "
+                         "(expected default or llama3)")
     theta = _float(c, "rope_theta", _float(rope, "rope_theta", 10000.0))
     for key in ("attention_bias", "mlp_bias"):  # a QKV bias family's is implied, not this key
         if c.get(key) and not spec.qkv_bias:
@@ -209,7 +258,9 @@ def hf_config(c: dict) -> ModelConfig:
         attn_scale=_float(c, *scalar) ** -0.5 if scalar else None,
         final_logit_soft_cap=_cap(c, spec.final_soft_cap_key),
         window_left=windows if any(w >= 0 for w in windows) else (),
-        logits_soft_cap=(cap,) * layers if cap else ())
+        logits_soft_cap=(cap,) * layers if cap else (),
+        rope_inv_freq=(llama3_inv_freq(rope, rope_key, head_dim, theta) if rope_type == "llama3"
+                       else ()))
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -197,7 +197,9 @@ def families_markdown() -> str:
         "`Transformer.from_hf(DIR)` serve, by `config.json`'s `model_type`. Each family is "
         "Llama plus the options of its row; the sliding window's size is `sliding_window` "
         "(the kernel's `window_left` is one less), and `layer_types`, where `config.json` has "
-        "it, says which layers use it.",
+        "it, says which layers use it. RoPE is the default one or, in any family, Llama 3's "
+        "scaling (`rope_type` `llama3`, as Llama 3.1-3.3's `config.json` has it; a GGUF's "
+        "`rope_freqs.weight`); any other scaling is refused.",
         "",
         *rows,
         "",

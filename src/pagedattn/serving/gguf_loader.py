@@ -18,6 +18,7 @@ which the CLI prints as one line with exit status 2.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import struct
@@ -166,6 +167,8 @@ def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[
     ``[hidden]``, ``lm_head`` (absent when tied), and ``layers.{i}.{name}`` with names
     ``attn_norm, wq [Hq*D, hidden], wk/wv [Hkv*D, hidden], wo [hidden, Hq*D], ffn_norm,
     w_gate/w_up [inter, hidden], w_down [hidden, inter]`` (``nn.Linear`` layout: out × in).
+    A Llama 3 file's ``rope_freqs.weight`` (RoPE scaling as per-frequency divisors) becomes
+    the config's ``rope_inv_freq``, as llama.cpp applies it.
 
     Raises ImportError without the ``gguf`` package, FileNotFoundError without the file,
     ValueError for a non-llama file, missing metadata, or a tensor missing or of a shape
@@ -181,6 +184,7 @@ def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[
     cfg = read_config(reader)
     weights: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}  # ours -> the file's, for errors
+    freq_factors = None
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type)
         w = np.array(w, dtype=np.float32)  # a writable copy (the reader maps the file)
@@ -190,10 +194,13 @@ def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[
             name = "final_norm"
         elif t.name == "output.weight":
             name = "lm_head"
+        elif t.name == "rope_freqs.weight":  # Llama 3's RoPE scaling: f_i / factor_i
+            freq_factors = torch.from_numpy(np.ascontiguousarray(w)).reshape(-1)
+            continue
         elif t.name.startswith("blk."):
             _, idx, suffix = t.name.split(".", 2)
             if suffix not in _LAYER_NAMES:
-                continue  # e.g. rope_freqs: not used by this architecture's default RoPE
+                continue  # a tensor this architecture does not use
             name = f"layers.{int(idx)}.{_LAYER_NAMES[suffix]}"
             if suffix == "attn_q.weight":
                 w = _reverse_rope_permute(w, cfg.num_q_heads)
@@ -204,4 +211,11 @@ def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[
         weights[name] = torch.from_numpy(np.ascontiguousarray(w))
         names[name] = t.name
     check_weights(cfg, weights, names, "the file's metadata")
+    if freq_factors is not None:  # as llama.cpp: theta_i = pos * f_i / factor_i
+        if freq_factors.numel() != cfg.head_dim // 2 or not bool(
+                torch.isfinite(freq_factors).all() and (freq_factors > 0).all()):
+            raise ValueError(f"gguf: rope_freqs.weight: expected {cfg.head_dim // 2} finite "
+                             f"factors > 0 (head_dim // 2), got {tuple(freq_factors.shape)}")
+        cfg = dataclasses.replace(
+            cfg, rope_inv_freq=tuple((cfg.inv_freq() / freq_factors).tolist()))
     return cfg, weights

@@ -459,9 +459,7 @@ class Transformer(nn.Module):
                             cfg.activation),
                 RMSNorm(lw["attn_norm"], cfg.rms_eps, fused),
                 RMSNorm(lw["ffn_norm"], cfg.rms_eps, fused), post))
-        inv = 1.0 / (cfg.rope_theta ** (
-            torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).to(torch.float32) / cfg.head_dim))
-        self.register_buffer("inv_freq", inv.to(device), persistent=False)
+        self.register_buffer("inv_freq", cfg.inv_freq().to(device), persistent=False)
 
     @classmethod
     def from_gguf(cls, path=None, *, dtype: torch.dtype = torch.float32,
