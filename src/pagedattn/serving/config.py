@@ -94,11 +94,10 @@ class ModelConfig:
 
     def inv_freq(self) -> torch.Tensor:
         """RoPE's ``[head_dim // 2]`` fp32 inverse frequencies: ``rope_inv_freq``, or
-        ``rope_theta ** (-2i / head_dim)`` computed as transformers does."""
+        :func:`default_inv_freq`."""
         if self.rope_inv_freq:
             return torch.tensor(self.rope_inv_freq, dtype=torch.float32)
-        return 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64)
-                                          .to(torch.float32) / self.head_dim))
+        return default_inv_freq(self.rope_theta, self.head_dim)
 
     def layer_variants(self, layer: int) -> tuple[int, float]:
         """``(window_left, logits_soft_cap)`` of ``layer``: ``-1`` and ``0.0`` when off."""
@@ -153,6 +152,13 @@ def _float(c: dict, key: str, default: float, zero: bool = False) -> float:
     return float(v)
 
 
+def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """RoPE's unscaled ``[head_dim // 2]`` fp32 inverse frequencies ``theta ** (-2i /
+    head_dim)``, computed as transformers does (its bits)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
+                            .to(torch.float32) / head_dim))
+
+
 #: the keys of Llama 3's RoPE scaling (``rope_type`` ``"llama3"``), each required
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
@@ -175,8 +181,7 @@ def llama3_inv_freq(rope: dict, key: str, head_dim: int, theta: float) -> tuple[
     factor, low, high, original = (float(rope[k]) for k in LLAMA3_ROPE_KEYS)
     if high <= low:
         bad_field(f"{key}.high_freq_factor", f"a number > low_freq_factor={low}", high)
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
-                           .to(torch.float32) / head_dim))
+    inv = default_inv_freq(theta, head_dim)
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > original / low, inv / factor, inv)
     smooth = (original / wavelen - low) / (high - low)
@@ -227,7 +232,7 @@ def hf_config(c: dict) -> ModelConfig:
         bad_field("num_key_value_heads", f"a divisor of num_attention_heads={heads}", kv_heads)
     if c.get("head_dim") is None and hidden % heads:
         bad_field("head_dim", f"a value, as hidden_size={hidden} is no multiple of "
-             f"num_attention_heads={heads}", None)
+                  f"num_attention_heads={heads}", None)
     head_dim = _int(c, "head_dim", hidden // heads)
     # sliding windows per layer: layer_types where the config has them (transformers >= 4.53
     # writes them), else the family's pattern
@@ -240,8 +245,8 @@ def hf_config(c: dict) -> ModelConfig:
                  for i in range(layers)]
     elif not (isinstance(types, list) and len(types) == layers and set(types) <= {
             "sliding_attention", "full_attention"}):
-        bad_field("layer_types", f"a list of num_hidden_layers={layers} 'sliding_attention' or "
-             "'full_attention'", types)
+        bad_field("layer_types", f"a list of num_hidden_layers={layers} 'sliding_attention' "
+                  "or 'full_attention'", types)
     windows = tuple(window - 1 if window and t == "sliding_attention" else -1 for t in types)
     cap = _cap(c, spec.attn_soft_cap_key)
     scalar = spec.attn_scalar

@@ -129,14 +129,14 @@ def hf_config(c: dict) -> DeepseekConfig:
     method = c.get("topk_method", "noaux_tc" if v3 else "greedy")
     if method not in _TOPK_METHODS or (v3 != (method == "noaux_tc")):
         bad_field("topk_method", "'noaux_tc' (deepseek_v3) or 'greedy'/'group_limited_greedy' "
-             "(deepseek_v2)", method)
+                  "(deepseek_v2)", method)
     top_k = _int(c, "num_experts_per_tok")
     if top_k > experts:
         bad_field("num_experts_per_tok", f"at most n_routed_experts={experts}", top_k)
     heads = _int(c, "num_attention_heads")
     if c.get("num_key_value_heads", heads) != heads:
         bad_field("num_key_value_heads", f"num_attention_heads={heads} (MLA)",
-             c.get("num_key_value_heads"))
+                  c.get("num_key_value_heads"))
     if c.get("moe_layer_freq", 1) != 1:
         bad_field("moe_layer_freq", "1", c.get("moe_layer_freq"))
     if rope_type == "yarn":
