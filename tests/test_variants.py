@@ -8,9 +8,7 @@ sink added by the unit), the merge path (the sink added by the merge) and the on
 """
 
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -501,14 +499,12 @@ def test_kernels_compile_for_sm90(tmp_path):
     26)."""
     import re
 
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root / "src")
+    from _scripts import run_script
+
     cases = ("plain-bf16,everything,sinks-per-head-merge,q_len2-fp8-sinks,q_len4,one-unit-fp8,"
              "window-no-lse,window-one-unit-no-lse,plain-fp8,new-options")
-    run = subprocess.run([sys.executable, str(root / "scripts" / "compile_sm90.py"),
-                          "--cases", cases, "--ptx-dir", str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = run_script("compile_sm90.py", "--cases", cases, "--ptx-dir", str(tmp_path),
+                     interpret=False, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     # three mains with their merges (per head; per group for fp8, whose plans launch it),
     # six mains alone (one unit per sequence, or a 16-bit plan's merge folded into its main
@@ -546,19 +542,18 @@ def test_kernels_compile_for_sm90(tmp_path):
                          flags=re.M)
         assert shifted != text and "$L__tmp99999:" in shifted
         (ref / f"plain-fp8.{kind}.ptx").write_text(shifted)
-    compare = [sys.executable, str(root / "scripts" / "compile_sm90.py"), "--cases",
-               "plain-fp8", "--compare", str(ref)]
-    same = subprocess.run(compare, env=env, capture_output=True, text=True, timeout=600)
+    compare = ("--cases", "plain-fp8", "--compare", str(ref))
+    same = run_script("compile_sm90.py", *compare, interpret=False, timeout=600)
     assert same.returncode == 0 and "compare: 0 kernel(s) differ" in same.stdout, same.stdout
     main = ref / "plain-fp8.paged_decode.ptx"
     main.write_text(main.read_text().replace("ld.global", "ld.global.nc", 1))
-    diff = subprocess.run(compare, env=env, capture_output=True, text=True, timeout=600)
+    diff = run_script("compile_sm90.py", *compare, interpret=False, timeout=600)
     assert diff.returncode == 1 and "DIFFERENT instructions from" in diff.stdout, diff.stdout
     assert "compare: 1 kernel(s) differ" in diff.stdout
     # a kernel with no file to compare with (a new case) is counted apart, and fails the run
     main.write_text(main.read_text().replace("ld.global.nc", "ld.global", 1))
     (ref / "plain-fp8.paged_decode_merge.ptx").unlink()
-    new = subprocess.run(compare, env=env, capture_output=True, text=True, timeout=600)
+    new = run_script("compile_sm90.py", *compare, interpret=False, timeout=600)
     assert new.returncode == 1 and "(a new case)" in new.stdout, new.stdout
     assert "compare: 0 kernel(s) differ from" in new.stdout
     assert "1 without a file there (new cases)" in new.stdout
