@@ -457,6 +457,10 @@ def page(results: Path, gpu: str) -> str:
            + (" Sections made from files of other commits say so: "
               + ", ".join(f"`{f}` ({c})" for f, c in _older(results).items()) + "."
               if _older(results) else ""), "",
+           *([f"> **Older than the shipped `src/`.** This page measured the commit it names; "
+              f"`src/` has changed since (`{SINCE}`, quoted below, lists the changes and "
+              "whether any touches what was measured here).", ""]
+             if (results / SINCE).exists() else []),
            *_since(results),
            f"One {meta.get('gpu', gpu)}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
            f"run of {meta.get('date')}. Read roofline measured in the same run by a "
