@@ -1,12 +1,16 @@
 """Paged prefill (``pagedattn.paged_attention``) beside FlashInfer's paged prefill and FA3's
 varlen call with a block table, on the issue's three rows, each against its limits.
 
-Rows (Llama-3-8B heads: 32 query, 8 kv, head_dim 128, bf16, pages of 16 tokens):
+Rows (Llama-3-8B heads: 32 query, 8 kv, head_dim 128, bf16, pages of 16 tokens unless named):
 
 * ``chunks-b8-q512-c4k``: 8 sequences, each 512 new tokens over 4,096 cached (chunked prefill);
 * ``prompt-8k``: one 8,192-token prompt, nothing cached;
 * ``mixed-b64-decode-2k-chunk``: 64 decodes at 2,048 tokens and one 2,048-token chunk over
-  2,048 cached (a vLLM step with chunked prefill on).
+  2,048 cached (a vLLM step with chunked prefill on; the decodes come first and go through
+  the decode kernel, ``num_decodes``);
+* ``prompt-32k``: one 32,768-token prompt; ``chunks-b4-q2k-c16k``: 4 chunks of 2,048 over
+  16,384 cached; ``chunks-b8-q512-c4k-page1`` / ``-page64``: the first row's batch in pages
+  of 1 (SGLang's) and 64 tokens.
 
 Each row's limits, from its shapes: the K/V bytes every sequence must read at least once (a
 contiguous streaming read of exactly those bytes after a clean flush, timed the same way:
@@ -46,6 +50,7 @@ class Row:
     name: str
     cached: tuple[int, ...]  # tokens already in the cache, per sequence
     new: tuple[int, ...]  # new tokens, per sequence
+    page: int = 16  # tokens a page
 
     def shrink(self) -> Row:
         """An interpreter-sized copy: at most 3 sequences, lengths / 256 (at least 1)."""
@@ -53,21 +58,27 @@ class Row:
         keep = list(range(k - 1)) + [len(self.new) - 1]
         return Row(self.name + "-small", tuple(max(c // 256, 0) for c in
                                                 (self.cached[i] for i in keep)),
-                   tuple(max(n // 256, 1) for n in (self.new[i] for i in keep)))
+                   tuple(max(n // 256, 1) for n in (self.new[i] for i in keep)),
+                   min(self.page, 16))
 
 
 ROWS = [
     Row("chunks-b8-q512-c4k", (4096,) * 8, (512,) * 8),
     Row("prompt-8k", (0,), (8192,)),
     Row("mixed-b64-decode-2k-chunk", (2047,) * 64 + (2048,), (1,) * 64 + (2048,)),
+    Row("prompt-32k", (0,), (32768,)),
+    Row("chunks-b4-q2k-c16k", (16384,) * 4, (2048,) * 4),
+    Row("chunks-b8-q512-c4k-page1", (4096,) * 8, (512,) * 8, 1),
+    Row("chunks-b8-q512-c4k-page64", (4096,) * 8, (512,) * 8, 64),
 ]
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def build(row: Row, device, dtype, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
     lens = [c + n for c, n in zip(row.cached, row.new, strict=True)]
     inputs = make_paged_inputs(lens, num_q_heads=heads, num_kv_heads=kv_heads,
-                               head_dim=head_dim, page_size=PAGE, dtype=dtype, device=device)
+                               head_dim=head_dim, page_size=row.page, dtype=dtype,
+                               device=device)
     g = torch.Generator().manual_seed(7)
     query = torch.randn(sum(row.new), heads, head_dim, generator=g).to(dtype).to(device)
     qsl = torch.tensor([0, *torch.tensor(row.new).cumsum(0).tolist()], dtype=torch.int32,
@@ -82,12 +93,22 @@ def limits(row: Row, heads: int, kv_heads: int, head_dim: int, elem: int) -> tup
     return 2 * tokens * kv_heads * head_dim * elem, 4.0 * heads * head_dim * pairs
 
 
+def num_decodes(row: Row) -> int:
+    """The row's leading one-token sequences over a cached context (a vLLM step's decodes,
+    which come first)."""
+    n = 0
+    while n < len(row.new) and row.new[n] == 1 and row.cached[n] > 0:
+        n += 1
+    return n
+
+
 def ours(inputs, query, qsl, row: Row):
     plan = pagedattn.plan_attention(inputs.block_tables, inputs.context_lens, qsl,
                                     num_q_heads=query.shape[1],
                                     num_kv_heads=inputs.key_cache.shape[2],
-                                    head_dim=query.shape[2], page_size=PAGE,
-                                    q_dtype=query.dtype, max_query_len=max(row.new))
+                                    head_dim=query.shape[2], page_size=row.page,
+                                    q_dtype=query.dtype, max_query_len=max(row.new),
+                                    num_decodes=num_decodes(row))
     out = torch.empty_like(query)
     return lambda: plan.run(query, inputs.key_cache, inputs.value_cache, out=out)
 
@@ -110,16 +131,16 @@ def flashinfer_prefill(inputs, query, qsl, row: Row):
     import flashinfer  # noqa: PLC0415 (a peer: imported only where it runs)
 
     dev = query.device
-    pages = [-(-(c + n) // PAGE) for c, n in zip(row.cached, row.new, strict=True)]
+    pages = [-(-(c + n) // row.page) for c, n in zip(row.cached, row.new, strict=True)]
     indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
     indices = torch.cat([inputs.block_tables[b, :p].cpu() for b, p in enumerate(pages)])
-    last = torch.tensor([(c + n - 1) % PAGE + 1 for c, n in zip(row.cached, row.new,
+    last = torch.tensor([(c + n - 1) % row.page + 1 for c, n in zip(row.cached, row.new,
                                                                 strict=True)],
                         dtype=torch.int32)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
     wrapper.plan(qsl, indptr.to(dev), indices.to(dev).int(), last.to(dev), query.shape[1],
-                 inputs.key_cache.shape[2], query.shape[2], PAGE, causal=True,
+                 inputs.key_cache.shape[2], query.shape[2], row.page, causal=True,
                  q_data_type=query.dtype, kv_data_type=inputs.key_cache.dtype)
     return lambda: wrapper.run(query, (inputs.key_cache, inputs.value_cache))
 

@@ -45,8 +45,8 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import torch  # noqa: E402
 
 import pagedattn.launch.decode as L  # noqa: E402
+import pagedattn.launch.prefill as LP  # noqa: E402
 from pagedattn.launch import _triton_compat as tc  # noqa: E402
-from pagedattn.launch.policy import varlen_block_m  # noqa: E402
 from pagedattn.options import OPTIONS, plan_options  # noqa: E402
 
 #: name -> (AutoLauncher table width, q_len, LSE and plan-time options (pagedattn.options),
@@ -96,8 +96,8 @@ CASES = {
     # 2^31, so tile indices are int64
     "persistent-int64": (dict(schedule="persistent", max_pages=1 << 19, num_programs=1 << 16),
                          (), torch.bfloat16, None, 8, 8),
-    # varlen queries (paged prefill, VARLEN): blocks of new tokens x the group, one unit
-    # per (block, kv head), causal per row; 512 query rows
+    # paged prefill (kernels/prefill.py, launch/prefill.py): 128-row blocks of new tokens,
+    # the unmasked and diagonal loops; 512 query rows of long chunks
     "prefill-bf16": (dict(num_tokens=512), (), torch.bfloat16, None, 8, 8),
     "prefill-fp8": (dict(num_tokens=512), (), torch.bfloat16, torch.float8_e4m3fn, 8, 8),
     "prefill-everything": (dict(num_tokens=512, window_left=100, logits_soft_cap=5.0),
@@ -190,8 +190,9 @@ def case_launcher(name: str):
     schedule = options.pop("schedule", "split")
     num_programs = options.pop("num_programs", None)
     num_tokens = options.pop("num_tokens", None)  # varlen queries (paged prefill)
-    if num_tokens is not None:  # the block of new tokens the GPU's plan takes
-        q_len = varlen_block_m(32 // kv_heads, interpret=False)
+    if num_tokens is not None:
+        return prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads,
+                                     num_tokens, with_lse)
     launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=32,
                               num_kv_heads=kv_heads,
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
@@ -210,6 +211,26 @@ def case_launcher(name: str):
     qsl = torch.zeros(batch + 1, dtype=torch.int32) if num_tokens is not None else None
     return launcher, lambda: launcher.launch(query, cache, cache, tables, lens, out, lse,
                                              scale=0.1, calls=tensors, query_start_loc=qsl)
+
+
+def prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads, num_tokens,
+                          with_lse):
+    """A prefill case's :class:`~pagedattn.launch.prefill.PrefillLauncher` (the GPU's tiles
+    for long chunks), as :func:`case_launcher`."""
+    launcher = LP.PrefillLauncher(batch=batch, max_pages=64, num_q_heads=32,
+                                  num_kv_heads=kv_heads, head_dim=128, page_size=16,
+                                  q_dtype=dtype, kv_dtype=kv_dtype, device=torch.device("cpu"),
+                                  num_tokens=num_tokens, max_query_len=None,
+                                  options=plan_options(options))
+    query = torch.zeros(num_tokens, 32, 128, dtype=dtype)
+    cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
+    tables = torch.zeros(batch, 64, dtype=torch.int32)
+    lens = torch.zeros(batch, dtype=torch.int32)
+    qsl = torch.zeros(batch + 1, dtype=torch.int32)
+    tensors = {k: torch.zeros(32) for k in per_call}
+    out, lse = torch.empty_like(query), torch.empty(query.shape[:-1]) if with_lse else None
+    return launcher, lambda: launcher.launch(query, cache, cache, tables, lens, qsl, out, lse,
+                                             scale=0.1, calls=tensors)
 
 
 def mla_case_launcher(name: str):
@@ -409,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     differ = missing = 0
     for name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
         setattr(L, name, _Compile(getattr(L, name)))
+    LP._paged_prefill_kernel = _Compile(LP._paged_prefill_kernel)
     print(f"triton {tc.triton.__version__}, ptxas {PTXAS}, nvdisasm {NVDISASM}", flush=True)
     for case in cases:
         compiled = compile_case(case)

@@ -5,7 +5,8 @@
 prefill, mixed batches);
 ``mla_decode`` / ``plan_mla_decode`` are absorbed multi-head latent attention (DeepSeek-V2/V3);
 ``merge_states`` merges attention states (cascade serving); ``paged_decode_reference`` (and
-``mla_decode_reference``) is the float64 oracle.
+``mla_decode_reference``) is the float64 oracle; ``check_errors`` raises what the kernels found
+wrong in their metadata on the device (lengths past the block table, bad page ids or slots).
 Importing this package does not import Triton (the launchers load on first use); below the
 supported torch and triton (``pagedattn._env.MIN_TORCH``, ``MIN_TRITON``) it raises one
 ``ImportError`` naming the version found.
@@ -15,6 +16,7 @@ from pagedattn._env import check_versions
 
 check_versions()
 
+from pagedattn._errors import check_errors  # noqa: E402
 from pagedattn.api import (  # noqa: E402
     IMPLS,
     STAGES,
@@ -36,7 +38,7 @@ from pagedattn.reference import (  # noqa: E402
 )
 
 __all__ = ["IMPLS", "STAGES", "AttentionPlan", "DecodeOutput", "DecodePlan", "ImplSpec",
-           "MLADecodePlan", "append_kv", "compiled_kernels", "merge_states", "mla_decode",
+           "MLADecodePlan", "append_kv", "check_errors", "compiled_kernels", "merge_states", "mla_decode",
            "mla_decode_reference", "paged_attention", "paged_attention_reference",
            "paged_decode", "paged_decode_reference", "plan_attention", "plan_decode",
            "plan_mla_decode"]

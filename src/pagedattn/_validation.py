@@ -14,13 +14,14 @@ Two kinds of checks:
 from __future__ import annotations
 
 import math
+import os
 import numbers
 import sys
 from typing import Any
 
 import torch
 
-from pagedattn._env import is_interpreter
+from pagedattn._env import TRUE_WORDS, is_interpreter
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DTYPES = tuple(
@@ -50,6 +51,26 @@ WITHIN = "within +-2.36e38 (float32's range / log2(e): the kernels work in base 
 #: capacity (a split's start plus its length), so the capacity they clamp lengths to is at
 #: most 2^30 tokens (a ``max_pages * page_size`` past it is cut to it, on the host)
 MAX_CONTEXT_LEN = 1 << 30
+
+
+#: ``PAGEDATTN_VALIDATE=1`` (read once, when pagedattn is imported; any of Triton's true words):
+#: the debug switch. A call that leaves ``validate`` at ``None`` then runs the value checks
+#: on every device, a GPU's too (one host sync a call; skipped while a CUDA graph is being
+#: captured, which forbids the sync): bad metadata raises before the launch, naming the
+#: argument, instead of being clamped and reported by the kernels (``pagedattn._errors``)
+DEBUG_CHECKS = os.environ.get("PAGEDATTN_VALIDATE", "").strip().lower() in TRUE_WORDS
+
+
+def value_checks_due(validate: bool | None, device: torch.device) -> bool:
+    """Whether a call's value checks run: ``validate`` when given; for ``None``, on CPU
+    tensors, and on a GPU under the debug switch (:data:`DEBUG_CHECKS`) outside a CUDA-graph
+    capture."""
+    if validate is not None:
+        return bool(validate)
+    if device.type == "cpu":
+        return True
+    return DEBUG_CHECKS and not (device.type == "cuda" and torch.cuda.is_available()
+                                 and torch.cuda.is_current_stream_capturing())
 
 
 def kernel_max_pages(max_pages: int, page_size: int) -> int:
@@ -735,6 +756,9 @@ def check_query_start_loc(query_start_loc: Any, block_tables: torch.Tensor) -> N
     if query_start_loc.device != block_tables.device:
         fail(ValueError, "query_start_loc", f"a tensor on block_tables' device "
              f"{block_tables.device}", query_start_loc.device)
+    if query_start_loc.stride(0) != 1 and query_start_loc.shape[0] > 1:
+        fail(ValueError, "query_start_loc", "a contiguous tensor (the kernels read it so)",
+             f"stride {query_start_loc.stride(0)}")
 
 
 def check_attention_call(query, key_cache, value_cache, block_tables, seq_lens,
@@ -806,6 +830,11 @@ def check_attention_values(plan, num_tokens: int, num_pages: int) -> None:
         b = int((q_lens > lens).nonzero()[0, 0])
         fail(ValueError, "seq_lens", f"at least each sequence's new tokens (sequence {b} has "
              f"{int(q_lens[b])})", int(lens[b]))
+    nd = plan.num_decodes
+    if nd and bool((q_lens[:nd] != 1).any()):
+        b = int((q_lens[:nd] != 1).nonzero()[0, 0])
+        fail(ValueError, "num_decodes", f"the first {nd} sequences bringing one new token "
+             f"each (sequence {b} brings {int(q_lens[b])})", nd)
     if plan.max_query_len is not None and bool((q_lens > plan.max_query_len).any()):
         fail(ValueError, "max_query_len", "at least every sequence's new tokens",
              f"{plan.max_query_len} (a sequence has {int(q_lens.max())})")

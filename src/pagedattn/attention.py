@@ -9,20 +9,23 @@ query_start_loc[b + 1]``; their K/V are already in the paged cache (appended fir
 ``seq_lens[b]`` counts them too, and token ``j`` of ``q_len`` new tokens sits at position
 ``seq_lens[b] - q_len + j``, attending causally.
 
-The kernel is the production decode kernel with its ``VARLEN`` flag (``kernels/decode.py``):
-one program per (block of new tokens of a sequence, kv head), the block's tokens and the
-kv head's query heads packed as the rows of one tile (as multi-token decode packs them), the
-keys walked up to the causal limit of the block's last token (and from the window of its
-first), the causal mask applied per row. The blocks are found on the device from
-``query_start_loc`` (no host sync), so a mixed batch is one launch whatever its make-up. A
-step whose every sequence brings one token (``max_query_len == 1`` and as many rows as
-sequences) runs the decode plan itself (:func:`pagedattn.plan_decode`).
+Two kernels, one per roofline, planned once per step:
+
+* the **prefill kernel** (``kernels/prefill.py``, :mod:`pagedattn.launch.prefill`): blocks of
+  new tokens as 128-row wgmma tiles, the keys below the causal diagonal in an unmasked loop,
+  the diagonal masked; the blocks found on the device from ``query_start_loc`` (no host
+  sync), so a batch of chunks is one launch whatever its make-up;
+* the **decode kernel** (:func:`pagedattn.plan_decode`'s split-KV plan) for the first
+  ``num_decodes`` sequences, which bring exactly one token each at rows ``0 ..
+  num_decodes - 1`` (vLLM's and FlashInfer's batch order: decodes first). A step of decodes
+  only (``num_decodes == batch``) is one decode launch; a mixed step is two launches.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedattn import _errors
 from pagedattn import _validation as V
 from pagedattn import options as O
 from pagedattn._env import on_device
@@ -30,17 +33,10 @@ from pagedattn.api import plan_decode
 from pagedattn.plan import DecodeOutput, nhd_views
 
 
-def _auto_launcher_class():
-    from pagedattn.launch.decode import AutoLauncher
+def _prefill_launcher_class():
+    from pagedattn.launch.prefill import PrefillLauncher
 
-    return AutoLauncher
-
-
-def _block_m(group: int, device: torch.device) -> int:
-    from pagedattn._env import is_interpreter
-    from pagedattn.launch.policy import varlen_block_m
-
-    return varlen_block_m(group, is_interpreter() or device.type == "cpu")
+    return PrefillLauncher
 
 
 class AttentionPlan:
@@ -49,41 +45,63 @@ class AttentionPlan:
 
     It keeps references to ``block_tables``, ``seq_lens`` and ``query_start_loc`` and reads
     them on the device at every run (update them in place between steps, as for a decode
-    plan). Launchers are built on the first run of each query row count (an engine pads its
-    batches to a few sizes) and kept. One plan serves one stream at a time.
+    plan; their shapes are checked at every run). The prefill launcher is built on the first
+    run of each query row count (an engine pads its batches to a few sizes) and kept; the
+    decode plan of the first ``num_decodes`` sequences on the first run. One plan serves one
+    stream at a time.
     """
 
     def __init__(self, block_tables, seq_lens, query_start_loc, *, num_q_heads, num_kv_heads,
-                 head_dim, page_size, q_dtype, kv_dtype, kv_layout, max_query_len, options):
+                 head_dim, page_size, q_dtype, kv_dtype, kv_layout, max_query_len,
+                 num_decodes, options):
         self.block_tables, self.seq_lens = block_tables, seq_lens
         self.query_start_loc = query_start_loc
         self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
         self.head_dim, self.page_size = int(head_dim), int(page_size)
         self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
         self.max_query_len = None if max_query_len is None else int(max_query_len)
+        self.num_decodes = int(num_decodes)
         self.options = options
         self.batch, self.max_pages = block_tables.shape
+        self._shapes = (tuple(block_tables.shape), (self.batch,), (self.batch + 1,))
         self.device = block_tables.device
         self._launchers: dict[int, object] = {}
-        self._decode = None  # the decode plan of one-token steps, built on first use
-        self._block_m = _block_m(self.num_q_heads // self.num_kv_heads, self.device)
-
-    def _decode_only(self, num_tokens: int) -> bool:
-        """Every sequence brings exactly one new token: at most one each, as many as rows."""
-        return self.max_query_len == 1 and num_tokens == self.batch
+        self._decode = None  # the decode plan of the first num_decodes sequences
 
     def _launcher(self, num_tokens: int):
         launcher = self._launchers.get(num_tokens)
         if launcher is None:
             with on_device(self.device):
-                launcher = _auto_launcher_class()(
-                    batch=self.batch, max_pages=self.max_pages, num_q_heads=self.num_q_heads,
-                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    page_size=self.page_size, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
-                    device=self.device, num_splits=None, q_len=self._block_m,
-                    options=self.options, record=False, num_tokens=num_tokens)
+                launcher = _prefill_launcher_class()(
+                    batch=self.batch - self.num_decodes, max_pages=self.max_pages,
+                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
+                    kv_dtype=self.kv_dtype, device=self.device, num_tokens=num_tokens,
+                    max_query_len=self.max_query_len, options=self.options)
             self._launchers[num_tokens] = launcher
         return launcher
+
+    def _decode_plan(self):
+        if self._decode is None:
+            nd = self.num_decodes
+            self._decode = plan_decode(
+                self.block_tables[:nd], self.seq_lens[:nd], num_q_heads=self.num_q_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                page_size=self.page_size, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
+                kv_layout=self.kv_layout,
+                **{name: getattr(self.options, name) for name in O.PLAN})
+        return self._decode
+
+    def check_tables(self) -> None:
+        """The plan's metadata tensors still have the shapes it was planned for (a caller
+        may have resized them in place): a ``ValueError`` naming the tensor otherwise."""
+        for name, t, shape in zip(("block_tables", "seq_lens", "query_start_loc"),
+                                  (self.block_tables, self.seq_lens, self.query_start_loc),
+                                  self._shapes, strict=True):
+            if tuple(t.shape) != shape or (name != "block_tables" and t.stride(0) != 1):
+                V.fail(ValueError, name, f"the planned shape {list(shape)}, contiguous "
+                       "(resized after plan_attention?)", f"{list(t.shape)}, strides "
+                       f"{t.stride()}")
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
             out=None, return_lse=False, validate=None, sinks=None, alibi_slopes=None):
@@ -106,42 +124,43 @@ class AttentionPlan:
 
         Raises:
             TypeError, ValueError: an argument that does not fit the plan, named, before
-                any launch (value checks: CPU tensors or ``validate=True``).
+                any launch (value checks: CPU tensors, ``validate=True`` or
+                ``PAGEDATTN_VALIDATE=1``); metadata that an earlier launch on this device
+                found out of its tables (:func:`pagedattn.check_errors`).
         """
+        _errors.raise_pending(self.device)
+        self.check_tables()
         V.check_attention_run(self, query, key_cache, value_cache, scale=scale,
                               k_scale=k_scale, v_scale=v_scale, out=out,
                               return_lse=return_lse, validate=validate)
         calls = O.call_options({"sinks": sinks, "alibi_slopes": alibi_slopes},
                                self.num_q_heads, self.device)
-        if validate or (validate is None and self.device.type == "cpu"):
+        if V.value_checks_due(validate, self.device):
             V.check_attention_values(self, query.shape[0], key_cache.shape[0])
             V.check_scalar_values((("k_scale", k_scale), ("v_scale", v_scale)))
             if calls:
                 O.check_values(calls)
-        num_tokens = query.shape[0]
-        if self._decode_only(num_tokens):
-            if self._decode is None:
-                self._decode = plan_decode(
-                    self.block_tables, self.seq_lens, num_q_heads=self.num_q_heads,
-                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    page_size=self.page_size, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
-                    kv_layout=self.kv_layout,
-                    **{name: getattr(self.options, name) for name in O.PLAN})
-            return self._decode.run(query, key_cache, value_cache, scale=scale,
-                                    k_scale=k_scale, v_scale=v_scale, out=out,
-                                    return_lse=return_lse, validate=False, **calls)
+        num_tokens, nd = query.shape[0], self.num_decodes
+        if num_tokens < nd:
+            V.fail(ValueError, "query", f"at least num_decodes={nd} rows", num_tokens)
         if out is None:
             out = torch.zeros_like(query, memory_format=torch.contiguous_format)
         lse = (torch.full((num_tokens, self.num_q_heads), float("-inf"), dtype=torch.float32,
                           device=self.device) if return_lse else None)
-        if num_tokens > 0 and self.batch > 0:
+        if nd:  # the decodes: rows 0 .. nd - 1, one a sequence, split-KV
+            res = self._decode_plan().run(query[:nd], key_cache, value_cache, scale=scale,
+                                          k_scale=k_scale, v_scale=v_scale, out=out[:nd],
+                                          return_lse=return_lse, validate=False, **calls)
+            if return_lse:
+                lse[:nd] = res.lse
+        if num_tokens > nd and self.batch > nd:
             key_cache, value_cache = nhd_views(key_cache, value_cache, self.kv_layout)
             sm_scale = self.head_dim**-0.5 if scale is None else float(scale)
             with on_device(self.device):
                 self._launcher(num_tokens).launch(
-                    query, key_cache, value_cache, self.block_tables, self.seq_lens, out, lse,
-                    scale=sm_scale, k_scale=k_scale, v_scale=v_scale, calls=calls,
-                    query_start_loc=self.query_start_loc)
+                    query, key_cache, value_cache, self.block_tables[nd:], self.seq_lens[nd:],
+                    self.query_start_loc[nd:], out, lse, scale=sm_scale, k_scale=k_scale,
+                    v_scale=v_scale, calls=calls, first_row=nd)
         return DecodeOutput(out, lse) if return_lse else out
 
 
@@ -149,7 +168,8 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, *, num_q_heads: int, num_kv_heads: int,
                    head_dim: int, page_size: int, q_dtype: torch.dtype,
                    kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD",
-                   max_query_len: int | None = None, window_left: int = -1,
+                   max_query_len: int | None = None, num_decodes: int = 0,
+                   window_left: int = -1,
                    logits_soft_cap: float | None = None) -> AttentionPlan:
     """Plan one step of paged attention over varlen queries for every layer.
 
@@ -163,8 +183,16 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         num_q_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype, kv_layout: as in
             :func:`pagedattn.plan_decode`.
         max_query_len: the most new tokens a sequence brings (a scheduler knows it), or
-            ``None``. With 1, and as many query rows as sequences, a run is a decode step
-            and goes through :func:`pagedattn.plan_decode`'s plan (CUDA-graph safe as it).
+            ``None``; it picks the prefill kernel's tiles (short chunks pack the GQA group
+            into the rows). Checked with the values (CPU tensors or ``validate=True``).
+        num_decodes: the first ``num_decodes`` sequences each bring exactly one new token,
+            at query rows ``0 .. num_decodes - 1`` (vLLM's and FlashInfer's batch order:
+            decodes first). They run through :func:`pagedattn.plan_decode`'s split-KV plan,
+            the other sequences through the prefill kernel: two launches for a mixed step,
+            one for a step of decodes only (``num_decodes == batch``). An int in ``[0,
+            batch]``; ``query_start_loc[num_decodes] == num_decodes`` is checked on the
+            device (reported as ``query_start_loc``), the other entries of the decodes with
+            the values.
         window_left, logits_soft_cap: the plan-time variants, as in
             :func:`pagedattn.paged_decode`.
 
@@ -181,12 +209,14 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     V.check_query_start_loc(query_start_loc, block_tables)
     if max_query_len is not None:
         V.check_int("max_query_len", max_query_len, 1)
+    V.check_int("num_decodes", num_decodes, 0, block_tables.shape[0])
     options = O.plan_options({"window_left": window_left, "logits_soft_cap": logits_soft_cap},
                              "plan_attention")
     return AttentionPlan(block_tables, seq_lens, query_start_loc, num_q_heads=num_q_heads,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                          q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,
-                         kv_layout=kv_layout, max_query_len=max_query_len, options=options)
+                         kv_layout=kv_layout, max_query_len=max_query_len,
+                         num_decodes=num_decodes, options=options)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -196,7 +226,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                     alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None,
                     return_lse: bool = False, out: torch.Tensor | None = None,
-                    validate: bool | None = None):
+                    validate: bool | None = None, num_decodes: int = 0):
     """Causal paged attention for any number of new tokens per sequence, in one launch.
 
     Args:
@@ -216,6 +246,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             :func:`pagedattn.paged_decode`, per token.
         return_lse: also return the LSE ``[num_tokens, num_q_heads]`` float32, natural log.
         out: optional output of the query's shape and dtype.
+        num_decodes: as in :func:`plan_attention` (the first sequences bring one token each).
 
     Returns:
         ``out``, or ``DecodeOutput(out, lse)``.
@@ -236,7 +267,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                           num_q_heads=query.shape[1], num_kv_heads=num_kv_heads,
                           head_dim=head_dim, page_size=page_size, q_dtype=query.dtype,
                           kv_dtype=key_cache.dtype, kv_layout=kv_layout,
-                          window_left=window_left, logits_soft_cap=logits_soft_cap)
+                          num_decodes=num_decodes, window_left=window_left,
+                          logits_soft_cap=logits_soft_cap)
     return plan.run(query, key_cache, value_cache, scale=scale, k_scale=k_scale,
                     v_scale=v_scale, out=out, return_lse=return_lse, validate=validate,
                     sinks=sinks, alibi_slopes=alibi_slopes)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedattn import _errors
 from pagedattn import _validation as V
 from pagedattn import _validation_mla as VM
 from pagedattn import options as O
@@ -118,10 +119,16 @@ class MLADecodePlan:
             TypeError, ValueError: an argument that does not fit the plan, named, before any
                 launch and any write.
         """
+        _errors.raise_pending(self.device)  # what an earlier launch found (no sync)
+        for name, t, shape in (("block_tables", self.block_tables, (self.batch, self.max_pages)),
+                               ("context_lens", self.context_lens, (self.batch,))):
+            if tuple(t.shape) != shape:
+                V.fail(ValueError, name, f"the planned shape {list(shape)} (resized after "
+                       "the plan was built?)", list(t.shape))
         VM.check_mla_run(self, q_nope, q_pe, ckv_cache, kpe_cache, scale=scale,
                          kv_scale=kv_scale, out=out, return_lse=return_lse, validate=validate)
         calls = O.call_options({"sinks": sinks}, self.num_q_heads, self.device)
-        if validate or (validate is None and self.device.type == "cpu"):
+        if V.value_checks_due(validate, self.device):
             VM.check_mla_values(self, q_nope, q_pe, ckv_cache, kpe_cache, scale=scale,
                                 kv_scale=kv_scale)
             if calls:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedattn import _errors
 from pagedattn import _validation as V
 from pagedattn import options as O
 from pagedattn._env import num_devices, on_device
@@ -79,7 +80,7 @@ class ValueChecks:
         ``calls``: the per-call variant tensors that are on
         (:func:`pagedattn.options.call_options`)."""
         on_cpu = query.device.type == "cpu"
-        if validate is False or (validate is None and not on_cpu):
+        if not V.value_checks_due(validate, query.device):
             return
         if validate and not on_cpu and torch.cuda.is_current_stream_capturing():
             raise ValueError("validate: True needs a device-to-host sync, which CUDA-graph "
@@ -132,6 +133,9 @@ class DecodePlan:
         self.batch, self.max_pages = (block_tables.shape if table_shape is None
                                       else table_shape)
         self.device = block_tables.device if device is None else device
+        # the metadata's shapes, checked at every run (a caller may resize them in place)
+        self._table_shape = torch.Size((self.batch, self.max_pages))
+        self._lens_shape = torch.Size((self.batch,))
         # a multi-token plan takes 4-D queries [batch, q_len, num_q_heads, head_dim]
         self.q_shape = torch.Size((self.batch, num_q_heads, head_dim) if q_len == 1
                                   else (self.batch, q_len, num_q_heads, head_dim))
@@ -170,6 +174,16 @@ class DecodePlan:
                     schedule=self.schedule, num_programs=self.num_programs)
         return self._launcher
 
+    def check_tables(self) -> None:
+        """``block_tables`` and ``context_lens`` still have the shapes the plan was built
+        for: a ``ValueError`` naming the one that does not (resized in place after
+        :func:`plan_decode`: the kernels would read past it)."""
+        for name, t, shape in (("block_tables", self.block_tables, self._table_shape),
+                               ("context_lens", self.context_lens, self._lens_shape)):
+            if t.shape != shape:
+                V.fail(ValueError, name, f"the planned shape {list(shape)} (resized after "
+                       "the plan was built?)", list(t.shape))
+
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
             out=None, return_lse=False, validate=None, **variants):
         """One layer's decode: ``softmax(q·Kᵀ·scale)·V`` over each sequence's tokens (with
@@ -193,9 +207,12 @@ class DecodePlan:
             TypeError, ValueError: an input that does not match the plan (the message names
                 the argument), or what :func:`paged_decode` refuses.
         """
+        if (self.block_tables.shape != self._table_shape
+                or self.context_lens.shape != self._lens_shape):
+            self.check_tables()
         variants = self.check_call(query, key_cache, value_cache, scale, k_scale, v_scale,
                                    out, return_lse, validate, variants)
-        if self.on_cpu or validate:
+        if self.on_cpu or validate or V.DEBUG_CHECKS:
             self.checks.check(query, key_cache, value_cache, self.block_tables,
                               self.context_lens, validate, scale=scale, k_scale=k_scale,
                               v_scale=v_scale, calls=variants)
@@ -227,6 +244,9 @@ class DecodePlan:
         is not the plain one: the caller then goes through :meth:`run`, whose checks name the
         argument."""
         q_shape = self._q_shape_4d
+        if (self.block_tables.shape != self._table_shape
+                or self.context_lens.shape != self._lens_shape):
+            self.check_tables()
         if q_shape is None or not self.is_plain_call(query, key_cache, value_cache, scale,
                                                      None, None, None, return_lse, None,
                                                      q_shape):
@@ -282,6 +302,7 @@ class DecodePlan:
         ``tables``: a one-shot call's ``(block_tables, context_lens)`` for a template plan;
         the call then returns ``(result, compiled)`` (a shared template keeps no
         ``last_compiled``)."""
+        _errors.raise_pending(self.device)  # what an earlier launch found (no sync)
         if out is None:  # the query's shape, dtype and device (checked): no size to parse
             out = (torch.empty_like(query, memory_format=torch.contiguous_format)
                    if type(query) is torch.Tensor

@@ -5,7 +5,8 @@ paged cache.
 ``s // page_size`` and in-page offset ``s % page_size``. Its key row ``key[t, :, :]``
 (``[num_kv_heads, head_dim]``) goes to ``key_cache[s // page_size, s % page_size, :, :]`` and
 likewise for the value. A negative slot (vLLM's padding for CUDA-graph batches) and a slot at
-or past the cache's capacity are skipped, so the kernel never writes out of bounds. With
+or past the cache's capacity are skipped, so the kernel never writes out of bounds; a slot
+past the capacity is also reported in the device's error word (``pagedattn._errors``). With
 ``QUANTIZE`` (fp8 caches) the stored value is ``clamp(x / scale, -FP8_MAX, FP8_MAX)`` rounded
 to the cache's fp8 dtype (the decode kernel dequantizes with ``stored * scale``); ``scale`` is
 one float or one per kv head. The rounding to the fp8 grid (nearest, ties to even, as torch's
@@ -24,6 +25,8 @@ Stage: serving integration (not one of the study's decode stages).
 
 import triton
 import triton.language as tl
+
+from pagedattn.kernels.errors import SLOT_MAPPING, _report
 
 
 @triton.jit
@@ -50,6 +53,7 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
 @triton.jit
 def _append_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    errors_ptr,  # [1] int64: the device's error word (pagedattn._errors)
     k_scale_ptr, v_scale_ptr, stride_ks, stride_vs, k_scale_val, v_scale_val,
     num_tokens, num_slots, page_size,
     stride_key_t, stride_key_h, stride_key_d,
@@ -79,6 +83,10 @@ def _append_kv_kernel(
 
     slot = tl.load(slot_mapping_ptr + tok * stride_slot, mask=tok_ok, other=-1).to(tl.int64)
     write_tok = tok_ok & (slot >= 0) & (slot < num_slots)  # [BLOCK_T]
+    past = tok_ok & (slot >= num_slots)  # dropped, and reported (by the first column block)
+    first_past = tl.min(tl.where(past, tok, num_tokens))
+    _report(errors_ptr, (pid_c == 0) & (first_past < num_tokens), SLOT_MAPPING, first_past,
+            tl.max(tl.where(tok == first_past, slot, 0)))
     slot = tl.where(write_tok, slot, 0)
     page = slot // page_size
     offset = slot % page_size

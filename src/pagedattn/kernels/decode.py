@@ -64,6 +64,7 @@ measurements behind each choice are in ``docs/perf-notes.md``.
 import triton
 import triton.language as tl
 
+from pagedattn.kernels.errors import CONTEXT_LENS, _report
 from pagedattn.kernels.merge import (
     _arrive,
     _empty_seq_result,
@@ -99,7 +100,7 @@ from pagedattn.kernels.steps import (
 
 # runtime values that change from call to call: never specialized (no recompiles for a new
 # batch size, table width or split policy)
-_RUNTIME_ARGS = ["batch", "max_pages", "forced_splits", "min_chunk", "target_units",
+_RUNTIME_ARGS = ["batch", "max_pages", "num_pages", "forced_splits", "min_chunk", "target_units",
                  "target_units_ragged", "stride_q_b", "stride_bt_b", "stride_o_b",
                  "window_left", "stride_q_t", "stride_o_t", "stride_qpe_b", "stride_qpe_t"]
 
@@ -107,6 +108,7 @@ _RUNTIME_ARGS = ["batch", "max_pages", "forced_splits", "min_chunk", "target_uni
 def _paged_decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, lse_ptr,
+    errors_ptr,  # [1] int64: the device's error word (pagedattn._errors)
     part_ml_ptr,  # [rows_max, num_q_heads, 2] fp32 (m, l), exp2 domain
     part_acc_ptr,  # [rows_max, num_q_heads, BLOCK_D] fp32, unnormalized
     # [batch, 2] int32 (start_b, n_b): the unit (b, s=0, kv head 0), or (0, 0); FOLD_MERGE:
@@ -125,6 +127,7 @@ def _paged_decode_kernel(
     stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
     stride_bt_b, stride_bt_p, stride_ctx,
     stride_o_b, stride_o_h, stride_o_d,
+    num_pages,  # the caches' pages: a page id outside [0, num_pages) reads page 0, reported
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,  # lengths per vector load of the split planner
@@ -172,6 +175,12 @@ def _paged_decode_kernel(
     HAS_ALIBI: tl.constexpr = VARIANTS.HAS_ALIBI
     BATCH_INVARIANT: tl.constexpr = VARIANTS.BATCH_INVARIANT
     _pdl_launch_dependents(PDL)  # the merge's programs may launch once all of ours run
+    # every length is read clamped to the table's capacity; program p reports those of
+    # sequences p, p + programs, ... that were not (a split grid has a program a sequence)
+    for b_chk in range(tl.program_id(0), batch, tl.num_programs(0)):
+        raw_len = tl.load(context_lens_ptr + b_chk * stride_ctx)
+        _report(errors_ptr, (raw_len < 0) | (raw_len > max_pages * PAGE_SIZE), CONTEXT_LENS,
+                b_chk, raw_len)
     if PERSISTENT:  # a program per equal share of the step's tiles, merges in this launch
         _persistent_program(
             query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -181,7 +190,8 @@ def _paged_decode_kernel(
             num_kv_heads, group, max_pages, stride_q_b, stride_q_h, stride_q_d, stride_k_page,
             stride_k_tok, stride_k_head, stride_k_d, stride_v_page, stride_v_tok,
             stride_v_head, stride_v_d, stride_bt_b, stride_bt_p, stride_ctx, stride_o_b,
-            stride_o_h, stride_o_d, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N, BLOCK_B, PAGE_SIZE,
+            stride_o_h, stride_o_d, num_pages, errors_ptr, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
+            BLOCK_B, PAGE_SIZE,
             DOT_DTYPE, DOT_PRECISION, Q_POW2_SCALE, SCALE_FROM_PTR, HAS_LSE, Q_LEN, VARIANTS,
             FP8_V_PAIRS, ASM, LEAN_SOFTMAX,
             SLOT_OFFSETS_I32, BLOCK_R, BLOCK_HM, TILES_I64, MLA, ROPE_DIM, BLOCK_DR, q_pe_ptr,
@@ -257,8 +267,8 @@ def _paged_decode_kernel(
                               ctx, q_pos, win_first, window_left, softcap, offs_n, offs_d,
                               mask_d, stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
                               stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
-                              stride_bt_b, stride_bt_p, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N,
-                              PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, VARIANTS, FP8_V_PAIRS,
+                              stride_bt_b, stride_bt_p, num_pages, errors_ptr, HEAD_DIM,
+                              BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, VARIANTS, FP8_V_PAIRS,
                               ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA, ROPE_DIM, BLOCK_DR)
 
     if ONE_UNIT:  # the sequence's only unit (an empty one too: out 0)

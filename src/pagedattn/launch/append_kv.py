@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedattn import _errors
 from pagedattn import _validation as V
 from pagedattn._env import is_interpreter
 from pagedattn.kernels.append_kv import _append_kv_kernel
@@ -91,10 +92,11 @@ def append_kv(
     """
     check_append_kv_args(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout,
                          k_scale=k_scale, v_scale=v_scale)
+    _errors.raise_pending(key.device)
     num_pages, page_size, num_kv_heads, head_dim = V.cache_dims(key_cache, kv_layout)
     num_slots = num_pages * page_size
     on_cpu = key.device.type == "cpu"
-    if validate or (validate is None and on_cpu):
+    if V.value_checks_due(validate, key.device):
         if validate and not on_cpu and torch.cuda.is_current_stream_capturing():
             raise ValueError("validate: True needs a device-to-host sync, which CUDA-graph "
                              "capture forbids; pass validate=None")
@@ -126,7 +128,7 @@ def append_kv(
     fp8_max, mantissa_bits, min_normal, magic = _fp8_constants(key_cache.dtype)
     compiled = _append_kv_kernel[grid](
         key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
-        slot_mapping_ptr=slot_mapping,
+        slot_mapping_ptr=slot_mapping, errors_ptr=_errors.error_word(key.device),
         # without tensor scales the pointers are unused: any tensor of the call stands in
         k_scale_ptr=kp if from_ptr else slot_mapping, v_scale_ptr=vp if from_ptr else slot_mapping,
         stride_ks=ks, stride_vs=vs, k_scale_val=kval, v_scale_val=vval,

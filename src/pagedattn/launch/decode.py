@@ -60,6 +60,7 @@ from dataclasses import replace
 
 import torch
 
+from pagedattn import _errors
 from pagedattn._env import device_name_for, is_interpreter, num_sms
 from pagedattn._validation import FP8_DTYPES
 from pagedattn.kernels.decode import (
@@ -101,7 +102,7 @@ def slot_offsets_fit_int32(cache: torch.Tensor, page_size: int, num_kv_heads: in
 _MAIN_SLOTS = ("query_ptr", "key_cache_ptr", "value_cache_ptr", "block_tables_ptr",
                "context_lens_ptr", "out_ptr", "lse_ptr",
                "scale_log2", "k_scale_val", "v_scale_val", "part_ml_ptr", "part_acc_ptr",
-               "seq_rows_ptr", "k_scale_ptr", "v_scale_ptr")
+               "seq_rows_ptr", "k_scale_ptr", "v_scale_ptr", "errors_ptr", "num_pages")
 #: an MLA launch's one more (``pagedattn.mla``): the query's rope part
 _MLA_SLOTS = (*_MAIN_SLOTS, "q_pe_ptr")
 #: the MLA arguments of a launch that is not MLA's (None: constexprs, no kernel parameter)
@@ -286,6 +287,10 @@ class AutoLauncher:
                         and tc.direct_launch_supported())
         self._bindings: dict[tuple, tuple] = {}
         self._get_stream = tc.current_stream if self._direct else None
+        #: the device's error word (pagedattn._errors): the main kernel reports a length
+        #: it clamped there
+        self._error_word = _errors.error_word(device)
+        self._error_ptr = self._error_word.data_ptr()
 
     def new_workspace(self) -> torch.Tensor:
         """A fresh workspace for this launcher's shapes (:meth:`workspace_parts` names its
@@ -379,8 +384,10 @@ class AutoLauncher:
                     scale * LOG2E, 1.0 if k_scale is None else float(k_scale),
                     1.0 if v_scale is None else float(v_scale), ml_ptr, acc_ptr, rows_ptr,
                     ml_ptr, ml_ptr)
+                args[main_slots[15]] = self._error_ptr
+                args[main_slots[16]] = key_cache.shape[0]
                 if self.mla:
-                    args[main_slots[15]] = q_pe.data_ptr()
+                    args[main_slots[17]] = q_pe.data_ptr()
                 # the per-call variants' slots (after the fixed ones): on, or the workspace
                 for pos, name in main_slots[-1]:
                     args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
@@ -414,7 +421,7 @@ class AutoLauncher:
         main_args = dict(
             query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
             block_tables_ptr=block_tables, context_lens_ptr=context_lens, out_ptr=out,
-            lse_ptr=lse if lse is not None else part_ml,
+            lse_ptr=lse if lse is not None else part_ml, errors_ptr=self._error_word,
             part_ml_ptr=part_ml, part_acc_ptr=part_acc,
             # varlen: query_start_loc in the slot that a one-unit launch never touches
             seq_rows_ptr=query_start_loc if self.varlen else seq_rows,
@@ -444,6 +451,7 @@ class AutoLauncher:
             stride_bt_b=block_tables.stride(0), stride_bt_p=block_tables.stride(1),
             stride_ctx=context_lens.stride(0),
             stride_o_b=out.stride(0), stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
+            num_pages=key_cache.shape[0],
             **self._flags_for(Binding(
                 scale_from_ptr=tensor_scales, has_lse=lse is not None,
                 calls=frozenset(calls) if calls else frozenset(),

@@ -19,8 +19,8 @@ vLLM                            pagedattn
 
 vLLM puts decode rows first (the builder's ``reorder_batch_threshold = 1``). The leading
 requests that bring exactly one token are the step's **decode part**: one plan over them with
-``max_query_len=1``, which runs pagedattn's decode plan (split-KV for long contexts; CUDA-graph
-safe). The rest, chunked-prefill chunks, prompts after a cached prefix and anything else, is
+``num_decodes`` equal to their count, which runs pagedattn's decode plan (split-KV for long
+contexts; CUDA-graph safe). The rest, chunked-prefill chunks, prompts after a cached prefix and anything else, is
 the **varlen part**: one plan over those rows, ``query_start_loc`` shifted to start at 0 (one
 device subtraction). A step of decodes only has no varlen part, a step of prefills no decode
 part. Correctness does not rest on the order: the varlen kernel takes any query lengths.
@@ -131,7 +131,8 @@ def plan_step(*, block_table: torch.Tensor, seq_lens: torch.Tensor,
             table, lens, qsl = block_table[:nd], seq_lens[:nd], query_start_loc[:nd + 1]
 
             def build(table=table, lens=lens, qsl=qsl, shapes=shapes):
-                return plan_attention(table, lens, qsl, max_query_len=1, **shapes)
+                return plan_attention(table, lens, qsl, max_query_len=1, num_decodes=nd,
+                                      **shapes)
 
             if cache is None:
                 decode = build()

@@ -1,0 +1,48 @@
+"""Reporting bad metadata from a kernel: ``@triton.jit`` helpers that write one report into
+the device's error word (:mod:`pagedattn._errors`, which turns it into a ``ValueError`` at the
+next call or at ``pagedattn.check_errors()``).
+
+A kernel never trusts what its metadata says: it clamps each value to its tables and keeps
+going (no trap, no partial launch), and reports the first value it clamped. A report is one
+64-bit store of ``code << 56 | row << 32 | value`` (row in 24 bits, the value saturated to
+int32), so it is never torn. The codes are :data:`pagedattn._errors.CODES`'.
+
+Nothing here imports another kernels module.
+"""
+
+import triton
+import triton.language as tl
+
+# the report codes (pagedattn._errors.CODES holds their argument names and messages)
+# (ordered from cause to consequence: a report replaces a pending one of a higher code only)
+CONTEXT_LENS = tl.constexpr(1)  # a decode length outside [0, max_pages * page_size]
+SEQ_LENS = tl.constexpr(2)  # a varlen length outside [0, max_pages * page_size]
+QUERY_START_LOC = tl.constexpr(3)  # decreasing, negative or past the query's rows
+SEQ_LENS_SHORT = tl.constexpr(4)  # a varlen length below the sequence's new tokens
+BLOCK_TABLES = tl.constexpr(5)  # a used page id outside [0, num_pages)
+SLOT_MAPPING = tl.constexpr(6)  # an append slot at or past the cache's capacity
+
+
+@triton.jit
+def _report(errors_ptr, bad, code: tl.constexpr, row, value):
+    """Store one report when the scalar ``bad`` holds: ``code``, the offending ``row`` (its
+    low 24 bits) and ``value`` (saturated to int32), unless a report of a lower code is
+    pending (a plain load and store, no atomic: the word may be host memory; of two
+    reports racing, either is kept)."""
+    if bad:
+        zero = tl.zeros([], tl.int64)
+        v = tl.minimum(tl.maximum(zero + value, -2147483648), 2147483647)
+        word = (((zero + code) << 56) | (((zero + row) & 0xFFFFFF) << 32)
+                | (v & 0xFFFFFFFF))
+        pending = tl.load(errors_ptr, volatile=True)
+        if (pending == 0) | ((pending >> 56) > code):
+            tl.store(errors_ptr, word)
+
+
+@triton.jit
+def _checked_page_ids(raw, num_pages):
+    """Page ids read from a block table, clamped to ``[0, num_pages)`` (an id outside reads
+    page 0), and whether any was outside: ``(ids int64, bad int1 [...])``."""
+    ids = raw.to(tl.int64)
+    bad = (ids < 0) | (ids >= num_pages)
+    return tl.where(bad, 0, ids), bad
