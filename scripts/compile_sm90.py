@@ -198,19 +198,16 @@ def case_launcher(name: str):
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
                               device=torch.device("cpu"), num_splits=None, q_len=q_len,
                               options=plan_options(options), workspace=not one_shot,
-                              schedule=schedule, num_programs=num_programs,
-                              num_tokens=num_tokens, record=num_tokens is None)
-    query = torch.zeros((num_tokens, 32, 128) if num_tokens is not None else
-                        (batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
+                              schedule=schedule, num_programs=num_programs)
+    query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
     tables = torch.zeros(batch, max_pages, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
     tensors = {k: torch.zeros(32) for k in per_call}
     out, lse = torch.empty_like(query), torch.empty(query.shape[:-1]) if with_lse else None
-    qsl = torch.zeros(batch + 1, dtype=torch.int32) if num_tokens is not None else None
     return launcher, lambda: launcher.launch(query, cache, cache, tables, lens, out, lse,
-                                             scale=0.1, calls=tensors, query_start_loc=qsl)
+                                             scale=0.1, calls=tensors)
 
 
 def prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads, num_tokens,
@@ -418,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
               f"C launch form {tc.LAUNCH_FORMS.get(tc.VERSION)}", flush=True)
         bad = checked = 0
         for case in cases:
-            if "num_tokens" in CASES.get(case, ({},))[0]:  # varlen launchers record nothing
-                print(f"{case}: never recorded (varlen: every launch through kernel[grid])")
+            if "num_tokens" in CASES.get(case, ({},))[0]:  # the prefill launcher records nothing
+                print(f"{case}: never recorded (prefill: every launch through kernel[grid])")
                 continue
             checked += 1
             verdict = check_bindings(case)

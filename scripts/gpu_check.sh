@@ -2,6 +2,13 @@
 # pagedattn on a GPU machine, one phase per `device` call (each under 10 minutes).
 #   usage: bash scripts/gpu_check.sh PHASE          (repo root; no install needed)
 # Phases:
+#   correctness  the gate every kernel or launch change passes before it is called done
+#             (under 5 minutes): scripts/gpu_correctness.py --all (every kernel family x cache
+#             dtype x layout x page size x head dim against the float64 oracle, a process a
+#             family), then compute-sanitizer memcheck and initcheck over
+#             scripts/sanitize_driver.py (every family once, and metadata past the tables)
+#             -> $OUT/gpu-correctness.log, sanitize-*.log, correctness-summary.md
+#             (docs/results/gpu-correctness-<gpu>.md records the commit it passed on)
 #   tests     every gpu/gpu2-marked test (xdist when present), then tests/test_engine.py on the
 #             GPU -> $OUT/pytest-gpu.log, pytest-engine.log (docs/results/gpu-tests-h200.log
 #             holds them one after the other); with $PEERS carried, the compat layer's
@@ -76,6 +83,30 @@ peer_files() {  # the --peer-file arguments of the peers present in $PEERS
     && PEER_FILES+=(--peer-file "fa3=$PEERS/fa3_peer.py")
   echo "peer files: ${PEER_FILES[*]:-none}"
 }
+phase_correctness() {
+  env_info
+  { echo "# GPU correctness gate, commit ${PAGEDATTN_GIT_SHA:-unknown} ($(date -u +%FT%H:%MZ))"
+    echo; head -1 "$OUT/env.txt"; echo; } > "$OUT/correctness-summary.md"
+  stamp "every family against the oracle"
+  timeout "${CORRECTNESS_S:-200}" python3 scripts/gpu_correctness.py --all --jobs 9 \
+    --json "$OUT/gpu-correctness.json" > "$OUT/gpu-correctness.log" 2>&1
+  local rc=$?
+  grep -E "FAIL|CRASH" "$OUT/gpu-correctness.log" | head -20
+  sed -n '/^| family/,$p' "$OUT/gpu-correctness.log" | tee -a "$OUT/correctness-summary.md"
+  echo "oracle pass: exit $rc" | tee -a "$OUT/correctness-summary.md"
+  { echo; echo "| pass | exit | s | sanitizer errors | driver | log |"; echo "|---|---|---|---|---|---|"
+  } > "$OUT/sanitizer-summary.md"
+  san warm "$OUT/sanitize-warm.log" python3 scripts/sanitize_driver.py
+  export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+  san memcheck "$OUT/sanitize-memcheck.log" compute-sanitizer --tool memcheck --leak-check no \
+    --print-limit 50 python3 scripts/sanitize_driver.py
+  san initcheck "$OUT/sanitize-initcheck.log" compute-sanitizer --tool initcheck \
+    --print-limit 50 python3 scripts/sanitize_driver.py
+  unset PYTORCH_NO_CUDA_MEMORY_CACHING
+  cat "$OUT/sanitizer-summary.md" | tee -a "$OUT/correctness-summary.md"
+  return $rc
+}
+
 phase_tests() {
   env_info
   setup_flashinfer  # the compat layer's comparisons with FlashInfer (FA3: found in $PEERS)
@@ -224,6 +255,6 @@ PY
 
 phase=${1:-}
 case "$phase" in
-  tests|bench|serving|sanitize|profile|dropin|ab) "phase_$phase"; rc=$?; stamp "$phase: exit $rc"; exit $rc ;;
+  correctness|tests|bench|serving|sanitize|profile|dropin|ab) "phase_$phase"; rc=$?; stamp "$phase: exit $rc"; exit $rc ;;
   *) sed -n '2,30p' "$0"; exit 2 ;;
 esac

@@ -8,7 +8,9 @@ library on boundary shapes.
     PYTHONPATH=src compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py \
         --graphs-only      # graph capture needs the caching allocator: its own pass
 
-What runs: every impl through the public API on each shape; ``split_kv_v4`` and ``auto`` with
+What runs: every impl through the public API on each shape; the prefill kernel and a mixed
+step (decodes through the decode plan); ``mla_decode``; metadata past the tables with the
+value checks off (each run must clamp, stay in bounds and report); ``split_kv_v4`` and ``auto`` with
 forced splits (so the merge kernels run: ``auto``'s per-head merge on small batches, its
 per-group merge on the ``b17-hkv8`` shape, whose batch x kv heads fills the H200's 132 SMs);
 ``auto`` with the LSE, fp8 with per-kv-head scales and an HND view of a combined KV buffer;
@@ -234,6 +236,134 @@ def _plan_run(lens: list[int], graph: bool, schedule: str = "split") -> int:
     return failures
 
 
+def _prefill_runs() -> int:
+    """The prefill kernel and a mixed step (decodes first, ``num_decodes``): bf16, fp8 e4m3
+    with per-head scales, fp16 HND over a combined buffer; a window, every variant; pages of
+    1 and 16; the LSE; padding rows past ``query_start_loc[-1]`` (never written)."""
+    failures = 0
+    seq_lens, q_lens = [31, 9, 0, 70, 5], [1, 1, 0, 40, 5]
+    sinks = torch.linspace(-1.0, 1.0, 8, device=DEVICE)
+    slopes = torch.linspace(0.0, 0.3, 8, device=DEVICE)
+    for dtype, cache, layout, page, kw in (
+            (torch.bfloat16, None, "NHD", 16, {}),
+            (torch.bfloat16, torch.float8_e4m3fn, "NHD", 16, {}),
+            (torch.float16, None, "HND", 1, {"window_left": 6}),
+            (torch.bfloat16, None, "NHD", 16, {"window_left": 20, "logits_soft_cap": 5.0,
+                                               "sinks": sinks, "alibi_slopes": slopes})):
+        inputs = make_paged_inputs(seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                                   page_size=page, dtype=dtype, cache_dtype=cache,
+                                   kv_layout=layout, seed=page, device=DEVICE)
+        n = sum(q_lens)
+        g = torch.Generator().manual_seed(n)
+        query = torch.randn(n + 3, 8, 64, generator=g).to(dtype).to(DEVICE)
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                           device=DEVICE)
+        scales = {}
+        if cache is not None:
+            scales = dict(k_scale=torch.tensor([0.5, 1.5], device=DEVICE), v_scale=1.25)
+        for nd in (0, 2):
+            out = torch.full_like(query, float("nan"))
+            res = pagedattn.paged_attention(query, *inputs[1:], qsl, kv_layout=layout, out=out,
+                                            return_lse=True, num_decodes=nd, **scales, **kw)
+            _sync()
+            ref = pagedattn.paged_attention_reference(query, *inputs[1:], qsl,
+                                                      kv_layout=layout, **scales, **kw)
+            err = rel_l2_error(out[:n], ref.out[:n])
+            ok = err <= tolerance_for(cache or dtype) and bool(torch.isnan(out[n:]).all())
+            finite = torch.isfinite(ref.lse[:n])
+            ok &= bool(torch.allclose(res.lse[:n].double().cpu()[finite], ref.lse[:n][finite],
+                                      atol=1e-3, rtol=1e-3))
+            label = {k: "[H] tensor" if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+            failures += _report("prefill", f"{str(cache or dtype)[6:]} {layout}",
+                                {**label, "page": page, "num_decodes": nd}, ok, err)
+    LAUNCHED.add("paged_prefill")
+    return failures
+
+
+def _mla_runs() -> int:
+    """``mla_decode`` at DeepSeek's dims (512 + 64), 16 and 128 heads, bf16 and fp8, pages of
+    64 and 1, empty and one-token sequences."""
+    from pagedattn.testing import make_mla_inputs
+
+    failures = 0
+    for heads, cache, page in ((16, None, 64), (128, None, 64), (16, torch.float8_e4m3fn, 1)):
+        inputs = make_mla_inputs([0, 1, 90, 130], num_q_heads=heads, page_size=page,
+                                 dtype=torch.bfloat16, cache_dtype=cache, device=DEVICE)
+        kv_scale = 0.5 if cache is not None else None
+        out = torch.full_like(inputs.q_nope, float("nan"))
+        res = pagedattn.mla_decode(*inputs, scale=0.07, kv_scale=kv_scale, out=out,
+                                   return_lse=True)
+        _sync()
+        ref = pagedattn.mla_decode_reference(*inputs, scale=0.07, kv_scale=kv_scale)
+        err = rel_l2_error(out, ref.out)
+        ok = err <= tolerance_for(cache or torch.bfloat16)
+        finite = torch.isfinite(ref.lse)
+        ok &= bool(torch.allclose(res.lse.double().cpu()[finite], ref.lse[finite], atol=1e-3,
+                                  rtol=1e-3))
+        failures += _report("mla", f"{heads} heads", {"fp8": cache is not None, "page": page},
+                            ok, err)
+    return failures
+
+
+def _bad_metadata_runs() -> int:
+    """Metadata past the tables with the value checks off (as ``validate=None`` on a GPU):
+    lengths past the block table and negative, page ids outside the cache in used entries,
+    ``query_start_loc`` decreasing and past the rows, ``seq_lens`` shorter than the new
+    tokens, an append slot at the cache's capacity. The kernels clamp (memcheck: no access
+    outside a tensor) and report; each run must raise its report at ``check_errors``."""
+    failures = 0
+    inputs = make_paged_inputs([9, 40, 3], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                               page_size=16, dtype=torch.bfloat16, seed=5, device=DEVICE)
+    pages = inputs.key_cache.shape[0]
+    lens = inputs.context_lens.clone()
+    tables = inputs.block_tables.clone()
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(20, 8, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    qsl = torch.tensor([0, 5, 12, 15], dtype=torch.int32, device=DEVICE)
+
+    def expect(name, fn):
+        nonlocal failures
+        try:
+            fn()
+            _sync()
+            pagedattn.check_errors(DEVICE)
+            ok, why = False, "not reported"
+        except ValueError as e:
+            ok, why = str(e).startswith(name), str(e)[:60]
+        failures += _report("bad metadata", name, why, ok, 0.0)
+
+    lens[1] = 100_000
+    expect("context_lens", lambda: pagedattn.paged_decode(*inputs[:4], lens, validate=False))
+    lens[1] = -4
+    expect("context_lens", lambda: pagedattn.mla_decode(
+        inputs.query, inputs.query[..., :8], inputs.key_cache[:, :, 0],
+        inputs.value_cache[:, :, 0, :8], tables, lens, scale=0.1, validate=False))
+    bad_tables = tables.clone()
+    bad_tables[1, 1] = pages + 1000
+    bad_tables[2, 0] = -9
+    expect("block_tables", lambda: pagedattn.paged_decode(
+        *inputs[:3], bad_tables, inputs.context_lens, validate=False))
+    expect("block_tables", lambda: pagedattn.paged_attention(
+        query, *inputs[1:3], bad_tables, inputs.context_lens, qsl, validate=False))
+    seq = inputs.context_lens.clone()
+    seq[2] = 2  # 3 new tokens in a sequence of 2
+    expect("seq_lens", lambda: pagedattn.paged_attention(query, *inputs[1:4], seq, qsl,
+                                                          validate=False))
+    seq[0] = 50_000
+    expect("seq_lens", lambda: pagedattn.paged_attention(query, *inputs[1:4], seq, qsl,
+                                                          validate=False))
+    for wrong in ([0, 15, 3, 15], [0, 5, 12, 4_000], [7, 5, 12, 15]):
+        loc = torch.tensor(wrong, dtype=torch.int32, device=DEVICE)
+        expect("query_start_loc", lambda loc=loc: pagedattn.paged_attention(
+            query, *inputs[1:4], inputs.context_lens, loc, validate=False))
+    key = torch.randn(2, 2, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    kc, vc = inputs.key_cache.clone(), inputs.value_cache.clone()
+    slots = torch.tensor([pages * 16, 3], device=DEVICE)
+    expect("slot_mapping", lambda: pagedattn.append_kv(key, key, kc, vc, slots,
+                                                       validate=False))
+    return failures
+
+
 #: names of the kernels the runs launched (the summary's last line)
 LAUNCHED: set[str] = set()
 
@@ -312,6 +442,10 @@ def main(argv: list[str]) -> int:
         failures += _report(name, "auto HND", "combined KV", ok, err)
     failures += _append_kv_runs()
     failures += _variant_runs()
+    failures += _prefill_runs()
+    if not cpu_smoke:  # DeepSeek's dims: slow in the interpreter
+        failures += _mla_runs()
+    failures += _bad_metadata_runs()
     if not cpu_smoke:  # 136 programs a launch: too slow for the interpreter's smoke
         failures += _plan_runs()
     if not cpu_smoke and not no_caching:

@@ -233,10 +233,22 @@ def test_validate_false_skips_checks_and_kernels_clamp(impl, device):
     clamped = torch.tensor([0, capacity, 5], dtype=torch.int32, device=device)
     check(out, inputs._replace(context_lens=clamped))
     assert (out[0] == 0).all()
+    _reported(impl, device)
     # int64 lengths past 2^31 clamp too (they were narrowed to int32 first, and wrapped)
     wild64 = torch.tensor([-(1 << 40), (1 << 40) + 3, 5], dtype=torch.int64, device=device)
     out = run(impl, inputs._replace(context_lens=wild64), validate=False)
     check(out, inputs._replace(context_lens=clamped))
+    _reported(impl, device)
+
+
+def _reported(impl, device):
+    """The production kernel reports the first length it clamped (the next call raises it,
+    or ``check_errors``); the study's stages clamp without reporting."""
+    if pagedattn.IMPLS[impl].stage is None:
+        with pytest.raises(ValueError, match=r"^context_lens\[0\]"):
+            pagedattn.check_errors(device)
+    else:
+        pagedattn.check_errors(device)
 
 
 @pytest.mark.gpu

@@ -82,7 +82,6 @@ from pagedattn.kernels.paging import (
     _plan_unit,
     _program_sequence,
     _unit_tokens,
-    _varlen_block,
 )
 from pagedattn.kernels.persistent import _persistent_program
 from pagedattn.kernels.softmax import LOG2E, _fold_sink, _natural_lse, _rescale
@@ -154,9 +153,6 @@ def _paged_decode_kernel(
     BLOCK_R: tl.constexpr = 1,  # PERSISTENT: slots a merge round
     BLOCK_HM: tl.constexpr = 1,  # PERSISTENT: the merge's rows (Q_LEN x group, padded)
     TILES_I64: tl.constexpr = False,  # PERSISTENT: tile indices in int64 (T x P past 2^31)
-    # new tokens of any count per sequence (paged prefill): rows are blocks of Q_LEN tokens,
-    # query and out [num_tokens, heads, head_dim], query_start_loc in seq_rows_ptr's place
-    VARLEN: tl.constexpr = False,
     # absorbed multi-head latent attention (pagedattn.mla): keys [latent | rope], values the
     # latent; key_cache_ptr the latent cache (HEAD_DIM = d_latent), value_cache_ptr the rope
     # cache (ROPE_DIM dims, padded to BLOCK_DR), query_ptr q_nope; a "kv head" is a block of
@@ -213,20 +209,9 @@ def _paged_decode_kernel(
                           Q_LEN, HAS_SINKS, HAS_LSE)
     elif not ONE_UNIT:  # no unit writes an empty sequence's merge entry: program b does
         _empty_seq_rows(seq_rows_ptr, context_lens_ptr, u, batch, stride_ctx, capacity)
-    qb = b  # the row of the query, out and LSE (VARLEN: 0, their pointers at the block)
-    if VARLEN:  # row r is block m of Q_LEN new tokens of sequence b (ONE_UNIT: b = r above)
-        b, q_row0, q_len_b, m_blk = _varlen_block(seq_rows_ptr, r, batch, BLOCK_B, Q_LEN)
-        query_ptr += q_row0.to(tl.int64) * stride_q_b
-        out_ptr += q_row0.to(tl.int64) * stride_o_b
-        lse_ptr += q_row0.to(tl.int64) * (num_kv_heads * group)
-        qb = 0
     if b >= batch:  # past the last real row: the grid is sized from shapes, not lengths
         return
     ctx = _clamped_context_len(context_lens_ptr, b, stride_ctx, capacity)
-    ctx_rows = ctx  # the tile's rows sit at ctx_rows - Q_LEN + q_tok
-    if VARLEN:  # the block's tokens at ctx - q_len_b + m·Q_LEN + q_tok see keys before ctx_rows
-        ctx_rows = ctx - q_len_b + (m_blk + 1) * Q_LEN
-        ctx = tl.minimum(ctx, ctx_rows)
     tok_start, tok_end, n_rows, win_first = _unit_tokens(ctx, r, start_b, chunk, forced_splits,
                                                          window_left, Q_LEN, BLOCK_N,
                                                          HAS_WINDOW, ONE_UNIT)
@@ -235,10 +220,8 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     # Q_LEN x group rows: K/V are read once for every query token
-    q_tok, heads, mask_h, q_pos = _tile_rows(offs_h, kv_head, group, ctx_rows, Q_LEN)
-    if VARLEN:  # rows past the sequence's last new token (a last block's padding)
-        mask_h = mask_h & (q_pos < ctx)
-    q_ptrs = _tile_ptrs(query_ptr, qb, q_tok, heads, offs_d, stride_q_b, stride_q_t,
+    q_tok, heads, mask_h, q_pos = _tile_rows(offs_h, kv_head, group, ctx, Q_LEN)
+    q_ptrs = _tile_ptrs(query_ptr, b, q_tok, heads, offs_d, stride_q_b, stride_q_t,
                         stride_q_h, stride_q_d, Q_LEN)
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_hd = mask_h[:, None] & mask_d[None, :]
@@ -248,7 +231,7 @@ def _paged_decode_kernel(
     if MLA:
         offs_r = tl.arange(0, BLOCK_DR)
         q_dot, qpe_dot, qk_scale = _load_latent_query(
-            q_ptrs, _tile_ptrs(q_pe_ptr, qb, q_tok, heads, offs_r, stride_qpe_b, stride_qpe_t,
+            q_ptrs, _tile_ptrs(q_pe_ptr, b, q_tok, heads, offs_r, stride_qpe_b, stride_qpe_t,
                                stride_qpe_h, stride_qpe_d, Q_LEN),
             mask_hd, mask_h[:, None] & _dim_mask(offs_r, ROPE_DIM, BLOCK_DR)[None, :],
             scale_log2, k_scale, BLOCK_H, DOT_DTYPE, Q_POW2_SCALE)
@@ -272,7 +255,7 @@ def _paged_decode_kernel(
                               ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA, ROPE_DIM, BLOCK_DR)
 
     if ONE_UNIT:  # the sequence's only unit (an empty one too: out 0)
-        _store_result(out_ptr, lse_ptr, sinks_ptr, qb, q_tok, heads, mask_h, offs_d, mask_hd,
+        _store_result(out_ptr, lse_ptr, sinks_ptr, b, q_tok, heads, mask_h, offs_d, mask_hd,
                       m, l, acc, v_scale, num_q_heads, stride_o_b, stride_o_t, stride_o_h,
                       stride_o_d, Q_LEN, HAS_SINKS, HAS_LSE, ONE_UNIT)
     else:

@@ -17,8 +17,7 @@ Addressing (in the style of attention-gym's pointer helpers):
 The split planner of the production kernel (:mod:`pagedattn.kernels.decode`), in the order a
 unit runs it: ``_plan_unit`` (the batch's split size, ``_batch_chunk`` over
 ``_total_and_max_tokens``, and the row's sequence, ``_locate_row`` with ``_chunk_of``), then
-``_unit_tokens`` (the row's token range); ``_varlen_block`` maps a varlen launch's block row to
-its sequence. The scans read ``context_lens`` on the device at every launch, so one plan
+``_unit_tokens`` (the row's token range). The scans read ``context_lens`` on the device at every launch, so one plan
 serves every layer and lengths updated in place are honoured.
 
 Nothing here imports another kernels module; :mod:`pagedattn.kernels.steps` builds on it.
@@ -150,34 +149,6 @@ def _locate_row(context_lens_ptr, r, batch, stride_ctx, capacity, chunk, forced_
         start = tl.maximum(start, tl.max(tl.where(before, ends, 0)))
         running += tl.sum(rows)
     return b, start
-
-
-@triton.jit
-def _varlen_block(query_start_loc_ptr, r, batch, BLOCK_B: tl.constexpr, Q_LEN: tl.constexpr):
-    """A varlen launch's block row ``r`` (``VARLEN``: the batch's new tokens in blocks of
-    ``Q_LEN``, sequence-major, a sequence of ``q_len_b = query_start_loc[b + 1] -
-    query_start_loc[b]`` new tokens holding ``ceil(q_len_b / Q_LEN)`` of them): the sequence
-    ``b`` (``batch`` past the last block), the block's first query row ``q_row0`` and the
-    sequence's ``q_len_b`` and block index ``m``. A vector scan of ``query_start_loc`` in
-    ``BLOCK_B`` slices (the batch is a runtime value), as :func:`_locate_row` scans lengths."""
-    b = 0
-    start = 0
-    running = 0
-    for b0 in range(0, batch, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        valid = offs_b < batch
-        lo = tl.load(query_start_loc_ptr + offs_b, mask=valid, other=0)
-        hi = tl.load(query_start_loc_ptr + offs_b + 1, mask=valid, other=0)
-        blocks = tl.cdiv(tl.maximum(hi - lo, 0), Q_LEN)
-        ends = running + tl.cumsum(blocks, axis=0)
-        before = (ends <= r) & valid
-        b += tl.sum(before.to(tl.int32))
-        start = tl.maximum(start, tl.max(tl.where(before, ends, 0)))
-        running += tl.sum(blocks)
-    m = r - start
-    lo = tl.load(query_start_loc_ptr + b, mask=b < batch, other=0)
-    hi = tl.load(query_start_loc_ptr + b + 1, mask=b < batch, other=0)
-    return b, lo + m * Q_LEN, hi - lo, m
 
 
 # ---- the split planner: which sequence and tokens a unit row owns ----

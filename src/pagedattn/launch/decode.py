@@ -175,7 +175,7 @@ class AutoLauncher:
                  config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
                  options: DecodeOptions = DEFAULT, record: bool = True,
                  workspace: bool = True, schedule: str = "split",
-                 num_programs: int | None = None, num_tokens: int | None = None,
+                 num_programs: int | None = None,
                  rope_dim: int | None = None):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
@@ -200,7 +200,7 @@ class AutoLauncher:
             interpret=interpret, sms=sms,
             device_name=device_name_for(device) if on_gpu and config is None else None,
             owns_workspace=workspace, schedule=schedule, num_programs=num_programs,
-            num_tokens=num_tokens)
+            )
         self.config = cfg = plan.config
         group = num_q_heads // num_kv_heads
         bd = block_d(head_dim)
@@ -240,14 +240,11 @@ class AutoLauncher:
         self.pdl = bool(cfg.pdl) and per_group and on_gpu and not interpret and (
             self.launches_merge) and pdl_supported(device.index if device.index is not None
                                                    else torch.cuda.current_device())
-        #: varlen queries (paged prefill): ``[num_tokens, heads, head_dim]``, blocks of
-        #: ``q_len`` new tokens a row, ``query_start_loc`` per launch (``launch``)
-        self.varlen = num_tokens is not None
         # the main kernel's constexprs (launch.flags): those of the plan now, with every
         # binding flag off; launch() binds them, once per binding (self._bound_flags)
         self._flag_facts = dict(head_dim=head_dim, page_size=page_size, q_len=q_len,
                                 q_dtype=q_dtype, kv_dtype=kv_dtype, interpret=interpret,
-                                pdl=self.pdl, varlen=self.varlen, rope_dim=rope_dim)
+                                pdl=self.pdl, rope_dim=rope_dim)
         #: the plan's flags (:func:`~pagedattn.launch.flags.kernel_flags`, no binding)
         self.flags: KernelFlags = kernel_flags(plan, options, UNBOUND, **self._flag_facts)
         self._bound_flags: dict[Binding, dict[str, object]] = {}
@@ -283,7 +280,7 @@ class AutoLauncher:
         # constexpr and launch option is fixed by the launcher, so the binding is the
         # tensors' dtypes, strides and 16-byte alignment and whether LSE is written; the
         # records hold no tensor and no address (the workspace's are per-call slots too)
-        self._direct = (record and on_gpu and device.index is not None and not self.varlen
+        self._direct = (record and on_gpu and device.index is not None
                         and tc.direct_launch_supported())
         self._bindings: dict[tuple, tuple] = {}
         self._get_stream = tc.current_stream if self._direct else None
@@ -332,7 +329,7 @@ class AutoLauncher:
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
                scale: float, k_scale=None, v_scale=None, calls=None,
-               query_start_loc=None, q_pe=None) -> dict[str, object]:
+               q_pe=None) -> dict[str, object]:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
         MLA (``rope_dim``): ``query`` is ``q_nope``, ``q_pe`` its rope part, ``key_cache``
@@ -405,7 +402,7 @@ class AutoLauncher:
                 tc.launch_recorded(merge, merge_c, self.merge_grid, stream, args, enter, leave)
                 return compiled
         part_ml, part_acc, seq_rows = self.workspace_parts(work)
-        multi = self.q_len > 1 and not self.varlen  # a 4-D query and out
+        multi = self.q_len > 1  # a 4-D query and out
         mla_args = _NO_MLA
         if self.mla:  # [num_pages, page_size, blocks, dims] views of one head, stride 0
             key_cache, value_cache = (c.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
@@ -423,8 +420,7 @@ class AutoLauncher:
             block_tables_ptr=block_tables, context_lens_ptr=context_lens, out_ptr=out,
             lse_ptr=lse if lse is not None else part_ml, errors_ptr=self._error_word,
             part_ml_ptr=part_ml, part_acc_ptr=part_acc,
-            # varlen: query_start_loc in the slot that a one-unit launch never touches
-            seq_rows_ptr=query_start_loc if self.varlen else seq_rows,
+            seq_rows_ptr=seq_rows,
             k_scale_ptr=k_t if tensor_scales else part_ml,
             v_scale_ptr=v_t if tensor_scales else part_ml,
             stride_k_scale=k_t.stride(0) if tensor_scales and k_t.dim() == 1 else 0,
@@ -436,8 +432,8 @@ class AutoLauncher:
             **{arg: calls.get(name, part_ml) if calls else part_ml
                for name, arg, _ in _MAIN_CALLS},
             **self.main_variant_args,
-            stride_q_t=query.stride(1) if multi else query.stride(0) if self.varlen else 0,
-            stride_o_t=out.stride(1) if multi else out.stride(0) if self.varlen else 0,
+            stride_q_t=query.stride(1) if multi else 0,
+            stride_o_t=out.stride(1) if multi else 0,
             batch=self.batch, num_kv_heads=self.num_kv_heads, group=self.group,
             max_pages=self.max_pages, forced_splits=self.forced_splits,
             min_chunk=self.min_chunk, target_units=self.target_units,

@@ -10,7 +10,7 @@ who sets them:
 * **variant**: ``VARIANTS``, every option's flag in one bundle (:data:`pagedattn.options.
   Variants`, made from the declarations: a new option adds its flag there by itself; the
   plan-time options' flags are the plan's, the per-call options' the binding's), and the
-  kernel's modes (varlen queries, absorbed MLA);
+  kernel's mode (absorbed MLA);
 * **policy**: the schedule and the token loop's fast forms that the launch plan chose (one
   unit, folded merge, persistent, PDL, lean softmax), and inline PTX off the interpreter;
 * **binding**: what one call's tensors decide (:class:`Binding`: tensor scales, LSE, the
@@ -83,7 +83,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "shape and tile": ("HEAD_DIM", "BLOCK_D", "BLOCK_H", "BLOCK_N", "BLOCK_B", "PAGE_SIZE",
                        "Q_LEN", "ROPE_DIM", "BLOCK_DR", "BLOCK_R", "BLOCK_HM"),
     "dtype": ("DOT_DTYPE", "DOT_PRECISION", "Q_POW2_SCALE"),
-    "variant": ("VARIANTS", "VARLEN", "MLA"),
+    "variant": ("VARIANTS", "MLA"),
     "policy": ("ONE_UNIT", "PERSISTENT", "FOLD_MERGE", "PDL", "LEAN_SOFTMAX", "TILES_I64",
                "ASM"),
     "binding": ("SCALE_FROM_PTR", "HAS_LSE", "SLOT_OFFSETS_I32", "FP8_V_PAIRS"),
@@ -109,12 +109,12 @@ KernelFlags = make_dataclass(
 
 def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UNBOUND, *,
                  head_dim: int, page_size: int, q_len: int, q_dtype: torch.dtype,
-                 kv_dtype: torch.dtype, interpret: bool, pdl: bool, varlen: bool,
+                 kv_dtype: torch.dtype, interpret: bool, pdl: bool,
                  rope_dim: int | None) -> KernelFlags:
     """Every constexpr of the main kernel for a launch plan (the policy's
     :class:`~pagedattn.launch.policy.LaunchPlan` and the launcher's facts: the shapes, the
     dtypes, ``interpret``, ``pdl``: the per-group merge launched as a programmatic dependent,
-    which the launcher decides from the device, ``varlen`` and MLA's ``rope_dim``, ``None``
+    which the launcher decides from the device, and MLA's ``rope_dim``, ``None``
     when not MLA), its plan-time ``options`` (their ``window_left`` as the plan has it: no
     window where the table fits in one) and one call's ``binding``."""
     cfg = plan.config
@@ -133,7 +133,7 @@ def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UN
         Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
         # variant: every option's flag (pagedattn.options.Variants; the per-call ones: on
         # when the binding's call holds the option)
-        VARIANTS=variants(options, binding.calls), VARLEN=varlen, MLA=mla,
+        VARIANTS=variants(options, binding.calls), MLA=mla,
         # policy
         ONE_UNIT=plan.one_unit, PERSISTENT=plan.num_programs > 0, FOLD_MERGE=plan.fold_merge,
         PDL=pdl,

@@ -297,15 +297,12 @@ def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: i
                 config: DecodeConfig | None, ragged: bool, q_len: int, window_left: int,
                 batch_invariant: bool, interpret: bool, sms: int,
                 device_name: str | None, owns_workspace: bool = True,
-                schedule: str = "split", num_programs: int | None = None,
-                num_tokens: int | None = None) -> LaunchPlan:
+                schedule: str = "split", num_programs: int | None = None) -> LaunchPlan:
     """The launch plan of an :class:`~pagedattn.launch.decode.AutoLauncher` (its keywords,
     plus the device facts: ``interpret``, ``sms`` and ``device_name``, the GPU's name for
     its tuned table or ``None``). ``config`` replaces :func:`choose_config` (tuning) and
     turns off the plan's own tile adjustments. ``owns_workspace``: the launcher keeps one
     workspace for every launch (a plan's), so a merge may be folded (``fold_merge``).
-    ``num_tokens``: varlen queries (:func:`_varlen_plan`; ``q_len`` is then the block's
-    tokens, :func:`varlen_block_m`).
     ``schedule``: ``"split"`` (a program per split unit, then a merge) or ``"persistent"`` (a
     fixed number of programs, each an equal share of the step's tiles, merges in the same
     launch: ``kernels/persistent.py``; the API refuses it with ``num_splits`` or batch
@@ -315,12 +312,6 @@ def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: i
         ValueError: ``num_splits`` past the partial rows the kernels index in int32.
     """
     group = num_q_heads // num_kv_heads
-    if num_tokens is not None:  # varlen queries (paged prefill): q_len is the block's tokens
-        return _varlen_plan(batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
-                            group=group, head_dim=head_dim, page_size=page_size,
-                            kv_dtype=kv_dtype, config=config, q_len=q_len,
-                            window_left=window_left, interpret=interpret,
-                            device_name=device_name, num_tokens=num_tokens)
     if schedule == "persistent":
         return _persistent_plan(batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
                                 group=group, head_dim=head_dim, page_size=page_size,
@@ -450,50 +441,3 @@ def _persistent_plan(*, batch: int, max_pages: int, num_q_heads: int, group: int
         persistent_merge=persistent_merge_tile(q_len, group, head_dim),
         tiles_i64=(batch * cdiv(max_pages * page_size, cfg.block_n) * (num_q_heads // group)
                    + 1) * (programs + 1) >= 1 << 31)
-
-
-#: query rows (new tokens x group) of a varlen tile, at most: 64 (16 tokens at group 4) take
-#: Hopper's wgmma at two resident 4-warp programs per SM (255 registers, no spill in the token
-#: loop, 64 KB of shared memory on sm_90), and each block re-reads the keys its tokens see, so
-#: taller blocks read fewer bytes; 32 rows at three per SM and 128 at eight warps were slower
-#: on a mixed batch
-_VARLEN_ROWS = 64
-#: programs per SM the varlen kernel's register cap keeps resident (2: no cap under 255)
-_VARLEN_RESIDENT = 2
-_VARLEN_ROWS_INTERPRET = 16
-
-
-def varlen_block_m(group: int, interpret: bool) -> int:
-    """New tokens a varlen (prefill) tile takes: as many as fill its rows with the group's
-    heads (:data:`_VARLEN_ROWS`; fewer under the interpreter, which runs a tile's rows one
-    program after another), at least one."""
-    rows = _VARLEN_ROWS_INTERPRET if interpret else _VARLEN_ROWS
-    return max(1, rows // next_power_of_2(group))
-
-
-def _varlen_plan(*, batch: int, max_pages: int, num_q_heads: int, group: int, head_dim: int,
-                 page_size: int, kv_dtype: torch.dtype, config: DecodeConfig | None,
-                 q_len: int, window_left: int, interpret: bool, device_name: str | None,
-                 num_tokens: int) -> LaunchPlan:
-    """:func:`plan_launch` for varlen queries (``VARLEN``, paged prefill): one program per
-    (block of ``q_len`` new tokens of a sequence, kv head), each over the keys its tokens see
-    (causal, and the window), no split and no merge (``one_unit``), the multi-token
-    kernel's tiles (:func:`multi_token_config`). The blocks are at most ``ceil(num_tokens /
-    q_len) + batch`` (each sequence's last block may be partial) and at most
-    ``num_tokens``."""
-    max_pages = kernel_max_pages(max_pages, page_size)
-    if window_left >= max_pages * page_size:
-        window_left = -1
-    cfg = config or choose_config(head_dim, group, kv_dtype, page_size, interpret, device_name)
-    if q_len > 1:  # its tiles; the register cap is sized for the varlen kernel below
-        cfg = multi_token_config(cfg, head_dim=head_dim, kv_dtype=kv_dtype,
-                                 choose_tiles=config is None and not interpret)
-    if config is None:
-        cap = 65536 // (_VARLEN_RESIDENT * cfg.num_warps * 32) // 8 * 8
-        cfg = replace(cfg, maxnreg=cap if cap < 255 else None)
-    rows = max(1, min(num_tokens, cdiv(num_tokens, q_len) + batch))
-    return LaunchPlan(
-        config=cfg, max_pages=max_pages, window_left=window_left, forced_splits=1,
-        window_unit=False, target_units=0, target_units_ragged=0, min_chunk=cfg.min_chunk,
-        one_unit=True, rows_max=rows, block_h=max(16, next_power_of_2(q_len * group)),
-        per_group_merge=True, fold_merge=False, merge_block=0, part_rows=0)
