@@ -196,17 +196,15 @@ def test_llama3_rope_scaling_generates_as_transformers(tmp_path):
     assert (logits - want_logits).abs().max() > 1e-2
 
 
-def test_llama3_gguf_rope_freqs(tmp_path):
-    """The same model as a llama.cpp GGUF (Q/K rows permuted as llama.cpp's converter does,
-    the scaling as ``rope_freqs.weight``, per-frequency divisors): ``load_gguf`` applies
-    them, and the model generates as transformers."""
-    gguf = pytest.importorskip("gguf")
+def write_gguf(path, cfg, weights, *, metadata: dict | None = None,
+               tensors: dict | None = None) -> None:
+    """``cfg`` and ``weights`` (``load_hf``'s) as a llama.cpp GGUF file at ``path``, the Q/K
+    rows permuted as llama.cpp's converter does. ``metadata``: more keys (a str written as a
+    string, a number as float32); ``tensors``: more tensors (name -> numpy array), first."""
+    import gguf
+
     from pagedattn.serving import gguf_loader
 
-    hf = _llama3(tmp_path / "hf")
-    cfg, weights = load_hf(tmp_path / "hf")
-    divisors = dataclasses.replace(cfg, rope_inv_freq=()).inv_freq() / cfg.inv_freq()
-    path = tmp_path / "llama3.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position)
@@ -218,7 +216,10 @@ def test_llama3_gguf_rope_freqs(tmp_path):
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_tensor("rope_freqs.weight", divisors.numpy())
+    for key, value in (metadata or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+    for name, t in (tensors or {}).items():
+        w.add_tensor(name, t)
     gguf_names = {ours: suffix for suffix, ours in gguf_loader._LAYER_NAMES.items()}
     for name, t in weights.items():
         t = t.numpy()
@@ -236,6 +237,20 @@ def test_llama3_gguf_rope_freqs(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_llama3_gguf_rope_freqs(tmp_path):
+    """The same model as a llama.cpp GGUF (Q/K rows permuted as llama.cpp's converter does,
+    the scaling as ``rope_freqs.weight``, per-frequency divisors): ``load_gguf`` applies
+    them, and the model generates as transformers."""
+    pytest.importorskip("gguf")
+    from pagedattn.serving import gguf_loader
+
+    hf = _llama3(tmp_path / "hf")
+    cfg, weights = load_hf(tmp_path / "hf")
+    divisors = dataclasses.replace(cfg, rope_inv_freq=()).inv_freq() / cfg.inv_freq()
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, cfg, weights, tensors={"rope_freqs.weight": divisors.numpy()})
     gcfg, gweights = gguf_loader.load_gguf(path)
     torch.testing.assert_close(gcfg.inv_freq(), cfg.inv_freq(), rtol=1e-6, atol=0)
     want_tokens, want_logits = hf_greedy(hf, _prompt())
