@@ -159,6 +159,11 @@ MALFORMED = [  # (config.json change, the start of the error)
     ({"num_key_value_heads": 3}, "^config.json: num_key_value_heads: expected a divisor"),
     ({"hidden_size": "64"}, "^config.json: hidden_size: expected an int >= 1, got '64'"),
     ({"rms_norm_eps": -1e-5}, "^config.json: rms_norm_eps: expected a finite number > 0"),
+    ({"rope_theta": 0}, "^config.json: rope_theta: expected a finite number > 0"),
+    ({"tie_word_embeddings": "false"},
+     r"^config.json: tie_word_embeddings: expected a JSON boolean \(true or false\), got "
+     "'false'"),
+    ({"attention_bias": "false"}, "^config.json: attention_bias: expected a JSON boolean"),
     ({"layer_types": ["full_attention"]}, "^config.json: layer_types: expected a list of"),
     ({"intermediate_size": 96},
      r"^model.layers.0.mlp.gate_proj.weight: expected shape \(96, 64\) from config.json"),
