@@ -267,7 +267,8 @@ def test_llama3_gguf_rope_freqs(tmp_path):
 
 def test_hf_config_variants_per_layer():
     """HF's sliding_window w (keys with q - k < w) is the kernel's window_left w - 1; Gemma 2
-    slides on even layers; a Qwen window is off unless use_sliding_window."""
+    slides on even layers; a Qwen window is off unless use_sliding_window, and then on the
+    layers from max_window_layers on (transformers' default 28)."""
     base = dict(SHAPE, num_hidden_layers=4)
     g = hf_config(dict(base, model_type="gemma2", sliding_window=4, query_pre_attn_scalar=16,
                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
@@ -277,8 +278,36 @@ def test_hf_config_variants_per_layer():
     assert g.activation == "gelu_tanh" and g.post_norms and g.embed_scale == 8.0
     assert hf_config(dict(base, model_type="mistral", sliding_window=5)).window_left == (4,) * 4
     assert hf_config(dict(base, model_type="qwen2", sliding_window=5)).window_left == ()
+    for mt in ("qwen2", "qwen3"):
+        qwen = dict(base, model_type=mt, sliding_window=5, use_sliding_window=True)
+        assert hf_config(dict(qwen, max_window_layers=2)).window_left == (-1, -1, 4, 4)
+        assert hf_config(dict(qwen, max_window_layers=0)).window_left == (4,) * 4
+        assert hf_config(qwen).window_left == ()  # layers 28 on: none of the 4
     q3 = hf_config(dict(base, model_type="qwen3"))
     assert q3.qk_norm and not q3.qkv_bias
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_window_from_max_window_layers(family, tmp_path):
+    """A Qwen config.json with ``use_sliding_window`` and no ``layer_types`` (Qwen's released
+    configs have none): transformers slides the layers from ``max_window_layers`` on (here
+    layer 1 of 2), and so does the loader, token for token and logit for logit; the window
+    bites (dropped, the logits change)."""
+    hf = build(family, tmp_path, {"use_sliding_window": True, "sliding_window": WINDOW,
+                                  "max_window_layers": 1})
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg, weights = load_hf(tmp_path)
+    assert cfg.window_left == (-1, WINDOW - 1)
+    want_tokens, want_logits = hf_greedy(hf, _prompt())
+    got_tokens, got_logits = engine_greedy(Transformer(cfg, weights), _prompt())
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    _, logits = engine_greedy(Transformer(dataclasses.replace(cfg, window_left=()), weights),
+                              _prompt())
+    assert (logits - want_logits).abs().max() > 1e-2
 
 
 def test_load_hf_refuses_other_models(tmp_path):

@@ -260,8 +260,9 @@ def hf_config(c: dict) -> ModelConfig:
                                              False):
         window = None
     types = c.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if spec.sliding(i) else "full_attention"
+    if types is None:  # transformers' rule: the pattern's layers from window_from's on
+        first = _int(c, *spec.window_from, low=0) if spec.window_from else 0
+        types = ["sliding_attention" if spec.sliding(i) and i >= first else "full_attention"
                  for i in range(layers)]
     elif not (isinstance(types, list) and len(types) == layers and set(types) <= {
             "sliding_attention", "full_attention"}):

@@ -76,8 +76,11 @@ class FamilySpec:
     ``windows``: a pattern of :data:`WINDOW_PATTERNS`, the layers with the sliding window
     (``sliding_window`` of ``config.json``) when it has no ``layer_types``;
     ``window_switch``: a ``config.json`` key that must be true for any window (Qwen's
-    ``use_sliding_window``). ``attn_soft_cap_key`` / ``final_soft_cap_key``: the keys of the
-    attention logits' and the final logits' soft-caps (None: no soft-cap).
+    ``use_sliding_window``); ``window_from``: ``(key, default)``, the first layer the
+    pattern applies to, without ``layer_types`` (Qwen's ``max_window_layers``: transformers
+    slides layer ``i`` when ``i >= max_window_layers``; None: layer 0).
+    ``attn_soft_cap_key`` / ``final_soft_cap_key``: the keys of the attention logits' and
+    the final logits' soft-caps (None: no soft-cap).
     ``attn_scalar``: ``(key, default)`` whose value ``s`` makes the softmax scale
     ``s ** -0.5`` (None: ``head_dim ** -0.5``). ``tied``: ``tie_word_embeddings``'s default.
     ``layer_tensors``: HF's per-layer tensor names (after ``model.layers.{i}.``) -> ours
@@ -93,6 +96,7 @@ class FamilySpec:
     embed_scale: str = "none"
     windows: str = "none"
     window_switch: str | None = None
+    window_from: tuple[str, int] | None = None
     attn_soft_cap_key: str | None = None
     final_soft_cap_key: str | None = None
     attn_scalar: tuple[str, float] | None = None
@@ -115,14 +119,19 @@ class FamilySpec:
         return WINDOW_PATTERNS[self.windows](layer)
 
 
+#: Qwen's first sliding layer without ``layer_types``: ``max_window_layers``, transformers'
+#: default 28 (Qwen2Config, Qwen3Config)
+_QWEN_WINDOW_FROM = ("max_window_layers", 28)
+
 #: Hugging Face ``model_type`` -> its family's spec: every family ``load_hf`` reads
 FAMILIES: Mapping[str, FamilySpec] = MappingProxyType({
     "llama": FamilySpec("Llama", "SmolLM2-135M, TinyLlama-1.1B"),
     "mistral": FamilySpec("Mistral", "Mistral 7B v0.1", windows="every layer"),
-    "qwen2": FamilySpec("Qwen2", "Qwen2.5-0.5B", qkv_bias=True,
-                        window_switch="use_sliding_window",
+    "qwen2": FamilySpec("Qwen2", "Qwen2.5-0.5B", qkv_bias=True, windows="every layer",
+                        window_switch="use_sliding_window", window_from=_QWEN_WINDOW_FROM,
                         layer_tensors=layer_names(_QKV_BIAS)),
-    "qwen3": FamilySpec("Qwen3", "Qwen3-0.6B", qk_norm=True, window_switch="use_sliding_window",
+    "qwen3": FamilySpec("Qwen3", "Qwen3-0.6B", qk_norm=True, windows="every layer",
+                        window_switch="use_sliding_window", window_from=_QWEN_WINDOW_FROM,
                         layer_tensors=layer_names(_QK_NORM)),
     "gemma": FamilySpec("Gemma", "gemma-2b", norm_offset=1.0, embed_scale="sqrt(hidden_size)",
                         tied=True),
@@ -168,8 +177,9 @@ def families_markdown() -> str:
             "| tied by default |",
             "|" + " --- |" * 12]
     for mt, s in FAMILIES.items():
-        window = s.windows + (f" (any window only with `{s.window_switch}`)"
-                              if s.window_switch else "")
+        window = s.windows + (f" from `{s.window_from[0]}` on (default {s.window_from[1]})"
+                              if s.window_from else "") + (
+            f" (any window only with `{s.window_switch}`)" if s.window_switch else "")
         caps = ", ".join(f"`{k}`" for k in (s.attn_soft_cap_key, s.final_soft_cap_key) if k)
         scale = (f"`{s.attn_scalar[0]} ** -0.5` (default {s.attn_scalar[1]:g})"
                  if s.attn_scalar else "`head_dim ** -0.5`")
