@@ -310,6 +310,26 @@ def test_qwen_window_from_max_window_layers(family, tmp_path):
     assert (logits - want_logits).abs().max() > 1e-2
 
 
+def test_gemma_legacy_gelu_config(tmp_path):
+    """Gemma 1's released config.json says ``"hidden_act": "gelu"``, which transformers reads
+    as the tanh approximation: the loader does too (it refused the file), and the model
+    generates as transformers' token for token; without the key, tanh-GELU as well."""
+    assert transformers.GemmaConfig(hidden_act="gelu").hidden_act == "gelu_pytorch_tanh"
+    hf = build("gemma", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(raw, hidden_act="gelu")))
+    cfg, weights = load_hf(tmp_path)
+    assert cfg.activation == "gelu_tanh"
+    want_tokens, want_logits = hf_greedy(hf, _prompt())
+    got_tokens, got_logits = engine_greedy(Transformer(cfg, weights), _prompt())
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    del raw["hidden_act"]
+    assert hf_config(raw).activation == "gelu_tanh"
+    with pytest.raises(ValueError, match="^config.json: hidden_act: activation 'gelu' is not"):
+        hf_config(dict(raw, model_type="llama", hidden_act="gelu"))  # Gemma's reading only
+
+
 def test_load_hf_refuses_other_models(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(SHAPE, model_type="phi3")))
     listed = re.escape(f"(expected one of {', '.join(FAMILIES)})")

@@ -219,10 +219,11 @@ def hf_config(c: dict) -> ModelConfig:
     ``model_type``. Raises ValueError naming the field for a ``model_type`` outside
     :data:`FAMILIES`, RoPE scaling other than Llama 3's (:func:`llama3_inv_freq`),
     ``attention_bias`` / ``mlp_bias`` (outside a family with QKV bias), an activation other
-    than SiLU / tanh-GELU, a missing or malformed shape (``num_hidden_layers``,
-    ``num_attention_heads``, ...: ints >= 1, kv heads dividing the heads), constant
-    (``rope_theta``, ``rms_norm_eps``: finite numbers > 0) or switch
-    (``tie_word_embeddings``, ``use_sliding_window``, ...: JSON booleans)."""
+    than SiLU / tanh-GELU (read under the family's key: ``FamilySpec.activation``), a
+    missing or malformed shape (``num_hidden_layers``, ``num_attention_heads``, ...: ints
+    >= 1, kv heads dividing the heads), constant (``rope_theta``, ``rms_norm_eps``: finite
+    numbers > 0) or switch (``tie_word_embeddings``, ``use_sliding_window``, ...: JSON
+    booleans)."""
     if not isinstance(c, dict):
         raise ValueError(f"config.json: expected a JSON object, got a {type(c).__name__}")
     spec = family(c.get("model_type"))
@@ -239,10 +240,15 @@ def hf_config(c: dict) -> ModelConfig:
         if bool_field(key, c.get(key), False) and not spec.qkv_bias:
             raise ValueError(f"config.json: {key} (biases on the output or FFN projections) "
                              "is not supported")
-    act = c.get("hidden_activation") or c.get("hidden_act", "silu")
+    act_key, act_default = spec.activation
+    act = c.get(act_key)
+    if act is None:
+        act = act_default
     acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+    if spec.legacy_gelu:  # Gemma 1's released "gelu": transformers runs the tanh approximation
+        acts["gelu"] = "gelu_tanh"
     if act not in acts:
-        raise ValueError(f"config.json: activation {act!r} is not supported "
+        raise ValueError(f"config.json: {act_key}: activation {act!r} is not supported "
                          f"(expected one of {', '.join(acts)})")
     layers, hidden = _int(c, "num_hidden_layers"), _int(c, "hidden_size")
     heads = _int(c, "num_attention_heads")
