@@ -483,6 +483,19 @@ def test_group_scales_and_cutlass_are_refused(device):
                      torch.bfloat16, torch.float8_e4m3fn, **kw)
 
 
+def test_fp8_kv_one_scale_without_the_other_is_refused(device):
+    """FlashInfer's run takes an fp8 cache's ``ckv_scale`` and ``kpe_scale`` together: one
+    without the other is refused naming the missing one (it dequantized the rope cache with
+    ``ckv_scale``, or the latent cache with 1.0)."""
+    q_nope, q_pe, ckv_fp8, ckv_scale, kpe_fp8, kpe_scale, meta = _fp8_case(
+        device, 1, 64, 1, 64, 16, 0.1, 10.0, 0.1)
+    for given, missing in ((dict(ckv_scale=ckv_scale), "kpe_scale"),
+                           (dict(kpe_scale=kpe_scale), "ckv_scale")):
+        with pytest.raises(ValueError, match=f"^{missing}: expected a scale with"):
+            _run_mla(device, q_nope, q_pe, ckv_fp8, kpe_fp8, *meta, 16, 64, False, 0.1,
+                     torch.bfloat16, torch.float8_e4m3fn, **given)
+
+
 def test_ragged_query_lengths_are_refused(device):
     wrapper = _wrapper(device)
     with pytest.raises(ValueError, match="^qo_indptr"):

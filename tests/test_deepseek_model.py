@@ -81,7 +81,20 @@ def test_loader_refusals(tmp_path):
                           ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
                            "rope_scaling"),
                           ({"kv_lora_rank": 0}, "kv_lora_rank"),
-                          ({"topk_method": "greedy"}, "topk_method")]:
+                          ({"topk_method": "greedy"}, "topk_method"),
+                          # constants out of range, groups of one expert (noaux_tc sums each
+                          # group's top two), more experts than the kept groups hold, and
+                          # switches that are not JSON booleans ("false" is not false)
+                          ({"rope_theta": -1.0}, "rope_theta"),
+                          ({"rms_norm_eps": -1e-6}, "rms_norm_eps"),
+                          ({"rope_parameters": dict(YARN, factor=0.0)},
+                           r"rope_parameters\.factor"),
+                          ({"rope_parameters": dict(YARN, beta_fast=-1.0)},
+                           r"rope_parameters\.beta_fast"),
+                          ({"n_group": 4}, "n_group"),
+                          ({"num_experts_per_tok": 3}, "num_experts_per_tok"),
+                          ({"norm_topk_prob": "false"}, "norm_topk_prob"),
+                          ({"tie_word_embeddings": "false"}, "tie_word_embeddings")]:
         with pytest.raises(ValueError, match=f"config.json: {field}:"):
             hf_config({**good, **change})
     cfg_path.write_text(json.dumps({**good, "kv_lora_rank": 16}))

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from test_model_families import build  # noqa: E402  (a tiny random transformers model)
+from test_model_families import build, write_gguf  # noqa: E402  (a tiny random model)
 
 from pagedattn.serving.config import load_hf  # noqa: E402
 from pagedattn.serving.engine import generate_greedy  # noqa: E402
@@ -158,6 +159,11 @@ MALFORMED = [  # (config.json change, the start of the error)
     ({"num_key_value_heads": 3}, "^config.json: num_key_value_heads: expected a divisor"),
     ({"hidden_size": "64"}, "^config.json: hidden_size: expected an int >= 1, got '64'"),
     ({"rms_norm_eps": -1e-5}, "^config.json: rms_norm_eps: expected a finite number > 0"),
+    ({"rope_theta": 0}, "^config.json: rope_theta: expected a finite number > 0"),
+    ({"tie_word_embeddings": "false"},
+     r"^config.json: tie_word_embeddings: expected a JSON boolean \(true or false\), got "
+     "'false'"),
+    ({"attention_bias": "false"}, "^config.json: attention_bias: expected a JSON boolean"),
     ({"layer_types": ["full_attention"]}, "^config.json: layer_types: expected a list of"),
     ({"intermediate_size": 96},
      r"^model.layers.0.mlp.gate_proj.weight: expected shape \(96, 64\) from config.json"),
@@ -183,11 +189,77 @@ def test_malformed_checkpoints_are_one_error_at_load(tmp_path):
             load_hf(d)
 
 
+def _gguf(tmp_path):
+    """The tiny Llama's config and weights (``load_hf``'s), for a GGUF file of them."""
+    build("llama", tmp_path / "hf")
+    return load_hf(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("metadata, match", [
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+     r"^gguf: llama.rope.scaling.factor: RoPE scaling 'linear' by 4.0 is not supported"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
+     r"^gguf: llama.rope.scaling.factor: RoPE scaling 'yarn' by 4.0"),
+    ({"llama.rope.scale_linear": 2.0},  # the older key; no type is llama.cpp's "linear"
+     r"^gguf: llama.rope.scale_linear: RoPE scaling 'linear' by 2.0"),
+    ({"llama.rope.scaling.type": "ntk"}, r"^gguf: llama.rope.scaling.type: expected one of"),
+    ({"llama.rope.scaling.attn_factor": 0.5},
+     r"^gguf: llama.rope.scaling.attn_factor: RoPE's attention factor 0.5"),
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0}, None),
+])
+def test_gguf_rope_scaling_is_refused(tmp_path, metadata, match):
+    """A GGUF whose metadata scales RoPE (linear, YaRN: llama.cpp's keys) is refused naming
+    the key, as config.json's rope_scaling is (it loaded with unscaled RoPE); a factor that
+    scales nothing in llama.cpp (type none, factor 1) loads with the default frequencies."""
+    pytest.importorskip("gguf")
+    from pagedattn.serving.gguf_loader import load_gguf
+
+    cfg, weights = _gguf(tmp_path)
+    write_gguf(tmp_path / "m.gguf", cfg, weights, metadata=metadata)
+    if match is None:
+        gcfg, _ = load_gguf(tmp_path / "m.gguf")
+        assert gcfg.rope_inv_freq == () and gcfg.rope_theta == cfg.rope_theta
+    else:
+        with pytest.raises(ValueError, match=match):
+            load_gguf(tmp_path / "m.gguf")
+
+
+def test_gguf_malformed_constants_and_rope_freqs_are_named(tmp_path):
+    """A RoPE base or norm epsilon <= 0 names its key; a ``rope_freqs.weight`` entry that is
+    not a finite factor > 0 names the entry (index and value), a wrong size the shape."""
+    pytest.importorskip("gguf")
+    import dataclasses
+
+    from pagedattn.serving.gguf_loader import load_gguf
+
+    cfg, weights = _gguf(tmp_path)
+    half = cfg.head_dim // 2
+    cases = [
+        (dict(cfg=dataclasses.replace(cfg, rope_theta=-1.0)),
+         r"^gguf: llama.rope.freq_base: expected a finite number > 0, got -1.0"),
+        (dict(cfg=dataclasses.replace(cfg, rms_eps=-1e-5)),
+         r"^gguf: llama.attention.layer_norm_rms_epsilon: expected a finite number > 0"),
+        (dict(freqs=[1.0] * 3 + [0.0] + [1.0] * (half - 4)),
+         r"^gguf: rope_freqs.weight\[3\]: expected a finite factor > 0, got 0.0$"),
+        (dict(freqs=[1.0] * 5 + [float("nan")] + [1.0] * (half - 6)),
+         r"^gguf: rope_freqs.weight\[5\]: expected a finite factor > 0, got nan$"),
+        (dict(freqs=[1.0] * (half - 1)),
+         rf"^gguf: rope_freqs.weight: expected {half} factors \(head_dim // 2\), got shape "
+         rf"\({half - 1},\)"),
+    ]
+    for i, (change, match) in enumerate(cases):
+        path = tmp_path / f"m{i}.gguf"
+        freqs = change.get("freqs")
+        write_gguf(path, change.get("cfg", cfg), weights, tensors=None if freqs is None else {
+            "rope_freqs.weight": np.array(freqs, dtype=np.float32)})
+        with pytest.raises(ValueError, match=match):
+            load_gguf(path)
+
+
 def test_gguf_without_a_required_field_is_named(tmp_path):
     """A llama GGUF file without its block count: a ValueError naming the field."""
     gguf = pytest.importorskip("gguf")
-    import numpy as np
-
     from pagedattn.serving.gguf_loader import load_gguf
 
     path = tmp_path / "bad.gguf"

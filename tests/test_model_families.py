@@ -196,17 +196,15 @@ def test_llama3_rope_scaling_generates_as_transformers(tmp_path):
     assert (logits - want_logits).abs().max() > 1e-2
 
 
-def test_llama3_gguf_rope_freqs(tmp_path):
-    """The same model as a llama.cpp GGUF (Q/K rows permuted as llama.cpp's converter does,
-    the scaling as ``rope_freqs.weight``, per-frequency divisors): ``load_gguf`` applies
-    them, and the model generates as transformers."""
-    gguf = pytest.importorskip("gguf")
+def write_gguf(path, cfg, weights, *, metadata: dict | None = None,
+               tensors: dict | None = None) -> None:
+    """``cfg`` and ``weights`` (``load_hf``'s) as a llama.cpp GGUF file at ``path``, the Q/K
+    rows permuted as llama.cpp's converter does. ``metadata``: more keys (a str written as a
+    string, a number as float32); ``tensors``: more tensors (name -> numpy array), first."""
+    import gguf
+
     from pagedattn.serving import gguf_loader
 
-    hf = _llama3(tmp_path / "hf")
-    cfg, weights = load_hf(tmp_path / "hf")
-    divisors = dataclasses.replace(cfg, rope_inv_freq=()).inv_freq() / cfg.inv_freq()
-    path = tmp_path / "llama3.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position)
@@ -218,7 +216,10 @@ def test_llama3_gguf_rope_freqs(tmp_path):
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_tensor("rope_freqs.weight", divisors.numpy())
+    for key, value in (metadata or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+    for name, t in (tensors or {}).items():
+        w.add_tensor(name, t)
     gguf_names = {ours: suffix for suffix, ours in gguf_loader._LAYER_NAMES.items()}
     for name, t in weights.items():
         t = t.numpy()
@@ -236,6 +237,20 @@ def test_llama3_gguf_rope_freqs(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_llama3_gguf_rope_freqs(tmp_path):
+    """The same model as a llama.cpp GGUF (Q/K rows permuted as llama.cpp's converter does,
+    the scaling as ``rope_freqs.weight``, per-frequency divisors): ``load_gguf`` applies
+    them, and the model generates as transformers."""
+    pytest.importorskip("gguf")
+    from pagedattn.serving import gguf_loader
+
+    hf = _llama3(tmp_path / "hf")
+    cfg, weights = load_hf(tmp_path / "hf")
+    divisors = dataclasses.replace(cfg, rope_inv_freq=()).inv_freq() / cfg.inv_freq()
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, cfg, weights, tensors={"rope_freqs.weight": divisors.numpy()})
     gcfg, gweights = gguf_loader.load_gguf(path)
     torch.testing.assert_close(gcfg.inv_freq(), cfg.inv_freq(), rtol=1e-6, atol=0)
     want_tokens, want_logits = hf_greedy(hf, _prompt())
@@ -252,7 +267,8 @@ def test_llama3_gguf_rope_freqs(tmp_path):
 
 def test_hf_config_variants_per_layer():
     """HF's sliding_window w (keys with q - k < w) is the kernel's window_left w - 1; Gemma 2
-    slides on even layers; a Qwen window is off unless use_sliding_window."""
+    slides on even layers; a Qwen window is off unless use_sliding_window, and then on the
+    layers from max_window_layers on (transformers' default 28)."""
     base = dict(SHAPE, num_hidden_layers=4)
     g = hf_config(dict(base, model_type="gemma2", sliding_window=4, query_pre_attn_scalar=16,
                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
@@ -262,8 +278,56 @@ def test_hf_config_variants_per_layer():
     assert g.activation == "gelu_tanh" and g.post_norms and g.embed_scale == 8.0
     assert hf_config(dict(base, model_type="mistral", sliding_window=5)).window_left == (4,) * 4
     assert hf_config(dict(base, model_type="qwen2", sliding_window=5)).window_left == ()
+    for mt in ("qwen2", "qwen3"):
+        qwen = dict(base, model_type=mt, sliding_window=5, use_sliding_window=True)
+        assert hf_config(dict(qwen, max_window_layers=2)).window_left == (-1, -1, 4, 4)
+        assert hf_config(dict(qwen, max_window_layers=0)).window_left == (4,) * 4
+        assert hf_config(qwen).window_left == ()  # layers 28 on: none of the 4
     q3 = hf_config(dict(base, model_type="qwen3"))
     assert q3.qk_norm and not q3.qkv_bias
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_window_from_max_window_layers(family, tmp_path):
+    """A Qwen config.json with ``use_sliding_window`` and no ``layer_types`` (Qwen's released
+    configs have none): transformers slides the layers from ``max_window_layers`` on (here
+    layer 1 of 2), and so does the loader, token for token and logit for logit; the window
+    bites (dropped, the logits change)."""
+    hf = build(family, tmp_path, {"use_sliding_window": True, "sliding_window": WINDOW,
+                                  "max_window_layers": 1})
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg, weights = load_hf(tmp_path)
+    assert cfg.window_left == (-1, WINDOW - 1)
+    want_tokens, want_logits = hf_greedy(hf, _prompt())
+    got_tokens, got_logits = engine_greedy(Transformer(cfg, weights), _prompt())
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    _, logits = engine_greedy(Transformer(dataclasses.replace(cfg, window_left=()), weights),
+                              _prompt())
+    assert (logits - want_logits).abs().max() > 1e-2
+
+
+def test_gemma_legacy_gelu_config(tmp_path):
+    """Gemma 1's released config.json says ``"hidden_act": "gelu"``, which transformers reads
+    as the tanh approximation: the loader does too (it refused the file), and the model
+    generates as transformers' token for token; without the key, tanh-GELU as well."""
+    assert transformers.GemmaConfig(hidden_act="gelu").hidden_act == "gelu_pytorch_tanh"
+    hf = build("gemma", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(raw, hidden_act="gelu")))
+    cfg, weights = load_hf(tmp_path)
+    assert cfg.activation == "gelu_tanh"
+    want_tokens, want_logits = hf_greedy(hf, _prompt())
+    got_tokens, got_logits = engine_greedy(Transformer(cfg, weights), _prompt())
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    del raw["hidden_act"]
+    assert hf_config(raw).activation == "gelu_tanh"
+    with pytest.raises(ValueError, match="^config.json: hidden_act: activation 'gelu' is not"):
+        hf_config(dict(raw, model_type="llama", hidden_act="gelu"))  # Gemma's reading only
 
 
 def test_load_hf_refuses_other_models(tmp_path):

@@ -20,10 +20,11 @@ no code copied), running :func:`pagedattn.plan_mla_decode`:
   return_lse_base_on_e=False, *, ckv_scale=None, kpe_scale=None)``. **The LSE is base 2**
   (FlashInfer's default) unless ``return_lse_base_on_e`` or ``lse_mode="base_e"``; ``lse``
   is ``[total_q, num_heads]`` float32.
-- fp8 caches (e4m3/e5m2) with per-tensor ``ckv_scale`` / ``kpe_scale`` (``stored · scale``):
-  the kernel takes one scale for the whole key, so a ``kpe_scale`` other than ``ckv_scale``
-  is folded into ``q_pe`` (``q_pe · kpe_scale / ckv_scale``, computed in float32 and
-  rounded to the query's dtype).
+- fp8 caches (e4m3/e5m2) with per-tensor ``ckv_scale`` / ``kpe_scale`` (``stored · scale``),
+  both or neither (FlashInfer's ``run`` takes the two together; one without the other is a
+  ``ValueError`` naming the missing one, never a guess): the kernel takes one scale for the
+  whole key, so a ``kpe_scale`` other than ``ckv_scale`` is folded into ``q_pe`` (``q_pe ·
+  kpe_scale / ckv_scale``, computed in float32 and rounded to the query's dtype).
 - ``use_cuda_graph=True`` takes FlashInfer's buffers: the batch is fixed and the block table
   is ``[batch, len(kv_indices)]`` int32, rewritten in place by each ``plan`` (a graph captured
   around ``run`` replays the new step).
@@ -190,7 +191,9 @@ class BatchMLAPagedAttentionWrapper:
         """One layer (FlashInfer's signature): ``q_nope [total_q, num_heads, head_dim_ckv]``,
         ``q_pe [total_q, num_heads, head_dim_kpe]``, ``ckv_cache [num_pages, page_size,
         head_dim_ckv]``, ``kpe_cache [num_pages, page_size, head_dim_kpe]``. Returns ``out``
-        (``q_nope``'s shape and dtype), or ``(out, lse)`` with ``return_lse``."""
+        (``q_nope``'s shape and dtype), or ``(out, lse)`` with ``return_lse``. Raises
+        TypeError/ValueError naming FlashInfer's argument, before any launch (``kpe_scale``
+        given without ``ckv_scale`` or the other way round: the missing one)."""
         for name, value in (("profiler_buffer", profiler_buffer), ("kv_len", kv_len),
                             ("page_table", page_table), ("ckv_scale_arr", ckv_scale_arr)):
             if value is not None:
@@ -207,8 +210,13 @@ class BatchMLAPagedAttentionWrapper:
                                  f"plan's requests x query tokens, num_heads), got "
                                  f"{tuple(t.shape)}")
         ckv_s, kpe_s = _scale("ckv_scale", ckv_scale), _scale("kpe_scale", kpe_scale)
-        if kpe_s is not None and kpe_s != (ckv_s or 1.0):  # one scale for the whole key
-            q_pe = (q_pe.float() * (kpe_s / (ckv_s or 1.0))).to(q_pe.dtype)
+        if (ckv_s is None) != (kpe_s is None):  # FlashInfer takes both or neither
+            given, missing = ("ckv_scale", "kpe_scale") if kpe_s is None else (
+                "kpe_scale", "ckv_scale")
+            raise ValueError(f"{missing}: expected a scale with {given} (an fp8 cache's two "
+                             "scales come together), got None")
+        if ckv_s is not None and kpe_s is not None and kpe_s != ckv_s:  # one key scale
+            q_pe = (q_pe.float() * (kpe_s / ckv_s)).to(q_pe.dtype)
         if out is not None:
             V.check_out(out, q_nope, ckv_cache, kpe_cache)
         lead = (batch, heads * q_len) if self._fold else (batch, heads) if q_len == 1 else \

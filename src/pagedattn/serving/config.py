@@ -130,6 +130,27 @@ def is_finite_number(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def float_field(key: str, v, low: float | None = None, *, inclusive: bool = False) -> float:
+    """``v``, the value of field ``key``, as a float when it is a finite number above ``low``
+    (at least ``low`` with ``inclusive``; any without ``low``); else :func:`bad_field`'s
+    ValueError (``expected a finite number > <low>``)."""
+    if not is_finite_number(v) or (low is not None and (v < low or (v == low and not inclusive))):
+        bound = "" if low is None else f" {'>=' if inclusive else '>'} {low:g}"
+        bad_field(key, f"a finite number{bound}", v)
+    return float(v)
+
+
+def bool_field(key: str, v, default: bool) -> bool:
+    """``v``, the value of field ``key``, when it is a JSON boolean (``default`` when absent
+    or null); else :func:`bad_field`'s ValueError: a string such as ``"false"`` or a number
+    is not read as a truth value."""
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        bad_field(key, "a JSON boolean (true or false)", v)
+    return v
+
+
 def _int(c: dict, key: str, default=None, low: int = 1) -> int:
     """``c[key]``, an int >= ``low`` (``default`` when absent or null; required without
     one)."""
@@ -145,11 +166,7 @@ def _float(c: dict, key: str, default: float, zero: bool = False) -> float:
     """``c[key]``, a finite number > 0 (>= 0 with ``zero``: a soft-cap's off), ``default``
     when absent or null."""
     v = c.get(key)
-    if v is None:
-        return default
-    if not is_finite_number(v) or v < 0 or (v == 0 and not zero):
-        bad_field(key, f"a finite number {'>=' if zero else '>'} 0", v)
-    return float(v)
+    return default if v is None else float_field(key, v, 0, inclusive=zero)
 
 
 def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
@@ -202,8 +219,11 @@ def hf_config(c: dict) -> ModelConfig:
     ``model_type``. Raises ValueError naming the field for a ``model_type`` outside
     :data:`FAMILIES`, RoPE scaling other than Llama 3's (:func:`llama3_inv_freq`),
     ``attention_bias`` / ``mlp_bias`` (outside a family with QKV bias), an activation other
-    than SiLU / tanh-GELU, a missing or malformed shape (``num_hidden_layers``,
-    ``num_attention_heads``, ...: ints >= 1, kv heads dividing the heads) or constant."""
+    than SiLU / tanh-GELU (read under the family's key: ``FamilySpec.activation``), a
+    missing or malformed shape (``num_hidden_layers``, ``num_attention_heads``, ...: ints
+    >= 1, kv heads dividing the heads), constant (``rope_theta``, ``rms_norm_eps``: finite
+    numbers > 0) or switch (``tie_word_embeddings``, ``use_sliding_window``, ...: JSON
+    booleans)."""
     if not isinstance(c, dict):
         raise ValueError(f"config.json: expected a JSON object, got a {type(c).__name__}")
     spec = family(c.get("model_type"))
@@ -217,13 +237,18 @@ def hf_config(c: dict) -> ModelConfig:
                          "(expected default or llama3)")
     theta = _float(c, "rope_theta", _float(rope, "rope_theta", 10000.0))
     for key in ("attention_bias", "mlp_bias"):  # a QKV bias family's is implied, not this key
-        if c.get(key) and not spec.qkv_bias:
+        if bool_field(key, c.get(key), False) and not spec.qkv_bias:
             raise ValueError(f"config.json: {key} (biases on the output or FFN projections) "
                              "is not supported")
-    act = c.get("hidden_activation") or c.get("hidden_act", "silu")
+    act_key, act_default = spec.activation
+    act = c.get(act_key)
+    if act is None:
+        act = act_default
     acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+    if spec.legacy_gelu:  # Gemma 1's released "gelu": transformers runs the tanh approximation
+        acts["gelu"] = "gelu_tanh"
     if act not in acts:
-        raise ValueError(f"config.json: activation {act!r} is not supported "
+        raise ValueError(f"config.json: {act_key}: activation {act!r} is not supported "
                          f"(expected one of {', '.join(acts)})")
     layers, hidden = _int(c, "num_hidden_layers"), _int(c, "hidden_size")
     heads = _int(c, "num_attention_heads")
@@ -237,11 +262,13 @@ def hf_config(c: dict) -> ModelConfig:
     # sliding windows per layer: layer_types where the config has them (transformers >= 4.53
     # writes them), else the family's pattern
     window = _int(c, "sliding_window", 0) if c.get("sliding_window") is not None else None
-    if spec.window_switch and not c.get(spec.window_switch, False):
+    if spec.window_switch and not bool_field(spec.window_switch, c.get(spec.window_switch),
+                                             False):
         window = None
     types = c.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if spec.sliding(i) else "full_attention"
+    if types is None:  # transformers' rule: the pattern's layers from window_from's on
+        first = _int(c, *spec.window_from, low=0) if spec.window_from else 0
+        types = ["sliding_attention" if spec.sliding(i) and i >= first else "full_attention"
                  for i in range(layers)]
     elif not (isinstance(types, list) and len(types) == layers and set(types) <= {
             "sliding_attention", "full_attention"}):
@@ -256,7 +283,8 @@ def hf_config(c: dict) -> ModelConfig:
         num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta,
         rms_eps=_float(c, "rms_norm_eps", 1e-6),
         max_position=_int(c, "max_position_embeddings", 2048),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.tied)),
+        tie_word_embeddings=bool_field("tie_word_embeddings", c.get("tie_word_embeddings"),
+                                       spec.tied),
         bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"),
         activation=acts[act], qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
         post_norms=spec.post_norms, embed_scale=spec.embed_factor(hidden),

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.mla import plan_mla_decode
-from pagedattn.serving.config import bad_field, int_field, is_finite_number
+from pagedattn.serving.config import bad_field, bool_field, float_field, int_field
 from pagedattn.serving.families import MLA_FAMILIES
 
 #: the model types read, and the routers each may name
@@ -54,13 +54,12 @@ def _int(c: dict, key: str, default=None, low: int = 1) -> int:
     return int_field(key, c.get(key, default), low)
 
 
-def _float(c: dict, key: str, default=None) -> float:
-    """``c[key]`` (``default`` when absent), any finite number (the sign is not checked; a
-    null field is refused as ``got None``)."""
-    v = c.get(key, default)
-    if not is_finite_number(v):
-        bad_field(key, "a finite number", v)
-    return float(v)
+def _float(c: dict, key: str, default=None, low: float = 0.0, *, inclusive: bool = False,
+           name: str | None = None) -> float:
+    """``c[key]`` (``default`` when absent), a finite number > ``low`` (>= with
+    ``inclusive``; a null field is refused as ``got None``), named ``name`` (``key``) in the
+    error."""
+    return float_field(name or key, c.get(key, default), low, inclusive=inclusive)
 
 
 @dataclass(frozen=True)
@@ -103,13 +102,19 @@ class DeepseekConfig:
 def hf_config(c: dict) -> DeepseekConfig:
     """A :class:`DeepseekConfig` from a ``config.json`` of model type ``deepseek_v3`` or
     ``deepseek_v2``. Raises ValueError naming the field for any other model type, a
-    malformed field, a rope other than the default or YaRN, or shapes that do not fit
-    (experts not divisible into groups, ``topk_group`` past ``n_group``)."""
+    malformed field (a constant that is not a finite number in its range: ``rope_theta``,
+    ``rms_norm_eps``, ``routed_scaling_factor`` and YaRN's ``factor``, ``beta_fast``,
+    ``beta_slow`` > 0, ``mscale``/``mscale_all_dim`` >= 0; a switch that is not a JSON
+    boolean), a rope other than the default or YaRN, or shapes that do not fit (experts not
+    divisible into groups, ``noaux_tc``'s groups of one expert: its group score is the sum
+    of each group's top two, ``topk_group`` past ``n_group``, ``num_experts_per_tok`` past
+    the experts of the groups kept)."""
     mt = c.get("model_type")
     if mt not in MODEL_TYPES:
         bad_field("model_type", f"one of {MODEL_TYPES}", mt)
     v3 = mt == "deepseek_v3"
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    rope_key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    rope = c.get(rope_key) or {}
     if not isinstance(rope, dict):
         bad_field("rope_scaling", "an object or null", rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -130,9 +135,15 @@ def hf_config(c: dict) -> DeepseekConfig:
     if method not in _TOPK_METHODS or (v3 != (method == "noaux_tc")):
         bad_field("topk_method", "'noaux_tc' (deepseek_v3) or 'greedy'/'group_limited_greedy' "
                   "(deepseek_v2)", method)
+    if method == "noaux_tc" and experts // n_group < 2:  # a group's score: its top two
+        bad_field("n_group", f"at most n_routed_experts / 2 = {experts // 2} groups (noaux_tc "
+                  "scores a group by its top two experts)", n_group)
     top_k = _int(c, "num_experts_per_tok")
-    if top_k > experts:
-        bad_field("num_experts_per_tok", f"at most n_routed_experts={experts}", top_k)
+    kept = experts if method == "greedy" else topk_group * (experts // n_group)
+    if top_k > kept:
+        bad_field("num_experts_per_tok", f"at most {kept}, the experts of the topk_group="
+                  f"{topk_group} groups kept" if kept < experts else
+                  f"at most n_routed_experts={experts}", top_k)
     heads = _int(c, "num_attention_heads")
     if c.get("num_key_value_heads", heads) != heads:
         bad_field("num_key_value_heads", f"num_attention_heads={heads} (MLA)",
@@ -140,13 +151,14 @@ def hf_config(c: dict) -> DeepseekConfig:
     if c.get("moe_layer_freq", 1) != 1:
         bad_field("moe_layer_freq", "1", c.get("moe_layer_freq"))
     if rope_type == "yarn":
-        rope = {"factor": _float(rope, "factor"),
-                "original_max_position_embeddings": _int(rope,
-                                                         "original_max_position_embeddings"),
-                "beta_fast": _float(rope, "beta_fast", 32.0),
-                "beta_slow": _float(rope, "beta_slow", 1.0),
-                "mscale": _float(rope, "mscale", 1.0),
-                "mscale_all_dim": _float(rope, "mscale_all_dim", 0.0)}
+        orig = rope.get("original_max_position_embeddings")
+        rope = {"factor": _float(rope, "factor", name=f"{rope_key}.factor"),
+                "original_max_position_embeddings": int_field(
+                    f"{rope_key}.original_max_position_embeddings", orig, 1),
+                **{k: _float(rope, k, default, name=f"{rope_key}.{k}")
+                   for k, default in (("beta_fast", 32.0), ("beta_slow", 1.0))},
+                **{k: _float(rope, k, default, inclusive=True, name=f"{rope_key}.{k}")
+                   for k, default in (("mscale", 1.0), ("mscale_all_dim", 0.0))}}
     else:
         rope = {}
     return DeepseekConfig(
@@ -159,10 +171,11 @@ def hf_config(c: dict) -> DeepseekConfig:
         n_shared_experts=_int(c, "n_shared_experts", 0, low=0), num_experts_per_tok=top_k,
         first_k_dense_replace=_int(c, "first_k_dense_replace", 0, low=0), n_group=n_group,
         topk_group=topk_group, routed_scaling_factor=_float(c, "routed_scaling_factor", 1.0),
-        norm_topk_prob=bool(c.get("norm_topk_prob", False)), topk_method=method,
-        rms_norm_eps=_float(c, "rms_norm_eps", 1e-6), rope_theta=theta, rope=rope,
-        attention_bias=bool(c.get("attention_bias", False)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        norm_topk_prob=bool_field("norm_topk_prob", c.get("norm_topk_prob"), False),
+        topk_method=method, rms_norm_eps=_float(c, "rms_norm_eps", 1e-6), rope_theta=theta,
+        rope=rope, attention_bias=bool_field("attention_bias", c.get("attention_bias"), False),
+        tie_word_embeddings=bool_field("tie_word_embeddings", c.get("tie_word_embeddings"),
+                                       False),
         eos_token_id=c.get("eos_token_id"))
 
 

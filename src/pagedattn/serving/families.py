@@ -3,11 +3,12 @@
 
 A family differs from Llama only in the options a spec names: QKV bias, per-head Q/K norms,
 the norms after attention and FFN, the offset folded into norm weights, the embedding scale,
-which layers use the sliding window, which ``config.json`` keys hold the soft-caps and the
-softmax scale, and the names of its tensors. :func:`pagedattn.serving.config.hf_config` and
-:func:`~pagedattn.serving.config.load_hf` read the spec of a checkpoint's ``model_type`` and
-nothing else about its family; the model (:mod:`pagedattn.serving.model`) reads only the
-resulting :class:`~pagedattn.serving.config.ModelConfig`.
+which layers use the sliding window, which ``config.json`` keys hold the activation, the
+soft-caps and the softmax scale, and the names of its tensors.
+:func:`pagedattn.serving.config.hf_config` and :func:`~pagedattn.serving.config.load_hf` read
+the spec of a checkpoint's ``model_type`` and nothing else about its family; the model
+(:mod:`pagedattn.serving.model`) reads only the resulting
+:class:`~pagedattn.serving.config.ModelConfig`.
 
 The CLI's help (:func:`family_names`), the error for an unsupported ``model_type`` and
 ``docs/models.md`` (:func:`families_markdown`; ``python -m pagedattn.serving.families``
@@ -76,8 +77,14 @@ class FamilySpec:
     ``windows``: a pattern of :data:`WINDOW_PATTERNS`, the layers with the sliding window
     (``sliding_window`` of ``config.json``) when it has no ``layer_types``;
     ``window_switch``: a ``config.json`` key that must be true for any window (Qwen's
-    ``use_sliding_window``). ``attn_soft_cap_key`` / ``final_soft_cap_key``: the keys of the
-    attention logits' and the final logits' soft-caps (None: no soft-cap).
+    ``use_sliding_window``); ``window_from``: ``(key, default)``, the first layer the
+    pattern applies to, without ``layer_types`` (Qwen's ``max_window_layers``: transformers
+    slides layer ``i`` when ``i >= max_window_layers``; None: layer 0).
+    ``activation``: ``(key, default)``, the ``config.json`` key transformers reads the FFN's
+    activation from and its value when absent; ``legacy_gelu``: ``"gelu"`` there means
+    the tanh approximation (transformers' reading of Gemma 1's released configs).
+    ``attn_soft_cap_key`` / ``final_soft_cap_key``: the keys of the attention logits' and
+    the final logits' soft-caps (None: no soft-cap).
     ``attn_scalar``: ``(key, default)`` whose value ``s`` makes the softmax scale
     ``s ** -0.5`` (None: ``head_dim ** -0.5``). ``tied``: ``tie_word_embeddings``'s default.
     ``layer_tensors``: HF's per-layer tensor names (after ``model.layers.{i}.``) -> ours
@@ -93,6 +100,9 @@ class FamilySpec:
     embed_scale: str = "none"
     windows: str = "none"
     window_switch: str | None = None
+    window_from: tuple[str, int] | None = None
+    activation: tuple[str, str] = ("hidden_act", "silu")
+    legacy_gelu: bool = False
     attn_soft_cap_key: str | None = None
     final_soft_cap_key: str | None = None
     attn_scalar: tuple[str, float] | None = None
@@ -115,19 +125,26 @@ class FamilySpec:
         return WINDOW_PATTERNS[self.windows](layer)
 
 
+#: Qwen's first sliding layer without ``layer_types``: ``max_window_layers``, transformers'
+#: default 28 (Qwen2Config, Qwen3Config)
+_QWEN_WINDOW_FROM = ("max_window_layers", 28)
+
 #: Hugging Face ``model_type`` -> its family's spec: every family ``load_hf`` reads
 FAMILIES: Mapping[str, FamilySpec] = MappingProxyType({
     "llama": FamilySpec("Llama", "SmolLM2-135M, TinyLlama-1.1B"),
     "mistral": FamilySpec("Mistral", "Mistral 7B v0.1", windows="every layer"),
-    "qwen2": FamilySpec("Qwen2", "Qwen2.5-0.5B", qkv_bias=True,
-                        window_switch="use_sliding_window",
+    "qwen2": FamilySpec("Qwen2", "Qwen2.5-0.5B", qkv_bias=True, windows="every layer",
+                        window_switch="use_sliding_window", window_from=_QWEN_WINDOW_FROM,
                         layer_tensors=layer_names(_QKV_BIAS)),
-    "qwen3": FamilySpec("Qwen3", "Qwen3-0.6B", qk_norm=True, window_switch="use_sliding_window",
+    "qwen3": FamilySpec("Qwen3", "Qwen3-0.6B", qk_norm=True, windows="every layer",
+                        window_switch="use_sliding_window", window_from=_QWEN_WINDOW_FROM,
                         layer_tensors=layer_names(_QK_NORM)),
     "gemma": FamilySpec("Gemma", "gemma-2b", norm_offset=1.0, embed_scale="sqrt(hidden_size)",
+                        activation=("hidden_act", "gelu_pytorch_tanh"), legacy_gelu=True,
                         tied=True),
     "gemma2": FamilySpec("Gemma 2", "gemma-2-2b", post_norms=True, norm_offset=1.0,
                          embed_scale="sqrt(hidden_size)", windows="even layers",
+                         activation=("hidden_activation", "gelu_pytorch_tanh"),
                          attn_soft_cap_key="attn_logit_softcapping",
                          final_soft_cap_key="final_logit_softcapping",
                          attn_scalar=("query_pre_attn_scalar", 256.0), tied=True,
@@ -164,19 +181,23 @@ def families_markdown() -> str:
     """``docs/models.md``: the families of :data:`FAMILIES` as Markdown tables (options,
     config keys, tensor names). A test keeps the file equal to this text."""
     rows = ["| `model_type` | family | e.g. | QKV bias | Q/K norm | post-norms | norm weight "
-            "| embeddings × | sliding window (no `layer_types`) | soft-caps | softmax scale "
-            "| tied by default |",
-            "|" + " --- |" * 12]
+            "| embeddings × | activation | sliding window (no `layer_types`) | soft-caps "
+            "| softmax scale | tied by default |",
+            "|" + " --- |" * 13]
     for mt, s in FAMILIES.items():
-        window = s.windows + (f" (any window only with `{s.window_switch}`)"
-                              if s.window_switch else "")
+        act_key, act_default = s.activation
+        act = f"`{act_key}` (default `{act_default}`" + (
+            "; `gelu` read as `gelu_pytorch_tanh`)" if s.legacy_gelu else ")")
+        window = s.windows + (f" from `{s.window_from[0]}` on (default {s.window_from[1]})"
+                              if s.window_from else "") + (
+            f" (any window only with `{s.window_switch}`)" if s.window_switch else "")
         caps = ", ".join(f"`{k}`" for k in (s.attn_soft_cap_key, s.final_soft_cap_key) if k)
         scale = (f"`{s.attn_scalar[0]} ** -0.5` (default {s.attn_scalar[1]:g})"
                  if s.attn_scalar else "`head_dim ** -0.5`")
         norm = f"{s.norm_offset:g} + w" if s.norm_offset else "w"
         rows.append(f"| `{mt}` | {s.name} | {s.example} | {_mark(s.qkv_bias)} "
                     f"| {_mark(s.qk_norm)} | {_mark(s.post_norms)} | {norm} | {s.embed_scale} "
-                    f"| {window} | {caps} | {scale} | {_mark(s.tied)} |")
+                    f"| {act} | {window} | {caps} | {scale} | {_mark(s.tied)} |")
     names: dict[tuple[str, str], list[str]] = {}
     for mt, s in FAMILIES.items():
         for hf, ours in s.layer_tensors.items():
@@ -197,9 +218,11 @@ def families_markdown() -> str:
         "`Transformer.from_hf(DIR)` serve, by `config.json`'s `model_type`. Each family is "
         "Llama plus the options of its row; the sliding window's size is `sliding_window` "
         "(the kernel's `window_left` is one less), and `layer_types`, where `config.json` has "
-        "it, says which layers use it. RoPE is the default one or, in any family, Llama 3's "
-        "scaling (`rope_type` `llama3`, as Llama 3.1-3.3's `config.json` has it; a GGUF's "
-        "`rope_freqs.weight`); any other scaling is refused.",
+        "it, says which layers use it. The activation is SiLU or tanh-GELU (`silu`, "
+        "`gelu_pytorch_tanh`), read from the key of the family's row; any other is refused. "
+        "RoPE is the default one or, in any family, Llama 3's scaling (`rope_type` `llama3`, "
+        "as Llama 3.1-3.3's `config.json` has it; a GGUF's `rope_freqs.weight`); any other "
+        "scaling is refused (a GGUF's `llama.rope.scaling.*` too).",
         "",
         *rows,
         "",

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pagedattn._cli_types import ArgumentError
-from pagedattn.serving.config import ModelConfig, check_weights
+from pagedattn.serving.config import ModelConfig, check_weights, is_finite_number
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -118,6 +118,47 @@ def _required(reader, key: str):
     return value
 
 
+def _positive(reader, key: str, default: float) -> float:
+    """A metadata number that must be finite and > 0 (``default`` when absent): ValueError
+    naming it otherwise."""
+    value = _field(reader, key, default)
+    if not is_finite_number(value) or value <= 0:
+        raise ValueError(f"gguf: {key}: expected a finite number > 0, got {value!r}")
+    return float(value)
+
+
+#: llama.cpp's names of RoPE scaling; a file without ``llama.rope.scaling.type`` is "linear"
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+#: the keys of the scaling factor, in llama.cpp's order (the second is the older name)
+ROPE_FACTOR_KEYS = ("llama.rope.scaling.factor", "llama.rope.scale_linear")
+
+
+def _check_rope_scaling(reader) -> None:
+    """Refuse the RoPE scaling of the file's metadata as ``hf_config`` refuses that of a
+    ``config.json``: only Llama 3's (``rope_freqs.weight``, read by :func:`load_gguf`) is
+    applied. As llama.cpp reads them, a factor of 0 or 1 (or none) scales nothing, nor does
+    any factor under the type ``"none"``; ``attn_factor`` multiplies cos and sin whatever
+    the type. Raises ValueError naming the key: an unknown ``llama.rope.scaling.type``
+    (llama.cpp refuses it too), a factor that scales (linear, YaRN, ...), an
+    ``attn_factor`` other than 1."""
+    kind = _field(reader, "llama.rope.scaling.type", "linear")
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"gguf: llama.rope.scaling.type: expected one of "
+                         f"{', '.join(ROPE_SCALING_TYPES)}, got {kind!r}")
+    for key in ROPE_FACTOR_KEYS:
+        factor = _field(reader, key)
+        if factor is not None:
+            if kind != "none" and factor not in (0, 1):
+                raise ValueError(f"gguf: {key}: RoPE scaling {kind!r} by {factor!r} is not "
+                                 "supported (expected 0 or 1, no scaling: as in config.json, "
+                                 "only Llama 3's, rope_freqs.weight, is)")
+            break
+    attn = _field(reader, "llama.rope.scaling.attn_factor")
+    if attn is not None and attn != 1:
+        raise ValueError(f"gguf: llama.rope.scaling.attn_factor: RoPE's attention factor "
+                         f"{attn!r} is not supported (expected 1)")
+
+
 def _reverse_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of Q/K rows (as transformers' GGUF loader does):
     rows ``[n_head, 2, dim/2]`` interleaved back to ``[n_head, dim/2, 2]`` order."""
@@ -127,10 +168,14 @@ def _reverse_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def read_config(reader) -> ModelConfig:
     """The :class:`ModelConfig` of a llama GGUF file (Llama's defaults for every variant).
-    Raises ValueError for any other ``general.architecture``."""
+    Raises ValueError naming the key for any other ``general.architecture``, a RoPE base
+    (``llama.rope.freq_base``) or norm epsilon (``llama.attention.layer_norm_rms_epsilon``)
+    that is not a finite number > 0, or RoPE scaling other than Llama 3's
+    (:func:`_check_rope_scaling`)."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"gguf: expected general.architecture 'llama', got {arch!r}")
+    _check_rope_scaling(reader)
     hidden = int(_required(reader, "llama.embedding_length"))
     heads = int(_required(reader, "llama.attention.head_count"))
     names = {t.name for t in reader.tensors}
@@ -145,8 +190,8 @@ def read_config(reader) -> ModelConfig:
         num_q_heads=heads,
         num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
         head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // max(heads, 1))),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_positive(reader, "llama.rope.freq_base", 10000.0),
+        rms_eps=_positive(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
         max_position=int(_field(reader, "llama.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -171,8 +216,10 @@ def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[
     the config's ``rope_inv_freq``, as llama.cpp applies it.
 
     Raises ImportError without the ``gguf`` package, FileNotFoundError without the file,
-    ValueError for a non-llama file, missing metadata, or a tensor missing or of a shape
-    the metadata contradicts (named).
+    ValueError for a non-llama file, missing or malformed metadata or RoPE scaling other
+    than Llama 3's (:func:`read_config`), a tensor missing or of a shape the metadata
+    contradicts (named), a ``rope_freqs.weight`` of the wrong size or with an entry that is
+    not a finite factor > 0 (the entry named).
     """
     try:
         from gguf import GGUFReader
@@ -212,10 +259,14 @@ def load_gguf(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict[
         names[name] = t.name
     check_weights(cfg, weights, names, "the file's metadata")
     if freq_factors is not None:  # as llama.cpp: theta_i = pos * f_i / factor_i
-        if freq_factors.numel() != cfg.head_dim // 2 or not bool(
-                torch.isfinite(freq_factors).all() and (freq_factors > 0).all()):
-            raise ValueError(f"gguf: rope_freqs.weight: expected {cfg.head_dim // 2} finite "
-                             f"factors > 0 (head_dim // 2), got {tuple(freq_factors.shape)}")
+        if freq_factors.numel() != cfg.head_dim // 2:
+            raise ValueError(f"gguf: rope_freqs.weight: expected {cfg.head_dim // 2} factors "
+                             f"(head_dim // 2), got shape {tuple(freq_factors.shape)}")
+        bad = ~(torch.isfinite(freq_factors) & (freq_factors > 0))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"gguf: rope_freqs.weight[{i}]: expected a finite factor > 0, "
+                             f"got {float(freq_factors[i])!r}")
         cfg = dataclasses.replace(
             cfg, rope_inv_freq=tuple((cfg.inv_freq() / freq_factors).tolist()))
     return cfg, weights
