@@ -40,11 +40,10 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 import pagedattn
+from pagedattn.integrations.layer import HEAD_SIZES, LayerOptions
 from pagedattn.integrations.vllm.layer import (
-    HEAD_SIZES,
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
-    LayerOptions,
     cache_dtype,
     cache_layout,
     config_refusals,
