@@ -16,13 +16,13 @@ import torch
 import pagedattn
 from pagedattn.integrations import vllm as plugin
 from pagedattn.integrations.layer import LayerOptions
+from pagedattn.integrations.step import PlanCache, num_decodes, plan_step, run_step
 from pagedattn.integrations.vllm.layer import (
     cache_layout,
     config_refusals,
     layer_options,
     split_kv_cache,
 )
-from pagedattn.integrations.vllm.step import PlanCache, num_decodes, plan_step, run_step
 from pagedattn.testing import rel_l2_error, tolerance_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,8 +336,12 @@ def test_registration_on_each_platform(caplog):
     assert plugin.choose("cpu", "0.33.1+cpu", on) == ("CPU_ATTN", plugin.CPU_BACKEND)
     assert plugin.choose("cuda", "0.33.0", {}) == ("CUSTOM", plugin.BACKEND)
     assert plugin.choose("rocm", "0.33.0", on) is None
-    with pytest.raises(RuntimeError, match="not vLLM 0.34.0"):
-        plugin.choose("cpu", "0.34.0", on)
+    assert plugin.choose("cpu", "0.34.0", on) == ("CPU_ATTN", plugin.CPU_BACKEND)
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x, 0\.33\.x, 0\.34\.x, not "
+                       r"vLLM 0\.35\.0$"):
+        plugin.choose("cpu", "0.35.0", on)
+    with pytest.raises(RuntimeError, match="not vLLM 0.31.9"):
+        plugin.choose("cpu", "0.31.9", on)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         plugin.choose("cpu", "0.32.0", {"PAGEDATTN_VLLM_CPU": "1"})
     with pytest.raises(ValueError, match="PAGEDATTN_VLLM_CPU: expected '1'"):
@@ -352,7 +356,8 @@ def test_version_keys():
     assert plugin.version_key("0.32.1.dev3+gabc") == (0, 32)
     assert plugin.version_key("0.32.0+cpu") == (0, 32)
     assert plugin.version_key("dev") is None and not plugin.supported("dev")
-    assert plugin.supported("0.33.0") and not plugin.supported("1.0.0")
+    assert plugin.supported("0.33.0") and plugin.supported("0.34.0")
+    assert not plugin.supported("0.35.0") and not plugin.supported("1.0.0")
 
 
 def test_the_entry_point_names_the_registration():
@@ -361,15 +366,16 @@ def test_the_entry_point_names_the_registration():
     target = project["entry-points"]["vllm.general_plugins"]["pagedattn"]
     module, _, name = target.partition(":")
     assert getattr(sys.modules[module], name) is plugin.register
-    assert project["optional-dependencies"]["vllm"] == ["vllm>=0.32,<0.34"]
-    assert {plugin.version_key(v) for v in ("0.32.0", "0.33.0")} == set(plugin.TESTED) | set(
-        plugin.READ)
+    # the extra declares exactly the supported minors: 0.32 to 0.34
+    assert project["optional-dependencies"]["vllm"] == ["vllm>=0.32,<0.35"]
+    assert {plugin.version_key(v) for v in ("0.32.0", "0.33.0", "0.34.0")} == set(
+        plugin.TESTED) | set(plugin.READ)
 
 
 def test_neither_pagedattn_nor_the_plugins_pure_parts_import_vllm():
     code = ("import sys; sys.modules['vllm'] = None\n"  # any import of vllm now fails
             "import pagedattn, pagedattn.integrations.vllm.layer, "
-            "pagedattn.integrations.vllm.step\n"
+            "pagedattn.integrations.step\n"
             "assert not any(m == 'triton' or m.startswith('triton.') for m in sys.modules)\n"
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
