@@ -39,6 +39,7 @@ vLLM 0.33.0's and 0.34.0's Python code (their CUDA wheels' ``vllm`` package firs
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from functools import partial
@@ -129,7 +130,21 @@ def models(tmp_path_factory) -> dict[bool, str]:
 
 def make_vllm_config(model: str, case: Case, max_model_len: int) -> VllmConfig:
     """vLLM's test's configuration: one process (TP 2 as half the heads), ``block_size``
-    16, the model's dtype, the cache dtype of the case."""
+    16, the model's dtype, the cache dtype of the case.
+
+    vLLM 0.34's CPU platform refuses to build any configuration on an x86 CPU whose Triton
+    has no CPU backend (``triton-cpu``; vLLM's ``HAS_TRITON``), which this machine's does
+    not have: for 0.34 and later ``HAS_TRITON`` reads true while the configuration is built
+    (pagedattn's kernels run in Triton's interpreter, not through vLLM's Triton checks)."""
+    if plugin.version_key(vllm.__version__) >= (0, 34):
+        triton_utils = importlib.import_module("vllm.triton_utils")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(triton_utils, "HAS_TRITON", True)
+            return _make_vllm_config(model, case, max_model_len)
+    return _make_vllm_config(model, case, max_model_len)
+
+
+def _make_vllm_config(model: str, case: Case, max_model_len: int) -> VllmConfig:
     model_config = ModelConfig(model=model, tokenizer=model, dtype="auto", seed=0,
                                max_model_len=max_model_len)
     if case.tp > 1:
