@@ -105,7 +105,7 @@ def test_compat_sits_above_the_api():
 
 
 def test_integrations_sit_above_the_api():
-    assert {"pagedattn.integrations.vllm.backend", "pagedattn.integrations.vllm.step"} <= set(
+    assert {"pagedattn.integrations.vllm.backend", "pagedattn.integrations.step"} <= set(
         GRAPH)
     assert not [m for m, targets in GRAPH.items() if _layer(m) != "integrations"
                 and any(_layer(t) == "integrations" for t in targets)]

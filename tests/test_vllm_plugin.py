@@ -15,14 +15,14 @@ import torch
 
 import pagedattn
 from pagedattn.integrations import vllm as plugin
+from pagedattn.integrations.layer import LayerOptions
+from pagedattn.integrations.step import PlanCache, num_decodes, plan_step, run_step
 from pagedattn.integrations.vllm.layer import (
-    LayerOptions,
     cache_layout,
     config_refusals,
     layer_options,
     split_kv_cache,
 )
-from pagedattn.integrations.vllm.step import PlanCache, num_decodes, plan_step, run_step
 from pagedattn.testing import rel_l2_error, tolerance_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,12 +66,17 @@ REFUSED = [
     (dict(num_kv_heads=3), ValueError, "num_kv_heads"),
     (dict(num_heads=0), ValueError, "num_heads"),
     (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(scale=1e39), ValueError, "scale"),  # the kernels' limit: float32's range / log2(e)
+    (dict(scale="0.1"), TypeError, "scale"),
     (dict(kv_cache_dtype="bfloat16"), ValueError, "kv_cache_dtype"),  # fp32 model
     (dict(kv_cache_dtype="int8_per_token_head"), ValueError, "kv_cache_dtype"),
     (dict(kv_cache_dtype="nvfp4"), ValueError, "kv_cache_dtype"),
     (dict(model_dtype=torch.float64), TypeError, "dtype"),
     (dict(sliding_window=0), ValueError, "sliding_window"),
     (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
+    (dict(logits_soft_cap=1e-45), ValueError, "logits_soft_cap"),  # ln 2 / cap overflows
+    (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap"),
+    (dict(alibi_slopes=[0.1, 1e39, 0.0, 0.2]), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=[0.1, 0.2]), ValueError, "alibi_slopes"),
     (dict(sinks=torch.zeros(3)), ValueError, "sinks"),
     (dict(block_m=64), ValueError, "block_m"),
@@ -85,6 +90,37 @@ def test_what_the_backend_does_not_run_is_refused_by_name(change, exc, name):
                 model_dtype=torch.float32) | change
     with pytest.raises(exc, match=f"pagedattn's vLLM attention backend: {name}: expected"):
         layer_options(**args)
+
+
+def _plan_and_run(option: str, value: float) -> None:
+    """A one-token decode through a plan with ``option`` (the plan's soft-cap, or the run's
+    scale) at ``value``."""
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    cap = {"logits_soft_cap": value} if option == "logits_soft_cap" else {}
+    plan = pagedattn.plan_decode(table, lens, num_q_heads=H, num_kv_heads=HKV, head_dim=D,
+                                 page_size=N, q_dtype=torch.float32, **cap)
+    cache = torch.randn(1, N, HKV, D)
+    # a small query: a scale near the limit keeps every score within float32 (the run's
+    # value checks)
+    out = plan.run(torch.randn(1, H, D) * 1e-3, cache, cache,
+                   scale=value if option == "scale" else 0.2)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("option,value,inside", [("scale", 1e39, 2e38),
+                                                 ("logits_soft_cap", 1e-45, 3e-39),
+                                                 ("logits_soft_cap", 1e39, 2e38)])
+def test_what_layer_options_refuse_the_kernels_refuse_too(option, value, inside):
+    """The values refused when vLLM configures the layer are ones a plan refuses at serving
+    time (the early check moves the error), and a value just inside the kernels' limit is
+    accepted by both (it refuses nothing that runs)."""
+    with pytest.raises(ValueError, match=f"^{option}: expected"):
+        _plan_and_run(option, value)
+    opts = layer_options(H, D, inside if option == "scale" else 0.2, HKV,
+                         logits_soft_cap=inside if option != "scale" else None,
+                         model_dtype=torch.float32)
+    assert (opts.scale if option == "scale" else opts.logits_soft_cap) == inside
+    _plan_and_run(option, inside)
 
 
 def _config(**change):
@@ -300,8 +336,12 @@ def test_registration_on_each_platform(caplog):
     assert plugin.choose("cpu", "0.33.1+cpu", on) == ("CPU_ATTN", plugin.CPU_BACKEND)
     assert plugin.choose("cuda", "0.33.0", {}) == ("CUSTOM", plugin.BACKEND)
     assert plugin.choose("rocm", "0.33.0", on) is None
-    with pytest.raises(RuntimeError, match="not vLLM 0.34.0"):
-        plugin.choose("cpu", "0.34.0", on)
+    assert plugin.choose("cpu", "0.34.0", on) == ("CPU_ATTN", plugin.CPU_BACKEND)
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x, 0\.33\.x, 0\.34\.x, not "
+                       r"vLLM 0\.35\.0$"):
+        plugin.choose("cpu", "0.35.0", on)
+    with pytest.raises(RuntimeError, match="not vLLM 0.31.9"):
+        plugin.choose("cpu", "0.31.9", on)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         plugin.choose("cpu", "0.32.0", {"PAGEDATTN_VLLM_CPU": "1"})
     with pytest.raises(ValueError, match="PAGEDATTN_VLLM_CPU: expected '1'"):
@@ -316,7 +356,8 @@ def test_version_keys():
     assert plugin.version_key("0.32.1.dev3+gabc") == (0, 32)
     assert plugin.version_key("0.32.0+cpu") == (0, 32)
     assert plugin.version_key("dev") is None and not plugin.supported("dev")
-    assert plugin.supported("0.33.0") and not plugin.supported("1.0.0")
+    assert plugin.supported("0.33.0") and plugin.supported("0.34.0")
+    assert not plugin.supported("0.35.0") and not plugin.supported("1.0.0")
 
 
 def test_the_entry_point_names_the_registration():
@@ -325,15 +366,16 @@ def test_the_entry_point_names_the_registration():
     target = project["entry-points"]["vllm.general_plugins"]["pagedattn"]
     module, _, name = target.partition(":")
     assert getattr(sys.modules[module], name) is plugin.register
-    assert project["optional-dependencies"]["vllm"] == ["vllm>=0.32,<0.34"]
-    assert {plugin.version_key(v) for v in ("0.32.0", "0.33.0")} == set(plugin.TESTED) | set(
-        plugin.READ)
+    # the extra declares exactly the supported minors: 0.32 to 0.34
+    assert project["optional-dependencies"]["vllm"] == ["vllm>=0.32,<0.35"]
+    assert {plugin.version_key(v) for v in ("0.32.0", "0.33.0", "0.34.0")} == set(
+        plugin.TESTED) | set(plugin.READ)
 
 
 def test_neither_pagedattn_nor_the_plugins_pure_parts_import_vllm():
     code = ("import sys; sys.modules['vllm'] = None\n"  # any import of vllm now fails
             "import pagedattn, pagedattn.integrations.vllm.layer, "
-            "pagedattn.integrations.vllm.step\n"
+            "pagedattn.integrations.step\n"
             "assert not any(m == 'triton' or m.startswith('triton.') for m in sys.modules)\n"
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

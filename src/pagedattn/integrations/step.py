@@ -1,5 +1,7 @@
-"""One vLLM step's attention plans: built once per step by the metadata builder, run by every
-layer. Pure Python over pagedattn's API: nothing here imports vLLM.
+"""One serving step's attention plans: built once per step (vLLM's metadata builder, SGLang's
+``init_forward_metadata``), run by every layer. Pure Python over pagedattn's API: nothing here
+imports a framework. The arguments are named as vLLM names them; SGLang's batch maps to them in
+``sglang/layer.py``.
 
 vLLM's ``CommonAttentionMetadata`` maps to :func:`pagedattn.plan_attention` directly:
 
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 
 from pagedattn.attention import AttentionPlan, plan_attention
-from pagedattn.integrations.vllm.layer import LayerOptions
+from pagedattn.integrations.layer import LayerOptions
 
 #: decode-part plans kept per builder besides the pinned ones
 PLAN_CACHE_SIZE = 64
@@ -105,12 +107,13 @@ def plan_step(*, block_table: torch.Tensor, seq_lens: torch.Tensor,
               query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, num_reqs: int,
               num_actual_tokens: int, max_query_len: int, page_size: int,
               layers: list[LayerOptions], cache: PlanCache | None = None,
-              pin: bool = False) -> dict[tuple, StepPlans]:
+              pin: bool = False, kv_layout: str = "HND") -> dict[tuple, StepPlans]:
     """The step's plans, one :class:`StepPlans` per distinct variant among ``layers`` (a
     vLLM KV-cache group's layers), from vLLM's ``CommonAttentionMetadata`` fields.
 
     ``cache`` keeps the decode-part plans across steps (``pin``: for a CUDA-graph capture).
-    Nothing is read from the device.
+    ``kv_layout``: the caches' page layout at run (vLLM's views are ``"HND"``, SGLang's token
+    slots ``"NHD"``). Nothing is read from the device.
     """
     nd = num_decodes(query_start_loc_cpu, num_reqs)  # requests, and tokens: one each
     shifted = None
@@ -124,7 +127,7 @@ def plan_step(*, block_table: torch.Tensor, seq_lens: torch.Tensor,
         shapes: dict[str, Any] = dict(
             num_q_heads=options.num_q_heads, num_kv_heads=options.num_kv_heads,
             head_dim=options.head_dim, page_size=page_size, q_dtype=options.q_dtype,
-            kv_dtype=options.kv_dtype, kv_layout="HND", window_left=options.window_left,
+            kv_dtype=options.kv_dtype, kv_layout=kv_layout, window_left=options.window_left,
             logits_soft_cap=options.logits_soft_cap)
         decode = varlen = None
         if nd:
