@@ -15,6 +15,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: modules that import no pagedattn module but these (torch only, or one leaf)
 LEAVES = {"pagedattn._env": set(), "pagedattn._validation": {"pagedattn._env"},
+          "pagedattn._errors": set(),
           "pagedattn._cli_types": set(), "pagedattn.traces": set(), "pagedattn.reference": set(),
           "pagedattn.options": {"pagedattn._validation"},
           "pagedattn._validation_mla": {"pagedattn._validation"},

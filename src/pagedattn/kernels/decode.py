@@ -175,8 +175,8 @@ def _paged_decode_kernel(
     # sequences p, p + programs, ... that were not (a split grid has a program a sequence)
     for b_chk in range(tl.program_id(0), batch, tl.num_programs(0)):
         raw_len = tl.load(context_lens_ptr + b_chk * stride_ctx)
-        _report(errors_ptr, (raw_len < 0) | (raw_len > max_pages * PAGE_SIZE), CONTEXT_LENS,
-                b_chk, raw_len)
+        _report(errors_ptr, (raw_len < 0) | (raw_len > max_pages * PAGE_SIZE * (num_pages > 0)),
+                CONTEXT_LENS, b_chk, raw_len)
     if PERSISTENT:  # a program per equal share of the step's tiles, merges in this launch
         _persistent_program(
             query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -186,7 +186,7 @@ def _paged_decode_kernel(
             num_kv_heads, group, max_pages, stride_q_b, stride_q_h, stride_q_d, stride_k_page,
             stride_k_tok, stride_k_head, stride_k_d, stride_v_page, stride_v_tok,
             stride_v_head, stride_v_d, stride_bt_b, stride_bt_p, stride_ctx, stride_o_b,
-            stride_o_h, stride_o_d, num_pages, errors_ptr, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
+            stride_o_h, stride_o_d, num_pages, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
             BLOCK_B, PAGE_SIZE,
             DOT_DTYPE, DOT_PRECISION, Q_POW2_SCALE, SCALE_FROM_PTR, HAS_LSE, Q_LEN, VARIANTS,
             FP8_V_PAIRS, ASM, LEAN_SOFTMAX,
@@ -197,7 +197,7 @@ def _paged_decode_kernel(
     r = u // num_kv_heads
     kv_head = u % num_kv_heads
     num_q_heads = num_kv_heads * group
-    capacity = max_pages * PAGE_SIZE
+    capacity = max_pages * PAGE_SIZE * (num_pages > 0)  # no page: every length clamps to 0
     b, start_b, chunk = _plan_unit(context_lens_ptr, r, batch, stride_ctx, capacity,
                                    num_kv_heads, min_chunk, target_units, target_units_ragged,
                                    forced_splits, window_left, BLOCK_B, BLOCK_N, Q_LEN,
@@ -250,7 +250,7 @@ def _paged_decode_kernel(
                               ctx, q_pos, win_first, window_left, softcap, offs_n, offs_d,
                               mask_d, stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
                               stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
-                              stride_bt_b, stride_bt_p, num_pages, errors_ptr, HEAD_DIM,
+                              stride_bt_b, stride_bt_p, num_pages, HEAD_DIM,
                               BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, VARIANTS, FP8_V_PAIRS,
                               ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA, ROPE_DIM, BLOCK_DR)
 

@@ -40,6 +40,14 @@ def _report(errors_ptr, bad, code: tl.constexpr, row, value):
 
 
 @triton.jit
+def _clamped_page_ids(raw, num_pages):
+    """Page ids read from a block table, clamped to ``[0, num_pages)`` (an id outside reads
+    page 0; with no page at all, the caller's lengths are clamped to 0), int64."""
+    ids = raw.to(tl.int64)
+    return tl.where((ids < 0) | (ids >= num_pages), 0, ids)
+
+
+@triton.jit
 def _checked_page_ids(raw, num_pages):
     """Page ids read from a block table, clamped to ``[0, num_pages)`` (an id outside reads
     page 0), and whether any was outside: ``(ids int64, bad int1 [...])``."""

@@ -205,7 +205,7 @@ def _persistent_program(
     stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
     stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
     stride_bt_b, stride_bt_p, stride_ctx,
-    stride_o_b, stride_o_h, stride_o_d, num_pages, errors_ptr,
+    stride_o_b, stride_o_h, stride_o_d, num_pages,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_POW2_SCALE: tl.constexpr,
@@ -225,7 +225,7 @@ def _persistent_program(
     p = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_q_heads = num_kv_heads * group
-    capacity = max_pages * PAGE_SIZE
+    capacity = max_pages * PAGE_SIZE * (num_pages > 0)  # no page: every length clamps to 0
     total = _total_tiles(context_lens_ptr, out_ptr, lse_ptr, sinks_ptr, p, num_programs, batch,
                          num_kv_heads, group, stride_ctx, capacity, window_left, stride_o_b,
                          stride_o_t, stride_o_h, stride_o_d, HEAD_DIM, BLOCK_H, BLOCK_D,
@@ -286,7 +286,7 @@ def _persistent_program(
                 kv_head.to(tl.int64) * stride_v_head, tok_start, tok_end, ctx, q_pos,
                 win_first, window_left, softcap, offs_n, offs_d, mask_d, stride_k_page,
                 stride_k_tok, stride_k_head, stride_k_d, stride_v_page, stride_v_tok,
-                stride_v_head, stride_v_d, stride_bt_b, stride_bt_p, num_pages, errors_ptr,
+                stride_v_head, stride_v_d, stride_bt_b, stride_bt_p, num_pages,
                 HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, VARIANTS, FP8_V_PAIRS, ASM,
                 LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA, ROPE_DIM, BLOCK_DR)
 

@@ -182,7 +182,7 @@ def _paged_prefill_kernel(
     _report(errors_ptr, first & (qsl_bad >= 0), QUERY_START_LOC, qsl_bad, qsl_bad)
     if (b >= batch) | (m_blk < 0):  # past the batch's blocks (the grid is sized from shapes)
         return
-    capacity = max_pages * PAGE_SIZE
+    capacity = max_pages * PAGE_SIZE * (num_pages > 0)  # no page: every length clamps to 0
     raw_len = tl.load(seq_lens_ptr + b * stride_sl)
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity).to(tl.int32)
     report = (m_blk == tl.cdiv(q_len, TOKENS) - 1) & (hg == 0)  # one program a sequence

@@ -18,7 +18,7 @@ body). The math is :mod:`pagedattn.kernels.softmax`'s and the addressing
 import triton
 import triton.language as tl
 
-from pagedattn.kernels.errors import BLOCK_TABLES, _checked_page_ids, _report
+from pagedattn.kernels.errors import _clamped_page_ids
 from pagedattn.kernels.paging import _dim_mask, _page_ids
 from pagedattn.kernels.softmax import (
     LOG2E,
@@ -249,7 +249,7 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
                   window_left, softcap, offs_n, offs_d, mask_d,
                   stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
                   stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
-                  stride_bt_b, stride_bt_p, num_pages, errors_ptr, HEAD_DIM: tl.constexpr,
+                  stride_bt_b, stride_bt_p, num_pages, HEAD_DIM: tl.constexpr,
                   BLOCK_H: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_LEN: tl.constexpr,
@@ -276,9 +276,10 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
     serves as the keys of the scores and as the values of ``P·V``. ``VARIANTS``: the options'
     flags (:data:`pagedattn.options.Variants`), passed on to :func:`_score_and_mask`.
 
-    Page ids outside ``[0, num_pages)`` read page 0 instead, and the first such sequence is
-    reported in the error word ``errors_ptr`` (:mod:`pagedattn.kernels.errors`): whatever
-    its block table holds, the loop reads inside the caches."""
+    Page ids outside ``[0, num_pages)`` read page 0 instead: whatever its block table holds,
+    the loop reads inside the caches (a report would keep a flag live across the loop, which
+    cost the register-capped kernels a spill: the prefill kernel and ``PAGEDATTN_VALIDATE``
+    report such ids)."""
     HAS_WINDOW: tl.constexpr = VARIANTS.HAS_WINDOW
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -294,7 +295,7 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
     tok = tok_start + offs_n
     if HAS_WINDOW:  # the first tile's keys before the window read win_first's row
         tok = tl.maximum(tok, win_first)
-    page_id, page_bad = _checked_page_ids(
+    page_id = _clamped_page_ids(
         _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok // PAGE_SIZE, tok < tok_end),
         num_pages)
     if SLOT_OFFSETS_I32:  # int32 instead (the launcher checked that every in-page offset fits)
@@ -338,10 +339,9 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
             v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
                         mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         tok_next = tok + BLOCK_N  # entries past the unit's end are masked, never read
-        page_id, bad = _checked_page_ids(
+        page_id = _clamped_page_ids(
             _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok_next // PAGE_SIZE,
                       tok_next < tok_end), num_pages)
-        page_bad = page_bad | bad
         s = _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
                             window_left, softcap, qpe_dot, v, DOT_DTYPE, DOT_PRECISION, Q_LEN,
                             VARIANTS, LEAN_SOFTMAX, ASM, MLA)
@@ -357,7 +357,6 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
                                              LEAN_SOFTMAX)
     if FP8_V_PAIRS:  # dims 2j, 2j + 1 back in place: [BLOCK_H, BLOCK_D]
         acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_H, BLOCK_D])
-    _report(errors_ptr, tl.max(page_bad.to(tl.int32), axis=0) > 0, BLOCK_TABLES, b, -1)
     return m, l, acc
 
 
