@@ -138,6 +138,9 @@ def test_a_subcommand_without_its_extra_is_one_line(argv, module, extra, capsys,
     before its module loads (``--help`` of it too: a module may import the extra on load)."""
     from pagedattn import cli
 
+    others = [m for m in cli.EXTRA_MODULES[extra] if m != module and cli._not_installed(m)]
+    if others:  # CI's Triton 3.9 phase installs no extra but interpret
+        pytest.skip(f"the {extra} extra is not installed here ({', '.join(others)} missing)")
     monkeypatch.setitem(sys.modules, module, None)  # any import of it now fails
     assert cli.main(argv) == 2
     command = argv[0]
@@ -150,6 +153,9 @@ def test_the_cli_reports_a_dependency_error_in_one_line(capsys, monkeypatch):
     """What a subcommand meets while it runs, such as the interpreter's numpy check
     (``_env.DependencyError``), is one line and exit status 2."""
     from pagedattn import _env, cli
+
+    if cli.missing_extra("run"):
+        pytest.skip("the bench extra is not installed here")
     from pagedattn.bench import harness
 
     def clash(args):
