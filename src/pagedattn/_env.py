@@ -112,8 +112,9 @@ def check_interpreter_numpy() -> None:
     """Under the interpreter, raise one ``ImportError`` naming the fix where numpy cannot run
     it (:func:`interpreter_numpy_problem`): a ``ModuleNotFoundError`` for numpy when it is
     missing, a :class:`DependencyError` when its version cannot serve. ``pagedattn.launch``
-    and ``pagedattn.kernels`` call it when they load, before anything imports Triton (whose
-    own import would fail deep inside it); off the interpreter it does nothing."""
+    calls it when it loads, before anything imports Triton (whose own import would fail deep
+    inside it; the API reaches the kernels through it only); off the interpreter it does
+    nothing."""
     if not is_interpreter():
         return
     try:
