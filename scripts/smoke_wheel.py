@@ -6,8 +6,10 @@ installed package::
 
 It checks: the package imports from site-packages, not from a checkout; ``__version__`` is the
 installed distribution's; the packaged data (traces, licenses) came along; one CPU decode in
-Triton's interpreter matches the float64 oracle; ``pagedattn --help`` exits 0. Prints one line
-per check and exits 1 at the first that fails.
+Triton's interpreter matches the float64 oracle; ``pagedattn --help`` exits 0; where the bench
+extra is not installed (CI installs the wheel with ``[interpret]`` only), ``pagedattn run`` is
+refused in one line naming it, exit status 2. Prints one line per check and exits 1 at the
+first that fails.
 """
 
 import os
@@ -62,6 +64,19 @@ def main() -> int:
     if done.returncode != 0 or "usage: pagedattn" not in done.stdout:
         fail(f"pagedattn --help: exit {done.returncode}, {done.stderr[-500:]}")
     print("smoke: pagedattn --help ok", flush=True)
+    from pagedattn.cli import missing_extra
+
+    if missing_extra("run") is None:
+        print("smoke: the bench extra is installed: pagedattn run's refusal not checked")
+    else:
+        done = subprocess.run([cli, "run"], capture_output=True, text=True, timeout=300)
+        # (without numpy, torch's own warning that it found none comes first)
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        if done.returncode != 2 or "Traceback" in done.stderr or not last.startswith(
+                "pagedattn run: error: ") or not last.endswith('pip install "pagedattn[bench]"'):
+            fail(f"pagedattn run without the bench extra: exit {done.returncode}, "
+                 f"{done.stderr[-500:]}")
+        print(f"smoke: {last}", flush=True)
     print("smoke: ok", flush=True)
     return 0
 

@@ -84,6 +84,53 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in TRUE_WORDS
 
 
+class DependencyError(ImportError):
+    """An installed package that the path taken cannot run with; the message is one line
+    naming the fix."""
+
+
+def interpreter_numpy_problem(triton_version: str | None,
+                              numpy_version: str | None) -> str | None:
+    """What keeps Triton's interpreter from running the kernels, in one line naming the fix,
+    or ``None``: no numpy (the interpreter imports it, and so does ``import triton`` under
+    it, but triton does not declare it: the ``interpret`` extra does), or Triton 3.6 with
+    numpy >= 2.4: 3.6's interpreter converts 1-element arrays to scalars, which numpy 2.3
+    deprecates (a warning; a decode runs) and 2.4 refuses inside a launch ("only
+    0-dimensional arrays can be converted to Python scalars"). The fix named is the pair CI
+    tests, numpy < 2.3."""
+    if numpy_version is None:
+        return ("pagedattn: Triton's interpreter (TRITON_INTERPRET=1) needs numpy, which is "
+                "not installed: pip install \"pagedattn[interpret]\"")
+    if (triton_version is not None and _release(triton_version)[:2] == (3, 6)
+            and _release(numpy_version)[:2] >= (2, 4)):
+        return (f"pagedattn: Triton 3.6's interpreter (TRITON_INTERPRET=1) fails with numpy "
+                f">= 2.4 (found numpy {numpy_version}): pip install \"numpy<2.3\"")
+    return None
+
+
+def check_interpreter_numpy() -> None:
+    """Under the interpreter, raise one ``ImportError`` naming the fix where numpy cannot run
+    it (:func:`interpreter_numpy_problem`): a ``ModuleNotFoundError`` for numpy when it is
+    missing, a :class:`DependencyError` when its version cannot serve. ``pagedattn.launch``
+    calls it when it loads, before anything imports Triton (whose own import would fail deep
+    inside it; the API reaches the kernels through it only); off the interpreter it does
+    nothing."""
+    if not is_interpreter():
+        return
+    try:
+        import numpy
+    except ImportError:
+        found = None
+    else:
+        found = numpy.__version__
+    problem = interpreter_numpy_problem(installed_triton(), found)
+    if problem is None:
+        return
+    if found is None:
+        raise ModuleNotFoundError(problem, name="numpy")
+    raise DependencyError(problem, name="numpy")
+
+
 #: Triton's interpreter keeps a launch's state (the grid, the program ids, its patches of
 #: ``triton.language``) in process-wide objects, so two launches in two threads corrupt each
 #: other (``InterpreterError: ValueError('y >= grid_dim[1]')``): every CPU launch of this

@@ -14,18 +14,21 @@ library never does), so the kernels run on the CPU through Triton's interpreter;
 then runs inside :func:`pagedattn._env.quiet_interpreter_warnings`, which hides that
 interpreter's known, harmless warnings. ``TRITON_INTERPRET=0`` (or another false value) without
 a GPU leaves the kernels nowhere to run: one line, exit status 2, before anything loads
-(``bench --list``, which runs no kernel, still works).
+(``bench --list``, which runs no kernel, still works). A subcommand whose extra of
+pyproject.toml (``bench``, ``serve``: :data:`EXTRA_OF`) is not installed is refused in one line
+naming it, exit status 2, before its module loads.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from pagedattn._cli_types import ArgumentError, OneLineParser
-from pagedattn._env import interpreter_refused, quiet_interpreter_warnings
+from pagedattn._env import DependencyError, interpreter_refused, quiet_interpreter_warnings
 
 
 def _run() -> Any:
@@ -70,6 +73,35 @@ COMMANDS: dict[str, tuple[Callable[[], Any], str]] = {
 }
 
 
+#: the extra of pyproject.toml each subcommand needs, and the modules of it that they import
+#: (tests/test_deps.py checks them against pyproject.toml): without one, the subcommand is
+#: refused in one line naming the extra, before it loads
+EXTRA_OF = {"run": "bench", "bench": "bench", "profile": "bench", "ladder": "bench",
+            "generate": "serve", "bench-model": "serve"}
+EXTRA_MODULES = {"bench": ("numpy", "tqdm", "tabulate", "matplotlib"),
+                 "serve": ("numpy", "gguf", "transformers")}
+
+
+def _not_installed(module: str) -> bool:
+    """True when ``import module`` would fail for want of it (a ``None`` in ``sys.modules``
+    blocks it); nothing is imported."""
+    if module in sys.modules:
+        return sys.modules[module] is None
+    return importlib.util.find_spec(module) is None
+
+
+def missing_extra(command: str) -> str | None:
+    """The one line refusing ``command`` when a module of its extra is not installed, naming
+    the extra and the module(s); ``None`` when all are."""
+    extra = EXTRA_OF[command]
+    missing = [m for m in EXTRA_MODULES[extra] if _not_installed(m)]
+    if not missing:
+        return None
+    return (f"'pagedattn {command}' needs the {extra} extra ({', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed): "
+            f'pip install "pagedattn[{extra}]"')
+
+
 #: the one line for ``TRITON_INTERPRET`` set to a false value on a machine without a CUDA GPU
 NO_BACKEND = ("TRITON_INTERPRET={!r} turns Triton's interpreter off, but there is no CUDA GPU, so "
               "the kernels cannot run: unset TRITON_INTERPRET (pagedattn then sets it to 1 for "
@@ -106,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if a in COMMANDS), None)
+    if chosen is not None and (missing := missing_extra(chosen)):  # before its module loads
+        print(f"pagedattn {chosen}: error: {missing}", file=sys.stderr)
+        return 2
     if chosen is not None:  # before the subcommand's module imports Triton
         _use_interpreter_without_gpu()
     for name, (_, help_text) in COMMANDS.items():
@@ -120,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with quiet_interpreter_warnings():  # the interpreter's known, harmless noise (CPU only)
             return int(_command(args.command).main(args) or 0)
+    except DependencyError as e:  # numpy too new for Triton 3.6's interpreter
+        print(f"pagedattn {args.command}: error: {str(e).removeprefix('pagedattn: ')}",
+              file=sys.stderr)
+        return 2
     except (ArgumentError, OSError) as e:  # a bad --gguf/--device; an unwritable output path
         # an argument's error ends as a parser's does, whatever the subcommand
         see = " (see --help)" if isinstance(e, ArgumentError) else ""
