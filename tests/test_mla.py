@@ -1,13 +1,15 @@
-"""Absorbed multi-head latent attention (``pagedattn.mla_decode`` / ``plan_mla_decode``, the
-production kernel's ``MLA`` flag) against the float64 MLA oracle.
+"""Absorbed multi-head latent attention (``pagedattn.mla_decode`` / ``plan_mla_decode``: the
+MLA kernel by default, the production decode kernel's ``MLA`` flag with ``schedule="split"``
+or ``"persistent"``) against the float64 MLA oracle.
 
 Every case draws fresh random inputs with NaN in every unused cache slot and garbage in the
 block tables' padding (``make_mla_inputs``) and a NaN-filled ``out``; the plan cases poison
 the workspace's partials too. DeepSeek-V3's 512 + 64 dims at 16 and 128 heads (one and two
 blocks of heads), small latents at odd head counts, page sizes 1 to 128, bf16/fp16/fp32 and
-fp8 caches, 1-4 query tokens (causal), forced and device-planned splits (the merge kernel,
-the folded merge), the persistent schedule, soft-cap and sinks, and bad arguments named
-before any launch and any write.
+fp8 caches, 1-4 query tokens (causal), the MLA kernel's balanced parts (one to more parts
+than tiles, sequences cut and merged), the earlier path's forced and device-planned splits
+(the merge kernel, the folded merge) and persistent schedule, soft-cap and sinks, and bad
+arguments named before any launch and any write.
 """
 
 import dataclasses
@@ -121,6 +123,34 @@ def test_one_token_4d_query(device):
     assert res.out.shape == (2, 1, 4, 32) and res.lse.shape == (2, 1, 4)
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("num_programs", [1, 2, 5, 40])
+def test_balanced_parts(device, q_len, num_programs):
+    """The MLA kernel's parts: one part takes the whole batch; two and five cut the long
+    sequence where a share ends (five do; two share 49 tiles of cost at 25 and do not),
+    leaving partials that the merge combines; 40
+    parts are more than the batch's tiles (most parts hold one tile or none). The plan's
+    workspace is poisoned first: partials NaN, piece records garbage."""
+    inputs = make_mla_inputs([0, 300, 7, 1, 45], num_q_heads=16, latent_dim=64, rope_dim=16,
+                             page_size=16, q_len=q_len, seed=num_programs + q_len,
+                             device=device)
+    plan = plan_mla_decode(inputs.block_tables, inputs.context_lens, num_q_heads=16,
+                           latent_dim=64, rope_dim=16, page_size=16, q_dtype=torch.bfloat16,
+                           q_len=q_len, num_programs=num_programs)
+    part_o, part_lse, pieces = plan._engine().workspace
+    part_o.fill_(float("nan"))
+    part_lse.fill_(float("nan"))
+    pieces.fill_(-3)
+    _check(inputs, plan=plan)
+    counts = pieces.view(-1, 2)[:, 1].cpu()
+    assert counts[0] == 0  # the empty sequence: no piece
+    if num_programs == 1:
+        assert int(counts.max()) == 1  # nothing cut
+    if num_programs >= 5:  # shares of at most 10 tiles: the long sequence (19 tiles) is cut
+        assert counts[1] > 1
+    assert int(counts.max()) <= num_programs
+
+
 @pytest.mark.parametrize("num_splits", [2, 5])
 def test_forced_splits_merge(device, num_splits):
     """Split rows merged by the merge kernel (a one-shot call's fresh workspace)."""
@@ -153,21 +183,28 @@ def test_combined_cache_and_query_buffers(device):
     _check(inputs)
 
 
-@pytest.mark.parametrize("schedule", [None, "persistent"])
+@pytest.mark.parametrize("schedule", [None, "split", "persistent"])
 def test_plan_across_layers_and_steps(device, schedule):
     """One plan serves several layers and a next step whose lengths and pages are written in
-    place (what a CUDA graph replays): the workspace's partials poisoned with NaN before each
-    run, the folded merge's arrival counters back at 0 after each."""
+    place (what a CUDA graph replays): the workspace poisoned before each run (the MLA
+    kernel's partials and piece records; the earlier path's partials, and its folded merge's
+    arrival counters back at 0 after each run)."""
     first = make_mla_inputs([3, 0, 90, 61], num_q_heads=32, latent_dim=64, rope_dim=16,
                             page_size=16, max_pages=8, seed=9, device=device)
     bt, cl = first.block_tables.clone(), first.context_lens.clone()
     plan = plan_mla_decode(bt, cl, num_q_heads=32, latent_dim=64, rope_dim=16, page_size=16,
                            q_dtype=torch.bfloat16, schedule=schedule)
     launcher = plan._engine()
-    # a block of heads is a kv head of the kernel's: 32 rows (split), 16 (persistent)
-    assert launcher.fold_merge == (schedule is None)
-    assert launcher.num_kv_heads == (1 if schedule is None else 2)
-    part_ml, part_acc, counters = launcher.workspace_parts(launcher.workspace)
+    if schedule is None:
+        part_o, part_lse, pieces = launcher.workspace
+        counters = torch.zeros(1)
+        poison = [part_o, part_lse]
+    else:
+        # a block of heads is a kv head of the kernel's: 32 rows (split), 16 (persistent)
+        assert launcher.fold_merge == (schedule == "split")
+        assert launcher.num_kv_heads == (1 if schedule == "split" else 2)
+        part_ml, part_acc, counters = launcher.workspace_parts(launcher.workspace)
+        poison, pieces = [part_ml, part_acc], None
     second = make_mla_inputs([77, 5, 0, 128], num_q_heads=32, latent_dim=64, rope_dim=16,
                              page_size=16, max_pages=8, seed=10, device=device)
     for step, inputs in enumerate((first, first, second)):
@@ -177,15 +214,19 @@ def test_plan_across_layers_and_steps(device, schedule):
         layer = inputs._replace(ckv_cache=inputs.ckv_cache * (step + 1),
                                 kpe_cache=inputs.kpe_cache - step,
                                 block_tables=bt, context_lens=cl)
-        part_ml.fill_(float("nan"))
-        part_acc.fill_(float("nan"))
+        for t in poison:
+            t.fill_(float("nan"))
+        if pieces is not None:
+            pieces.fill_(-7)  # every sequence's record is rewritten by the part that owns it
         _check(layer, plan=plan)
         assert int(counters.abs().sum()) == 0
+        if pieces is not None:
+            assert int(pieces.min()) >= 0
 
 
 def test_plan_splits_on_the_device(device, monkeypatch):
-    """The device planner splits a long sequence among short ones (no forced count), and the
-    plan's folded merge combines the rows: the same arithmetic as the production kernel."""
+    """The earlier path's device planner splits a long sequence among short ones (no forced
+    count), and the plan's folded merge combines the rows."""
     from pagedattn.launch import policy_mla
 
     real = policy_mla.mla_config
@@ -194,7 +235,8 @@ def test_plan_splits_on_the_device(device, monkeypatch):
     inputs = make_mla_inputs([300, 2, 7, 0, 40], num_q_heads=16, latent_dim=32, rope_dim=16,
                              page_size=16, seed=11, device=device)
     plan = plan_mla_decode(inputs.block_tables, inputs.context_lens, num_q_heads=16,
-                           latent_dim=32, rope_dim=16, page_size=16, q_dtype=torch.bfloat16)
+                           latent_dim=32, rope_dim=16, page_size=16, q_dtype=torch.bfloat16,
+                           schedule="split")
     launcher = plan._engine()
     assert launcher.fold_merge and launcher.rows_max > 5
     part_ml, part_acc, _ = launcher.workspace_parts(launcher.workspace)
@@ -246,7 +288,8 @@ def _bad_cases(inputs, device):
         (dict(return_lse=1), TypeError, "return_lse"),
         (dict(num_splits=0), ValueError, "num_splits"),
         (dict(schedule="fast"), ValueError, "schedule"),
-        (dict(num_programs=4), ValueError, "num_programs"),
+        (dict(num_programs=0), ValueError, "num_programs"),
+        (dict(num_programs=4, schedule="split"), ValueError, "num_programs"),
         (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
         (dict(sinks=torch.zeros(3, device=device)), ValueError, "sinks"),
         (dict(sinks=torch.full((4,), math.nan, device=device)), ValueError, "sinks"),
@@ -258,12 +301,13 @@ def _bad_cases(inputs, device):
 
 
 def test_bad_arguments_are_named_before_any_launch(device, monkeypatch):
-    from pagedattn.launch import decode
+    from pagedattn.launch import decode, mla
 
     inputs = make_mla_inputs([9, 20], num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8,
                              seed=12, device=device)
     launches = []
     monkeypatch.setattr(decode.AutoLauncher, "launch", lambda *a, **k: launches.append(1))
+    monkeypatch.setattr(mla.MLALauncher, "launch", lambda *a, **k: launches.append(1))
     cases, good = _bad_cases(inputs, device)
     for change, exc, name in cases:
         kw = {**good, "scale": 0.1, **change}

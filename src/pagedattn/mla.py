@@ -8,13 +8,14 @@ decode attends over the latent itself::
 
     out_h = softmax(scale · (q_nope_h · ckvᵀ + q_pe_h · kpeᵀ)) · ckv
 
-the latent is both key (with the rope part) and value. The kernel is the production decode
-kernel with its ``MLA`` flag (``kernels/decode.py``): a block of query heads is one tile's
-rows (the GQA packing, up to 64 rows: ``launch/policy_mla.py``), each latent tile is read
-once and serves both dots, and the device-side split planner, the merges (folded into the
-last unit for 16-bit caches) and the persistent schedule are that kernel's own, so a plan is
-CUDA-graph safe as a decode plan is: it reads ``block_tables`` and ``context_lens`` on the
-device at every run.
+the latent is both key (with the rope part) and value. The kernel is MLA's own
+(``kernels/mla.py``, launched by ``launch/mla.py``): 64 query rows (heads of a block) a
+program on 64-token latent tiles, each tile read once for both dots, and balanced parts of
+the batch's tiles, one program per SM, with a small merge of the sequences they cut
+(FlashMLA's schedule). ``schedule="split"`` or ``"persistent"`` runs the earlier path, the
+production decode kernel with its ``MLA`` flag (``kernels/decode.py``), kept for comparison
+until the GPU measures the new kernel ahead on every row. Either way a plan is CUDA-graph
+safe: it reads ``block_tables`` and ``context_lens`` on the device at every run.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _one_shot_launcher():
     return one_shot_launcher
 
 
+def _mla_launcher_class():
+    from pagedattn.launch.mla import MLALauncher
+
+    return MLALauncher
+
+
 class MLADecodePlan:
     """One decode step of absorbed MLA for every layer: built by :func:`plan_mla_decode`, run
     once per layer with :meth:`run`. It owns its workspace (the split rows' partials and the
@@ -57,7 +64,7 @@ class MLADecodePlan:
         self.rope_dim, self.page_size, self.q_len = int(rope_dim), int(page_size), int(q_len)
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.num_splits = None if num_splits is None else int(num_splits)
-        self.options, self.schedule = options, schedule or "split"
+        self.options, self.schedule = options, schedule  # None: the MLA kernel
         self.num_programs = None if num_programs is None else int(num_programs)
         self.batch, self.max_pages = block_tables.shape
         self.device = block_tables.device
@@ -65,9 +72,21 @@ class MLADecodePlan:
                         else (self.batch, self.q_len, self.num_q_heads, self.latent_dim))
         self._one_shot = one_shot
         self._launcher = None  # built on first use: importing Triton waits for a launch
+        #: the MLA kernel's tiles and parts (a ``launch.policy_mla.MLAKernelConfig``) instead
+        #: of its policy's, read when the first run builds the launcher (tuning)
+        self.kernel_config = None
         self.last_compiled: dict[str, object] = {}
 
     def _engine(self):
+        if self._launcher is None and self.schedule is None:
+            with on_device(self.device):
+                self._launcher = _mla_launcher_class()(
+                    batch=self.batch, max_pages=self.max_pages, num_q_heads=self.num_q_heads,
+                    latent_dim=self.latent_dim, rope_dim=self.rope_dim,
+                    page_size=self.page_size, q_len=self.q_len, q_dtype=self.q_dtype,
+                    kv_dtype=self.kv_dtype, device=self.device, options=self.options,
+                    num_parts=self.num_programs, config=self.kernel_config,
+                    workspace=not self._one_shot)
         if self._launcher is None:
             statics = (self.batch, self.max_pages, self.num_q_heads, 1, self.latent_dim,
                        self.page_size, self.q_dtype, self.kv_dtype, self.device,
@@ -137,7 +156,12 @@ class MLADecodePlan:
             out = torch.empty(self.q_shape, dtype=self.q_dtype, device=self.device)
         lse = (torch.empty(self.q_shape[:-1], dtype=torch.float32, device=self.device)
                if return_lse else None)
-        if self.batch > 0:
+        if self.batch > 0 and self.schedule is None:
+            with on_device(self.device):
+                self.last_compiled = self._engine().launch(
+                    q_nope, q_pe, ckv_cache, kpe_cache, self.block_tables, self.context_lens,
+                    out, lse, scale=float(scale), kv_scale=kv_scale, calls=calls)
+        elif self.batch > 0:
             with on_device(self.device):
                 self.last_compiled = self._engine().launch(
                     q_nope, ckv_cache, kpe_cache, self.block_tables, self.context_lens, out,
@@ -167,8 +191,14 @@ def plan_mla_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *,
             (with ``kv_scale`` at each run).
         q_len: query tokens per sequence, 1 to 64 (speculative decoding: token ``j`` sits
             at position ``context_len - q_len + j`` and attends causally).
-        num_splits, schedule, num_programs: as in :func:`pagedattn.plan_decode` (token-
-            balanced splits planned on the device, or the persistent schedule).
+        schedule: ``None`` (default): the MLA kernel's balanced parts (see the module
+            docstring); ``"split"`` or ``"persistent"``: the earlier path, the decode
+            kernel's splits or persistent schedule, as in :func:`pagedattn.plan_decode`.
+        num_splits: the split schedule's forced splits, as in :func:`pagedattn.plan_decode`
+            (given with ``schedule=None``, it selects ``"split"``).
+        num_programs: the programs of each head block (an int in [1, 65536]: the parts the
+            batch's tiles are shared into; ``None``: one per SM), or with
+            ``schedule="persistent"`` that schedule's program count.
         logits_soft_cap: as in :func:`pagedattn.paged_decode` (a constexpr of the plan).
 
     Returns:
@@ -184,7 +214,13 @@ def plan_mla_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *,
     options = O.plan_options({"logits_soft_cap": logits_soft_cap}, "plan_mla_decode")
     if num_splits is not None:
         V.check_int("num_splits", num_splits, 1, V.MAX_SPLITS)
-    V.check_schedule(schedule, num_programs, num_splits=num_splits)
+    if schedule is None and num_splits is not None:
+        schedule = "split"  # forced splits exist only in the split schedule
+    if schedule is None:  # the MLA kernel: balanced parts
+        if num_programs is not None:
+            V.check_int("num_programs", num_programs, 1, V.MAX_PROGRAMS)
+    else:
+        V.check_schedule(schedule, num_programs, num_splits=num_splits)
     return MLADecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
                          latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size,
                          q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,

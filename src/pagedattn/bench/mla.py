@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -123,17 +124,39 @@ def build_inputs(shape: MLAShape, device, dtype=torch.bfloat16, seed: int = 0):
 Runner = Callable[[], torch.Tensor]
 
 
-def ours(shape: MLAShape, inputs: MLAInputs, sinks) -> Runner:
-    """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call."""
+def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") -> Runner:
+    """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call. ``variant``
+    (``--ours``): ``default``; ``split`` or ``persistent``, the earlier path's schedules; or
+    the MLA kernel with other tiles, ``bn<tokens>s<stages>[w<warps>]`` (A/B tuning)."""
+    schedule = variant if variant in ("split", "persistent") else None
     plan = pagedattn.plan_mla_decode(
         inputs.block_tables, inputs.context_lens, num_q_heads=shape.num_heads,
         latent_dim=shape.latent_dim, rope_dim=shape.rope_dim, page_size=shape.page_size,
         q_dtype=inputs.q_nope.dtype, kv_dtype=shape.cache_dtype, q_len=shape.q_len,
-        logits_soft_cap=shape.soft_cap)
+        logits_soft_cap=shape.soft_cap, schedule=schedule)
+    if schedule is None and variant != "default":
+        plan.kernel_config = _variant_config(plan, variant)
     out = torch.empty_like(inputs.q_nope)
     fp8 = shape.cache_dtype != inputs.q_nope.dtype
     return lambda: plan.run(*inputs[:4], scale=shape.scale, out=out, sinks=sinks,
                             kv_scale=FP8_SCALE if fp8 else None)
+
+
+def _variant_config(plan, variant: str):
+    """An ``--ours`` tile variant ``bn<N>s<S>[w<W>]`` as the plan's kernel config."""
+    m = re.fullmatch(r"bn(\d+)s(\d+)(?:w(\d+))?", variant)
+    if m is None:
+        raise ValueError(f"--ours: unknown variant {variant!r} (default, split, persistent, "
+                         "or bn<tokens>s<stages>[w<warps>])")
+    from pagedattn.launch.mla import MLALauncher  # noqa: PLC0415 (Triton: on use only)
+
+    base = MLALauncher(batch=plan.batch, max_pages=plan.max_pages,
+                       num_q_heads=plan.num_q_heads, latent_dim=plan.latent_dim,
+                       rope_dim=plan.rope_dim, page_size=plan.page_size, q_len=plan.q_len,
+                       q_dtype=plan.q_dtype, kv_dtype=plan.kv_dtype, device=plan.device,
+                       options=plan.options, workspace=False).config
+    bn, st, w = int(m[1]), int(m[2]), int(m[3]) if m[3] else base.num_warps
+    return replace(base, block_n=bn, num_stages=st, num_warps=w)
 
 
 def flashinfer_mla(shape: MLAShape, inputs: MLAInputs, sinks) -> Runner:
@@ -169,7 +192,8 @@ PEERS: dict[str, Callable[..., Runner]] = {"flashinfer-mla": flashinfer_mla}
 
 def measure_row(shape: MLAShape, *, device, dry_run: bool, reps: int = 30,
                 peak_tflops: float = H200_BF16_TFLOPS, check_sequences: int = 8,
-                peers: tuple[str, ...] = tuple(PEERS), timing=None) -> dict:
+                peers: tuple[str, ...] = tuple(PEERS), timing=None,
+                variants: tuple[str, ...] = ("default",)) -> dict:
     """One row: ours and each peer run once and checked against the float64 oracle (the
     first ``check_sequences`` sequences), then, unless ``dry_run``, timed eager and as a
     graph replay, with the size-matched limit. Returns the row's record (``n/a`` cells in a
@@ -191,7 +215,9 @@ def measure_row(shape: MLAShape, *, device, dry_run: bool, reps: int = 30,
         limit_us = timing.time_read(nbytes, reps=reps).median_us
     row["limit_us"] = limit_us if limit_us is not None else "n/a"
     failed = False
-    for name, make in {"pagedattn": ours, **{p: PEERS[p] for p in peers}}.items():
+    makers = {("pagedattn" if v == "default" else f"pagedattn:{v}"):
+              (lambda sh, inp, sk, v=v: ours(sh, inp, sk, v)) for v in variants}
+    for name, make in {**makers, **{p: PEERS[p] for p in peers}}.items():
         try:
             fn = make(shape, inputs, sinks)
             out = fn()
@@ -200,11 +226,11 @@ def measure_row(shape: MLAShape, *, device, dry_run: bool, reps: int = 30,
             continue
         except Exception as e:  # noqa: BLE001 (a peer that fails is a cell of the row)
             row[name] = f"error: {e!r}"[:200]
-            failed = failed or name == "pagedattn"
+            failed = failed or name.startswith("pagedattn")
             continue
         err = rel_l2_error(out[:k], ref)
         row[f"{name} err"] = err
-        failed = failed or (name == "pagedattn" and not err <= tol)
+        failed = failed or (name.startswith("pagedattn") and not err <= tol)
         if dry_run:
             row[f"{name} us"] = row[f"{name} graph us"] = "n/a"
             row[f"{name} tflops"] = row[f"{name} % limit"] = row[f"{name} % peak"] = "n/a"
@@ -229,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-sequences", type=int, default=8,
                     help="sequences of each row checked against the float64 oracle")
     ap.add_argument("--no-peers", action="store_true", help="pagedattn alone")
+    ap.add_argument("--ours", default="default",
+                    help="comma list of our variants: default, split, persistent (the earlier "
+                         "path), bn<tokens>s<stages>[w<warps>] (the MLA kernel's tiles)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: interpreter-sized rows, checked against the oracle, untimed")
     ap.add_argument("--json", help="write the rows here")
@@ -257,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = shapes[name].small() if args.dry_run else shapes[name]
         row = measure_row(shape, device=device, dry_run=args.dry_run, reps=args.reps,
                           peak_tflops=args.peak_tflops, check_sequences=args.check_sequences,
-                          peers=() if args.no_peers else tuple(PEERS), timing=timing)
+                          peers=() if args.no_peers else tuple(PEERS), timing=timing,
+                          variants=tuple(args.ours.split(",")))
         print(format_row(row), flush=True)
         rows.append(row)
     dump_rows(rows, args.json)

@@ -15,7 +15,7 @@ Pure functions of shapes, dtypes and the interpreter flag, as :mod:`pagedattn.la
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,3 +88,54 @@ def mla_block_dr(d_rope: int) -> int:
     """The rope part's padded dims (``BLOCK_DR``): a power of two, at least 16 (a
     ``tl.dot``'s reduction)."""
     return max(16, next_power_of_2(d_rope))
+
+
+# --- the MLA kernel's policy (kernels/mla.py) ----------------------------------------------
+
+#: FlashMLA's fixed cost of a sequence, in tiles of 64 tokens (its epilogue and the merge
+#: of a cut sequence): the balanced parts share ``Σ (tiles + OVERHEAD)`` equally
+#: (deepseek-ai/FlashMLA ``get_decoding_sched_meta.cu``)
+MLA_OVERHEAD = 5
+
+
+@dataclass(frozen=True)
+class MLAKernelConfig:
+    """Tiles, rows and the schedule of the MLA kernel (:mod:`pagedattn.kernels.mla`)."""
+
+    heads: int  # query heads a program (a head block)
+    block_h: int  # rows a program: q_len x heads, padded
+    block_n: int  # latent tokens a tile
+    num_warps: int
+    num_stages: int
+    num_parts: int  # programs a head block: the balanced parts of the batch's tiles
+    overhead: int = MLA_OVERHEAD
+
+    def head_blocks(self, num_heads: int) -> int:
+        return num_heads // self.heads
+
+
+def mla_kernel_config(*, num_heads: int, q_len: int, latent_dim: int, kv_dtype: torch.dtype,
+                      num_sms: int, interpret: bool, num_parts: int | None = None
+                      ) -> MLAKernelConfig:
+    """The MLA kernel's tiles (see :mod:`pagedattn.kernels.mla`). On a GPU, 64 rows a program
+    (Hopper's wgmma M; fewer heads are padded, as FlashMLA pads 16 heads at TP8), 64-token
+    latent tiles two deep and eight warps for a latent of 256 dims or more (the two
+    warpgroups each hold half the output's columns), and one program per SM: ``num_sms //
+    head blocks`` parts. fp32 (a reference path) takes 16 rows and 16-token tiles. The
+    interpreter runs 16-token tiles and four parts, so small tests cut sequences."""
+    fp32 = kv_dtype == torch.float32
+    max_rows = 16 if fp32 or interpret else 64
+    blocks = mla_head_blocks(num_heads, q_len, max_rows)
+    heads = num_heads // blocks
+    rows = max(16, next_power_of_2(q_len * heads))
+    if interpret:
+        block_h, block_n, warps, stages, parts = rows, 16, 4, 1, 4
+    elif fp32:
+        block_h, block_n, warps, stages = rows, 16, 4, 2
+        parts = max(num_sms // blocks, 1)
+    else:
+        block_h, block_n, stages = 64, 64, 2
+        warps = 8 if block_d(latent_dim) >= 256 else 4
+        parts = max(num_sms // blocks, 1)
+    return MLAKernelConfig(heads=heads, block_h=block_h, block_n=block_n, num_warps=warps,
+                           num_stages=stages, num_parts=num_parts or parts)
