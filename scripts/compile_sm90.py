@@ -45,8 +45,10 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import torch  # noqa: E402
 
 import pagedattn.launch.decode as L  # noqa: E402
+import pagedattn.launch.mla as LM  # noqa: E402
 import pagedattn.launch.prefill as LP  # noqa: E402
 from pagedattn.launch import _triton_compat as tc  # noqa: E402
+from pagedattn.launch.policy_mla import mla_head_blocks  # noqa: E402
 from pagedattn.options import OPTIONS, plan_options  # noqa: E402
 
 #: name -> (AutoLauncher table width, q_len, LSE and plan-time options (pagedattn.options),
@@ -145,6 +147,19 @@ MLA_CASES = {
                       (), {}),
 }
 
+#: the MLA kernel (kernels/mla.py, launch/mla.py; pagedattn.mla's default): name -> (query
+#: heads, page size, q_len, LSE, cache dtype, per-call options, plan-time options), at
+#: DeepSeek-V3's 512 + 64 dims, batch 64 and a 4k table, 66 parts (an H100/H200's 132 SMs
+#: over TP1's two head blocks)
+MLAK_CASES = {
+    "mlak-tp1-bf16": (128, 64, 1, False, torch.bfloat16, (), {}),
+    "mlak-tp8-bf16": (16, 64, 1, False, torch.bfloat16, (), {}),
+    "mlak-tp1-fp8": (128, 64, 1, False, torch.float8_e4m3fn, (), {}),
+    "mlak-tp1-q_len2-everything": (128, 64, 2, True, torch.bfloat16, ("sinks",),
+                                   dict(logits_soft_cap=30.0)),
+    "mlak-tp8-page1": (16, 1, 1, False, torch.bfloat16, (), {}),
+}
+
 #: an option that no case above switches on gets a case of its own, ``option-<name>`` (its
 #: ``Option.example``), so a new variant compiles for sm_90 with no edit here; the word
 #: ``new-options`` in ``--cases`` stands for those cases (none while every option has one)
@@ -180,6 +195,8 @@ def case_launcher(name: str):
     that launches it on zero tensors made once (the same addresses at every launch)."""
     if name in MLA_CASES:
         return mla_case_launcher(name)
+    if name in MLAK_CASES:
+        return mlak_case_launcher(name)
     options, per_call, dtype, kv_dtype, batch, kv_heads = CASES[name]
     options = dict(options)
     max_pages = options.pop("max_pages", 64)  # 1,024 tokens: splits and a merge
@@ -253,6 +270,29 @@ def mla_case_launcher(name: str):
     return launcher, lambda: launcher.launch(q_nope, cache[..., :latent], cache[..., latent:],
                                              tables, lens, out, lse, scale=0.1, calls=tensors,
                                              q_pe=q_pe)
+
+
+def mlak_case_launcher(name: str):
+    """One MLA kernel case's (:data:`MLAK_CASES`) :class:`~pagedattn.launch.mla.MLALauncher`,
+    as :func:`case_launcher`: the main kernel and the merge."""
+    heads, page_size, q_len, with_lse, kv_dtype, per_call, options = MLAK_CASES[name]
+    batch, max_pages, latent, rope = 64, 4096 // page_size, 512, 64
+    launcher = LM.MLALauncher(batch=batch, max_pages=max_pages, num_q_heads=heads,
+                              latent_dim=latent, rope_dim=rope, page_size=page_size,
+                              q_len=q_len, q_dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                              device=torch.device("cpu"), options=plan_options(options),
+                              num_parts=132 // mla_head_blocks(heads, q_len, 64))
+    lead = (batch, heads) if q_len == 1 else (batch, q_len, heads)
+    q_nope = torch.zeros(*lead, latent, dtype=torch.bfloat16)
+    q_pe = torch.zeros(*lead, rope, dtype=torch.bfloat16)
+    cache = torch.zeros(batch * 8, page_size, latent + rope, dtype=kv_dtype)
+    tables = torch.zeros(batch, max_pages, dtype=torch.int32)
+    lens = torch.zeros(batch, dtype=torch.int32)
+    out, lse = torch.empty_like(q_nope), torch.empty(lead) if with_lse else None
+    tensors = {k: torch.zeros(heads) for k in per_call}
+    return launcher, lambda: launcher.launch(q_nope, q_pe, cache[..., :latent],
+                                             cache[..., latent:], tables, lens, out, lse,
+                                             scale=0.1, calls=tensors)
 
 
 def compile_case(name: str) -> dict:
@@ -391,7 +431,7 @@ def _resources_text(res: tuple[int, int, int] | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=",".join([*CASES, *MLA_CASES]),
+    p.add_argument("--cases", default=",".join([*CASES, *MLA_CASES, *MLAK_CASES]),
                    help="comma list (default: all)")
     p.add_argument("--ptx-dir", help="write each compiled kernel's PTX here")
     p.add_argument("--compare", metavar="DIR",
@@ -403,10 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cases = [c for word in args.cases.split(",")
              for c in (NEW_OPTION_CASES if word == "new-options" else [word])]
-    unknown = [c for c in cases if c not in CASES and c not in MLA_CASES]
+    unknown = [c for c in cases if c not in CASES and c not in MLA_CASES
+               and c not in MLAK_CASES]
     if unknown or (args.bindings and (args.ptx_dir or args.compare)):
         print("compile_sm90: error: " + (
-            f"unknown case {unknown[0]!r} (see CASES, MLA_CASES)" if unknown
+            f"unknown case {unknown[0]!r} (see CASES, MLA_CASES, MLAK_CASES)" if unknown
             else "--bindings compiles nothing: no --ptx-dir or --compare"), file=sys.stderr)
         return 2
     if args.bindings:
@@ -415,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
               f"C launch form {tc.LAUNCH_FORMS.get(tc.VERSION)}", flush=True)
         bad = checked = 0
         for case in cases:
-            if "num_tokens" in CASES.get(case, ({},))[0]:  # the prefill launcher records nothing
-                print(f"{case}: never recorded (prefill: every launch through kernel[grid])")
+            if "num_tokens" in CASES.get(case, ({},))[0] or case in MLAK_CASES:
+                # the prefill and MLA launchers record nothing
+                print(f"{case}: never recorded (every launch through kernel[grid])")
                 continue
             checked += 1
             verdict = check_bindings(case)
@@ -428,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("_paged_decode_kernel", "_merge_per_group_kernel", "_merge_per_head_kernel"):
         setattr(L, name, _Compile(getattr(L, name)))
     LP._paged_prefill_kernel = _Compile(LP._paged_prefill_kernel)
+    LM._mla_decode_kernel = _Compile(LM._mla_decode_kernel)
+    LM._mla_merge_kernel = _Compile(LM._mla_merge_kernel)
     print(f"triton {tc.triton.__version__}, ptxas {PTXAS}, nvdisasm {NVDISASM}", flush=True)
     for case in cases:
         compiled = compile_case(case)

@@ -119,9 +119,14 @@ def _mla_tiles(acc, m_i, l_i, q, qr, qk_scale, pos, lo, hi, seq_len, softcap, ck
             tok_ld = tl.minimum(tok, seq_len - 1)
         else:
             tok_ld = tok
-        raw = tl.load(bt_row_ptr + (tok_ld // PAGE_SIZE) * stride_bt_p)
-        page, bad = _checked_page_ids(raw, num_pages)
-        page_bad = page_bad | (tl.max(bad.to(tl.int32), axis=0) > 0)
+        if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one page id, a scalar
+            raw = tl.load(bt_row_ptr + (n0 // PAGE_SIZE) * stride_bt_p)
+            page, bad = _checked_page_ids(raw, num_pages)
+            page_bad = page_bad | bad
+        else:  # a page id per token
+            raw = tl.load(bt_row_ptr + (tok_ld // PAGE_SIZE) * stride_bt_p)
+            page, bad = _checked_page_ids(raw, num_pages)
+            page_bad = page_bad | (tl.max(bad.to(tl.int32), axis=0) > 0)
         slot = (tok_ld % PAGE_SIZE).to(tl.int64)
         c_off = page * stride_c_page + slot * stride_c_tok  # [BLOCK_N]
         ckv = tl.load(ckv_ptr + c_off[:, None] + offs_d[None, :] * stride_c_d,
