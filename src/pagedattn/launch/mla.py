@@ -63,6 +63,11 @@ class MLALauncher:
         self.softcap = options.logits_soft_cap
         bd = block_d(latent_dim)
         fp8 = kv_dtype in FP8_DTYPES
+        # the dots' dtype: the cache's, and for an fp8 latent the query's 16-bit dtype (fp8
+        # converts exactly to either; a bf16 query then dots as it is, from shared memory,
+        # where the fp16 dots of the decode kernel need it scaled into fp16's range in
+        # registers: 128 registers a thread at 64 rows, and the token loop spilled)
+        dots = q_dtype if fp8 and q_dtype in (torch.float16, torch.bfloat16) else kv_dtype
         self.ws_shape = ((cfg.num_parts * 2 * self.rows * bd,), (cfg.num_parts * 2 * self.rows,),
                          (max(batch, 1) * 2,))
         self.workspace = self._workspace() if workspace else None
@@ -71,9 +76,9 @@ class MLALauncher:
             shared, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, NUM_PARTS=cfg.num_parts,
             OVERHEAD=cfg.overhead, BLOCK_B=BLOCK_B, ROPE_DIM=rope_dim,
             BLOCK_DR=mla_block_dr(rope_dim), HEADS=cfg.heads,
-            BLOCK_H=cfg.block_h, DOT_DTYPE=dot_dtype(kv_dtype, interpret),
-            DOT_PRECISION=dot_precision(kv_dtype, interpret),
-            Q_POW2_SCALE=fp8 and q_dtype != torch.float16,
+            BLOCK_H=cfg.block_h, DOT_DTYPE=dot_dtype(dots, interpret),
+            DOT_PRECISION=dot_precision(dots, interpret),
+            Q_POW2_SCALE=fp8 and dots == torch.float16 and q_dtype != torch.float16,
             HAS_SOFTCAP=self.softcap is not None)
         self.merge_constexprs = dict(shared, BLOCK_R=MERGE_ROWS)
 
