@@ -77,6 +77,18 @@ class MLADecodePlan:
         self.kernel_config = None
         self.last_compiled: dict[str, object] = {}
 
+    def policy_config(self):
+        """The MLA kernel's tiles and parts its policy picks for this plan (an
+        ``MLAKernelConfig``; set :attr:`kernel_config` to a variant of it to tune)."""
+        from pagedattn.launch.mla import MLALauncher
+
+        return MLALauncher(batch=self.batch, max_pages=self.max_pages,
+                           num_q_heads=self.num_q_heads, latent_dim=self.latent_dim,
+                           rope_dim=self.rope_dim, page_size=self.page_size, q_len=self.q_len,
+                           q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=self.device,
+                           options=self.options, num_parts=self.num_programs,
+                           workspace=False).config
+
     def _engine(self):
         if self._launcher is None and self.schedule is None:
             with on_device(self.device):
