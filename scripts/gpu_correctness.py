@@ -172,14 +172,16 @@ def _prefill(mixed=False):
 
 
 def _mla():
-    for (dt, _, page, _), heads in itertools.product(
-            _grid(dtypes=("bf16", "fp16", "e4m3"), layouts=("NHD",)), (128, 16)):
+    for (dt, _, page, _), (heads, q_len) in itertools.product(
+            _grid(dtypes=("bf16", "fp16", "e4m3"), layouts=("NHD",)),
+            ((128, 1), (16, 1), (16, 3))):
         dtype, cache = DTYPES[dt]
         latent, rope = (32, 8) if SMOKE else (512, 64)
-        inputs = make_mla_inputs([min(n, 13) for n in LENS] if SMOKE else LENS, num_q_heads=heads if not SMOKE else 4,
+        lens = [min(n, 13) for n in LENS] if SMOKE else LENS
+        inputs = make_mla_inputs(lens, num_q_heads=heads if not SMOKE else 4,
                                  latent_dim=latent, rope_dim=rope, page_size=page,
                                  dtype=dtype, cache_dtype=cache, device=_device(),
-                                 seed=heads)
+                                 q_len=q_len, seed=heads + q_len)
         scale = (128 + 64) ** -0.5
         kv_scale = 0.5 if cache is not None else None
         out = torch.full_like(inputs.q_nope, float("nan"))
@@ -188,7 +190,7 @@ def _mla():
         _sync()
         ref = pagedattn.mla_decode_reference(*inputs, scale=scale, kv_scale=kv_scale)
         ok, err = _check("mla", out, ref.out, res.lse, ref.lse, cache or dtype)
-        yield (dt, page, f"heads{heads}"), ok, err
+        yield (dt, page, f"heads{heads}" + (f"-q{q_len}" if q_len > 1 else "")), ok, err
 
 
 def _append():
