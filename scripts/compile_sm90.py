@@ -37,6 +37,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -147,8 +148,9 @@ MLA_CASES = {
                       (), {}),
 }
 
-#: the MLA kernel (kernels/mla.py, launch/mla.py; pagedattn.mla's default): name -> (query
-#: heads, page size, q_len, LSE, cache dtype, per-call options, plan-time options), at
+#: the MLA kernel (kernels/mla.py, launch/mla.py; pagedattn.mla's default) and its Gluon
+#: path (kernels/mla_gluon.py, "-gluon": with the schedule kernel): name -> (query heads,
+#: page size, q_len, LSE, cache dtype, per-call options, plan-time options), at
 #: DeepSeek-V3's 512 + 64 dims, batch 64 and a 4k table, 66 parts (an H100/H200's 132 SMs
 #: over TP1's two head blocks)
 MLAK_CASES = {
@@ -158,6 +160,11 @@ MLAK_CASES = {
     "mlak-tp1-q_len2-everything": (128, 64, 2, True, torch.bfloat16, ("sinks",),
                                    dict(logits_soft_cap=30.0)),
     "mlak-tp8-page1": (16, 1, 1, False, torch.bfloat16, (), {}),
+    "mlak-tp1-gluon": (128, 64, 1, False, torch.bfloat16, (), {}),
+    "mlak-tp8-gluon": (16, 64, 1, False, torch.bfloat16, (), {}),
+    "mlak-tp1-q_len2-everything-gluon": (128, 64, 2, True, torch.bfloat16, ("sinks",),
+                                         dict(logits_soft_cap=30.0)),
+    "mlak-tp8-page1-gluon": (16, 1, 1, False, torch.bfloat16, (), {}),
 }
 
 #: an option that no case above switches on gets a case of its own, ``option-<name>`` (its
@@ -277,11 +284,20 @@ def mlak_case_launcher(name: str):
     as :func:`case_launcher`: the main kernel and the merge."""
     heads, page_size, q_len, with_lse, kv_dtype, per_call, options = MLAK_CASES[name]
     batch, max_pages, latent, rope = 64, 4096 // page_size, 512, 64
-    launcher = LM.MLALauncher(batch=batch, max_pages=max_pages, num_q_heads=heads,
-                              latent_dim=latent, rope_dim=rope, page_size=page_size,
-                              q_len=q_len, q_dtype=torch.bfloat16, kv_dtype=kv_dtype,
-                              device=torch.device("cpu"), options=plan_options(options),
-                              num_parts=132 // mla_head_blocks(heads, q_len, 64))
+    gluon = name.endswith("-gluon")
+    config = replace(LM.mla_kernel_config(num_heads=heads, q_len=q_len, latent_dim=latent,
+                                          kv_dtype=kv_dtype, num_sms=132, interpret=False),
+                     gluon=gluon)
+    real_applies = LM.gluon_applies
+    LM.gluon_applies = lambda **kw: gluon  # a CPU device: the policy would say no
+    try:
+        launcher = LM.MLALauncher(batch=batch, max_pages=max_pages, num_q_heads=heads,
+                                  latent_dim=latent, rope_dim=rope, page_size=page_size,
+                                  q_len=q_len, q_dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                                  device=torch.device("cpu"), options=plan_options(options),
+                                  config=config)
+    finally:
+        LM.gluon_applies = real_applies
     lead = (batch, heads) if q_len == 1 else (batch, q_len, heads)
     q_nope = torch.zeros(*lead, latent, dtype=torch.bfloat16)
     q_pe = torch.zeros(*lead, rope, dtype=torch.bfloat16)
@@ -472,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     LP._paged_prefill_kernel = _Compile(LP._paged_prefill_kernel)
     LM._mla_decode_kernel = _Compile(LM._mla_decode_kernel)
     LM._mla_merge_kernel = _Compile(LM._mla_merge_kernel)
+    LM._mla_schedule_kernel = _Compile(LM._mla_schedule_kernel)
+    if any(case.endswith("-gluon") for case in cases):
+        import pagedattn.kernels.mla_gluon as KG  # noqa: PLC0415 (Gluon: imported on use)
+
+        KG._mla_decode_gluon_kernel = _Compile(KG._mla_decode_gluon_kernel)
     print(f"triton {tc.triton.__version__}, ptxas {PTXAS}, nvdisasm {NVDISASM}", flush=True)
     for case in cases:
         compiled = compile_case(case)

@@ -126,8 +126,9 @@ Runner = Callable[[], torch.Tensor]
 
 def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") -> Runner:
     """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call. ``variant``
-    (``--ours``): ``default``; ``split`` or ``persistent``, the earlier path's schedules; or
-    the MLA kernel with other tiles, ``bn<tokens>s<stages>[w<warps>]`` (A/B tuning)."""
+    (``--ours``): ``default``; ``split`` or ``persistent``, the earlier path's schedules;
+    ``gluon``, the MLA kernel's Hopper path; or the MLA kernel with other tiles,
+    ``bn<tokens>s<stages>[w<warps>]`` (A/B tuning)."""
     schedule = variant if variant in ("split", "persistent") else None
     plan = pagedattn.plan_mla_decode(
         inputs.block_tables, inputs.context_lens, num_q_heads=shape.num_heads,
@@ -143,11 +144,14 @@ def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") ->
 
 
 def _variant_config(plan, variant: str):
-    """An ``--ours`` tile variant ``bn<N>s<S>[w<W>]`` as the plan's kernel config."""
+    """An ``--ours`` variant as the plan's kernel config: ``gluon`` (the Hopper path, where
+    it applies) or tiles ``bn<N>s<S>[w<W>]``."""
+    if variant == "gluon":
+        return replace(plan.policy_config(), gluon=True)
     m = re.fullmatch(r"bn(\d+)s(\d+)(?:w(\d+))?", variant)
     if m is None:
         raise ValueError(f"--ours: unknown variant {variant!r} (default, split, persistent, "
-                         "or bn<tokens>s<stages>[w<warps>])")
+                         "gluon, or bn<tokens>s<stages>[w<warps>])")
     base = plan.policy_config()
     bn, st, w = int(m[1]), int(m[2]), int(m[3]) if m[3] else base.num_warps
     return replace(base, block_n=bn, num_stages=st, num_warps=w)
@@ -251,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="pagedattn alone")
     ap.add_argument("--ours", default="default",
                     help="comma list of our variants: default, split, persistent (the earlier "
-                         "path), bn<tokens>s<stages>[w<warps>] (the MLA kernel's tiles)")
+                         "path), gluon (the Hopper path), bn<tokens>s<stages>[w<warps>] (the "
+                         "MLA kernel's tiles)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: interpreter-sized rows, checked against the oracle, untimed")
     ap.add_argument("--json", help="write the rows here")

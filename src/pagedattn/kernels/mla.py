@@ -333,3 +333,31 @@ def _mla_merge_kernel(
         _mla_store(out_ptr, lse_ptr, sinks_ptr, b, tok_i, heads, mask_m, offs_d,
                    mask_m[:, None] & mask_d[None, :], m, l, acc, v_scale, offs_m, rows,
                    stride_o_b, stride_o_t, stride_o_h, stride_o_d, HAS_SINKS, HAS_LSE)
+
+
+@triton.jit(do_not_specialize=["batch", "num_pages", "max_pages"])
+def _mla_schedule_kernel(context_lens_ptr, sched_ptr, errors_ptr, batch, num_pages, max_pages,
+                         stride_ctx, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_PARTS: tl.constexpr, OVERHEAD: tl.constexpr,
+                         BLOCK_B: tl.constexpr):
+    """The balanced parts for a kernel that cannot scan (the Gluon path,
+    :mod:`pagedattn.kernels.mla_gluon`): grid ``(NUM_PARTS,)``, part ``p`` writes ``sched[p]
+    = (lo, hi, first sequence, its cost start, share, 0, 0, 0)`` (int32) as
+    :func:`_mla_decode_kernel` finds them, and part 0 reports the first length outside the
+    table."""
+    part = tl.program_id(0)
+    capacity = max_pages * PAGE_SIZE * (num_pages > 0)
+    total, bad, bad_len = _mla_costs(context_lens_ptr, stride_ctx, batch, capacity, BLOCK_N,
+                                     OVERHEAD, BLOCK_B)
+    _report(errors_ptr, (part == 0) & (bad >= 0), CONTEXT_LENS, bad, bad_len)
+    share = tl.cdiv(total, NUM_PARTS)
+    lo = part * share
+    hi = tl.minimum(lo + share, total)
+    b, start = _mla_locate(context_lens_ptr, stride_ctx, batch, capacity, lo, BLOCK_N,
+                           OVERHEAD, BLOCK_B)
+    row = sched_ptr + part * 8
+    tl.store(row, lo)
+    tl.store(row + 1, hi)
+    tl.store(row + 2, b)
+    tl.store(row + 3, start)
+    tl.store(row + 4, share)

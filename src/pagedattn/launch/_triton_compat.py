@@ -396,6 +396,8 @@ def compile_for(kernel, kwargs: dict, *, arch: int = 90, num_warps: int = 4,
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs = {}, {}, {}
+    if any(p.name == "num_warps" for p in kernel.params):  # a Gluon kernel's own parameter
+        num_warps = kwargs["num_warps"]
     for i, p in enumerate(kernel.params):
         v = kwargs[p.name]
         if p.is_constexpr or v is None:  # Triton makes a None argument a constexpr
@@ -410,7 +412,10 @@ def compile_for(kernel, kwargs: dict, *, arch: int = 90, num_warps: int = 4,
             signature[p.name] = "i32" if isinstance(v, int) else "fp32"
             if isinstance(v, int) and not p.do_not_specialize and v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():  # a Gluon kernel: its own front end
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(kernel, signature, constexprs, attrs),
                           target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages,
                                        maxnreg=maxnreg, **options))

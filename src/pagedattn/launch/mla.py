@@ -13,15 +13,28 @@ import torch
 from pagedattn import _errors
 from pagedattn._env import is_interpreter
 from pagedattn._validation import FP8_DTYPES, kernel_max_pages
-from pagedattn.kernels.mla import _mla_decode_kernel, _mla_merge_kernel
+from pagedattn.kernels.mla import _mla_decode_kernel, _mla_merge_kernel, _mla_schedule_kernel
 from pagedattn.launch import _triton_compat as tc
 from pagedattn.launch._common import LOG2E, block_d, cdiv, named_strides
 from pagedattn.launch.flags import BLOCK_B, dot_dtype, dot_precision
-from pagedattn.launch.policy_mla import MLAKernelConfig, mla_block_dr, mla_kernel_config
+from pagedattn.launch.policy_mla import (
+    MLAKernelConfig,
+    gluon_applies,
+    mla_block_dr,
+    mla_kernel_config,
+)
 from pagedattn.options import DecodeOptions
 
 #: workspace rows a merge program combines
 MERGE_ROWS = 16
+
+
+def _rows_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's rows are 16-byte vectors for ``cp.async`` (the Gluon kernel's
+    copies): a unit last stride, every other stride a multiple of 8 elements (16-bit) and a
+    16-byte aligned start; otherwise the plain kernel runs."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s % 8 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -81,6 +94,17 @@ class MLALauncher:
             Q_POW2_SCALE=fp8 and dots == torch.float16 and q_dtype != torch.float16,
             HAS_SOFTCAP=self.softcap is not None)
         self.merge_constexprs = dict(shared, BLOCK_R=MERGE_ROWS)
+        # the Gluon kernel where the config asks for it and it applies (else the plain one)
+        self.gluon = cfg.gluon and gluon_applies(
+            q_dtype=q_dtype, kv_dtype=kv_dtype, latent_dim=latent_dim, rope_dim=rope_dim,
+            device=device, interpret=interpret)
+        if self.gluon:
+            self.sched = torch.empty(cfg.num_parts * 8, dtype=torch.int32, device=device)
+            self.gluon_constexprs = dict(
+                LATENT_DIM=latent_dim, BLOCK_D=bd, ROPE_DIM=rope_dim,
+                BLOCK_DR=mla_block_dr(rope_dim), Q_LEN=q_len, HEADS=cfg.heads,
+                BLOCK_H=64, BLOCK_N=64, PAGE_SIZE=page_size, OVERHEAD=cfg.overhead,
+                DTYPE=dot_dtype(kv_dtype, interpret), HAS_SOFTCAP=self.softcap is not None)
 
     def _workspace(self):
         o_shape, lse_shape, pieces_shape = self.ws_shape
@@ -110,24 +134,60 @@ class MLALauncher:
                       **{f"stride_o_{k}": v for k, v in zip("bthd", o_str, strict=True)},
                       SCALE_FROM_PTR=tensor_scale, HAS_SINKS=sinks is not None,
                       HAS_LSE=lse is not None)
-        main = _mla_decode_kernel[self.grid](
-            q_ptr=q_nope, qpe_ptr=q_pe, ckv_ptr=ckv_cache, kpe_ptr=kpe_cache,
-            block_tables_ptr=block_tables, context_lens_ptr=context_lens, errors_ptr=word,
-            batch=block_tables.shape[0], num_pages=ckv_cache.shape[0],
-            max_pages=self.max_pages, stride_ctx=context_lens.stride(0),
-            scale_log2=scale * LOG2E, softcap=1.0 if self.softcap is None else self.softcap,
-            **{f"stride_q_{k}": v for k, v in zip("bthd", q_str, strict=True)},
-            **{f"stride_qr_{k}": v for k, v in zip("bthd", qr_str, strict=True)},
-            **named_strides("c", ckv_cache, "page tok d"),
-            **named_strides("r", kpe_cache, "page tok d"),
-            **named_strides("bt", block_tables, "b p"),
-            **common, **self.constexprs,
-            num_warps=self.config.num_warps, num_stages=self.config.num_stages,
-            **tc.KERNEL_OPTIONS)
+        compiled = {}
+        if self.gluon and _rows_aligned(q_nope, q_pe, ckv_cache, kpe_cache, out):
+            compiled["mla_schedule"], main = self._launch_gluon(q_nope, q_pe, ckv_cache, kpe_cache, block_tables,
+                                      context_lens, word, scale, q_str, qr_str, common)
+        else:
+            main = _mla_decode_kernel[self.grid](
+                q_ptr=q_nope, qpe_ptr=q_pe, ckv_ptr=ckv_cache, kpe_ptr=kpe_cache,
+                block_tables_ptr=block_tables, context_lens_ptr=context_lens, errors_ptr=word,
+                batch=block_tables.shape[0], num_pages=ckv_cache.shape[0],
+                max_pages=self.max_pages, stride_ctx=context_lens.stride(0),
+                scale_log2=scale * LOG2E, softcap=1.0 if self.softcap is None else self.softcap,
+                **{f"stride_q_{k}": v for k, v in zip("bthd", q_str, strict=True)},
+                **{f"stride_qr_{k}": v for k, v in zip("bthd", qr_str, strict=True)},
+                **named_strides("c", ckv_cache, "page tok d"),
+                **named_strides("r", kpe_cache, "page tok d"),
+                **named_strides("bt", block_tables, "b p"),
+                **common, **self.constexprs,
+                num_warps=self.config.num_warps, num_stages=self.config.num_stages,
+                **tc.KERNEL_OPTIONS)
         merge = _mla_merge_kernel[self.merge_grid](
             **common, **self.merge_constexprs, num_warps=4,
             **tc.KERNEL_OPTIONS)
-        return {"mla_decode": main, "mla_merge": merge}
+        return {**compiled, "mla_decode": main, "mla_merge": merge}
+
+    def _launch_gluon(self, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, context_lens,
+                      word, scale, q_str, qr_str, common):
+        """The schedule kernel (each part's share, written to ``self.sched``), then the Gluon
+        kernel over it (:mod:`pagedattn.kernels.mla_gluon`; imported here: the interpreter
+        never runs it). Returns both launches' compiled kernels."""
+        from pagedattn.kernels.mla_gluon import _mla_decode_gluon_kernel
+
+        batch, num_pages = block_tables.shape[0], ckv_cache.shape[0]
+        sched = _mla_schedule_kernel[(self.config.num_parts,)](
+            context_lens_ptr=context_lens, sched_ptr=self.sched, errors_ptr=word, batch=batch,
+            num_pages=num_pages, max_pages=self.max_pages,
+            stride_ctx=context_lens.stride(0), PAGE_SIZE=self.page_size, BLOCK_N=64,
+            NUM_PARTS=self.config.num_parts, OVERHEAD=self.config.overhead, BLOCK_B=BLOCK_B,
+            num_warps=4)
+        gluon_args = {k: v for k, v in common.items()
+                      if k not in ("SCALE_FROM_PTR", "HAS_SINKS", "HAS_LSE")}
+        return sched, _mla_decode_gluon_kernel[self.grid](
+            q_ptr=q_nope, qpe_ptr=q_pe, ckv_ptr=ckv_cache, kpe_ptr=kpe_cache,
+            block_tables_ptr=block_tables, context_lens_ptr=context_lens,
+            sched_ptr=self.sched, errors_ptr=word, batch=batch, num_pages=num_pages,
+            capacity=self.max_pages * self.page_size * (num_pages > 0),
+            scale_log2=scale * LOG2E, softcap=1.0 if self.softcap is None else self.softcap,
+            **{f"stride_q_{k}": v for k, v in zip("bthd", q_str, strict=True)},
+            **{f"stride_qr_{k}": v for k, v in zip("bthd", qr_str, strict=True)},
+            stride_c_page=ckv_cache.stride(0), stride_c_tok=ckv_cache.stride(1),
+            stride_r_page=kpe_cache.stride(0), stride_r_tok=kpe_cache.stride(1),
+            **named_strides("bt", block_tables, "b p"), stride_ctx=context_lens.stride(0),
+            **gluon_args, SCALE_FROM_PTR=common["SCALE_FROM_PTR"],
+            HAS_SINKS=common["HAS_SINKS"], HAS_LSE=common["HAS_LSE"],
+            **self.gluon_constexprs, num_warps=8)
 
     def _tokens_strides(self, t: torch.Tensor) -> tuple[int, int, int, int]:
         """``(b, t, h, d)`` strides of a ``[batch, heads, d]`` (q_len 1) or ``[batch, q_len,

@@ -109,6 +109,9 @@ class MLAKernelConfig:
     num_stages: int
     num_parts: int  # programs a head block: the balanced parts of the batch's tiles
     overhead: int = MLA_OVERHEAD
+    #: the Gluon kernel (kernels/mla_gluon.py: 64 rows, 64-token tiles, eight warps, two
+    #: stages) where it applies (:func:`gluon_applies`), else the plain one
+    gluon: bool = False
 
     def head_blocks(self, num_heads: int) -> int:
         return num_heads // self.heads
@@ -139,3 +142,19 @@ def mla_kernel_config(*, num_heads: int, q_len: int, latent_dim: int, kv_dtype: 
         parts = max(num_sms // blocks, 1)
     return MLAKernelConfig(heads=heads, block_h=block_h, block_n=block_n, num_warps=warps,
                            num_stages=stages, num_parts=num_parts or parts)
+
+
+def gluon_applies(*, q_dtype: torch.dtype, kv_dtype: torch.dtype, latent_dim: int,
+                  rope_dim: int, device: torch.device, interpret: bool) -> bool:
+    """Whether the Gluon MLA kernel can run a plan: a Hopper GPU (sm_90; the interpreter runs
+    no Gluon), a 16-bit query and latent of one dtype (fp8 stays on the plain kernel), and
+    DeepSeek-V2/V3's and Kimi K2's dims, a 512-dim latent and a 64-dim rope part (the shapes
+    it was compiled and measured at; its shared memory holds the query and two stages of
+    64 × 576, 224 KB). Strides are the launcher's check (16-byte rows)."""
+    if interpret or device.type != "cuda" or q_dtype != kv_dtype:
+        return False
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if (latent_dim, rope_dim) != (512, 64):
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9

@@ -1,0 +1,25 @@
+"""Gluon's names across Triton 3.6-3.9 for the Hopper kernels (``kernels/mla_gluon.py``).
+
+Read from the triton 3.6.0, 3.8.0 and 3.9.0 wheels: ``cp.async`` lives in
+``nvidia.hopper.async_copy`` (a re-export of Ampere's) with ``async_copy_global_to_shared``
+in 3.6 (3.8 adds the alias ``async_load``); the CTA barrier is ``gl.thread_barrier`` in 3.6
+and ``gl.barrier`` from 3.8 on (3.9 drops ``thread_barrier``); ``warpgroup_mma``,
+``warpgroup_mma_wait`` and ``fence_async_shared`` have the same signatures in all three.
+"""
+
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+#: the CTA-wide barrier (``bar.sync``)
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+if not hasattr(async_copy, "async_copy_global_to_shared"):  # a Triton that kept only the new name
+    async_copy.async_copy_global_to_shared = async_copy.async_load
+
+__all__ = ["async_copy", "fence_async_shared", "thread_barrier", "warpgroup_mma",
+           "warpgroup_mma_wait"]
