@@ -49,7 +49,6 @@ import pagedattn.launch.decode as L  # noqa: E402
 import pagedattn.launch.mla as LM  # noqa: E402
 import pagedattn.launch.prefill as LP  # noqa: E402
 from pagedattn.launch import _triton_compat as tc  # noqa: E402
-from pagedattn.launch.policy_mla import mla_head_blocks  # noqa: E402
 from pagedattn.options import OPTIONS, plan_options  # noqa: E402
 
 #: name -> (AutoLauncher table width, q_len, LSE and plan-time options (pagedattn.options),

@@ -136,8 +136,9 @@ class MLALauncher:
                       HAS_LSE=lse is not None)
         compiled = {}
         if self.gluon and _rows_aligned(q_nope, q_pe, ckv_cache, kpe_cache, out):
-            compiled["mla_schedule"], main = self._launch_gluon(q_nope, q_pe, ckv_cache, kpe_cache, block_tables,
-                                      context_lens, word, scale, q_str, qr_str, common)
+            compiled["mla_schedule"], main = self._launch_gluon(
+                q_nope, q_pe, ckv_cache, kpe_cache, block_tables, context_lens, word, scale,
+                q_str, qr_str, common)
         else:
             main = _mla_decode_kernel[self.grid](
                 q_ptr=q_nope, qpe_ptr=q_pe, ckv_ptr=ckv_cache, kpe_ptr=kpe_cache,
