@@ -202,7 +202,8 @@ def _mla_decode_gluon_kernel(
                 k_buf = k_smem.index(stage)
                 r_buf = r_smem.index(stage)
                 async_copy.wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
-                thread_barrier()
+                fence_async_shared()  # cp.async wrote it through the generic proxy; wgmma
+                thread_barrier()  # reads through the async proxy, after every thread's copies
                 s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
                 s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False,
                                   is_async=True)
