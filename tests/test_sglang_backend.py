@@ -240,7 +240,8 @@ class Scene:
     are also kept apart, dense, for the oracle."""
 
     def __init__(self, prefix_lens, new_lens, *, page_size, heads=(4, 2), dim=32,
-                 dtype=torch.float32, kv_dtype=None, seed=0, mla=None, scales=(None, None)):
+                 dtype=torch.float32, kv_dtype=None, seed=0, mla=None, scales=(None, None),
+                 capacity=None):
         g = torch.Generator().manual_seed(seed)
         self.g, self.page_size, self.dtype = g, page_size, dtype
         self.prefix, self.new = list(prefix_lens), list(new_lens)
@@ -248,10 +249,12 @@ class Scene:
         batch, max_len = len(self.lens), max(self.lens)
         pages_needed = [-(-n // page_size) for n in self.lens]
         num_pages = sum(pages_needed) + 3
+        num_rows, width = batch + 3, -(-max_len // page_size) * page_size + 8
+        if capacity is not None:  # (rows, token slots a row, pages): pools of a fixed size
+            num_rows, width, num_pages = capacity
         order = (torch.randperm(num_pages, generator=g) + 1).tolist()  # page 0: padding
-        self.req_to_token = torch.full((batch + 3, -(-max_len // page_size) * page_size + 8),
-                                       -(10**6), dtype=torch.int32)
-        self.rows = torch.randperm(batch + 3, generator=g)[:batch]
+        self.req_to_token = torch.full((num_rows, width), -(10**6), dtype=torch.int32)
+        self.rows = torch.randperm(num_rows, generator=g)[:batch]
         for b, n in enumerate(pages_needed):
             pages = torch.tensor([order.pop() for _ in range(n)])
             slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
@@ -348,6 +351,20 @@ def check_mha(scene, q, out, *, window_left=-1, cap=None, sinks=None, fp8=None, 
         scale=scene.layer.scaling, window_left=window_left, logits_soft_cap=cap, sinks=sinks)
     err = rel_l2_error(out.view(-1, hq, dim), ref.out)
     assert err <= tolerance_for(fp8 or scene.dtype), err
+
+
+def check_mla(scene, q, out):
+    """``out`` ``[batch, heads * latent]`` against the float64 MLA oracle; ``q`` is
+    ``[batch, heads, latent + rope]``."""
+    latent_dim, _, hq = scene.mla
+    assert out.shape == (q.shape[0], hq * latent_dim) and out.dtype == scene.dtype
+    latent = scene.dense(scene.k, None)[:, :, 0]
+    ref = pagedattn.reference.mla_decode_reference(
+        q[..., :latent_dim], q[..., latent_dim:], latent[..., :latent_dim],
+        latent[..., latent_dim:], torch.arange(len(scene.lens), dtype=torch.int32)[:, None],
+        torch.tensor(scene.lens), scale=scene.layer.scaling)
+    err = rel_l2_error(out.view(-1, hq, latent_dim), ref.out)
+    assert err <= tolerance_for(scene.dtype), err
 
 
 # --- the pure mapping ------------------------------------------------------------------------
@@ -471,14 +488,7 @@ def test_mla_decode_of_a_deepseek_shaped_model(backend_cls, split_rope):
                               q_rope=q[..., 512:].reshape(3, -1), k_rope=k[..., 512:])
     else:
         out = backend.forward(q.reshape(3, -1), k, None, scene.layer, fb)
-    assert out.shape == (3, 16 * 512)
-    latent = scene.dense(scene.k, None)[:, :, 0]
-    ref = pagedattn.reference.mla_decode_reference(
-        q[..., :512], q[..., 512:], latent[..., :512], latent[..., 512:],
-        torch.arange(3, dtype=torch.int32)[:, None], torch.tensor(scene.lens),
-        scale=scene.layer.scaling)
-    err = rel_l2_error(out.view(3, 16, 512), ref.out)
-    assert err <= tolerance_for(torch.bfloat16), err
+    check_mla(scene, q, out)
 
 
 def test_what_the_backend_refuses_at_run(backend_cls):
@@ -491,14 +501,166 @@ def test_what_the_backend_refuses_at_run(backend_cls):
         backend.forward(q, scene.new_kv()[0], None, scene.layer, fb)
     with pytest.raises(ValueError, match="forward_mode: expected a decode or extend batch"):
         backend.init_forward_metadata(scene.batch(Mode.TARGET_VERIFY))
-    with pytest.raises(ValueError, match="cuda_graph: expected no CUDA graphs"):
-        backend.init_cuda_graph_state(8, 8)
     mha = Scene([4], [1], page_size=1)
     backend = backend_cls(mha.runner)
     fb = mha.batch(Mode.DECODE)
     backend.init_forward_metadata(fb)
     with pytest.raises(ValueError, match="window: expected no such argument"):
         backend.forward(torch.randn(1, 128), *mha.new_kv(), mha.layer, fb, window=3)
+
+
+# --- CUDA graphs: SGLang's decode graph runner, its capture and its replays ------------------
+
+
+class GraphRunner:
+    """SGLang 0.5.23's decode graph runner (``DecodeCudaGraphRunner``) as the backend meets
+    it: static input buffers (``req_pool_indices`` zeros, ``seq_lens`` the backend's fill
+    value, ``out_cache_loc``), ``init_cuda_graph_state``, a capture of one batch size (the
+    out-graph hook with ``in_capture=True``, the in-graph hook, the forward over the static
+    tensors) and replays: this step's batch written into the buffers in place, padding rows
+    after it, the replay view (``build_replay_fb_view``'s fields), the out-graph hook, and the
+    captured forward again. The CPU has no graphs: a replay calls the capture's forward again
+    with the capture's objects, and anything planned then fails the test (a graph replays
+    the captured launches: it cannot plan)."""
+
+    def __init__(self, backend_cls, base: Scene, max_bs: int, bs: int):
+        self.base, self.bs = base, bs
+        base.req_to_token.zero_()  # SGLang captures before any request: every row slot 0
+        self.backend = backend_cls(base.runner)
+        self.backend.init_cuda_graph_state(max_bs, max_bs)
+        fill = self.backend.get_cuda_graph_seq_len_fill_value()
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64)
+        self.seq_lens = torch.full((max_bs,), fill, dtype=torch.int64)
+        self.seq_lens_cpu = self.seq_lens.clone()
+        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64)
+        layer = base.layer
+        if base.mla is None:
+            width = layer.tp_q_head_num * layer.qk_head_dim
+            self.k = torch.zeros(max_bs, layer.tp_k_head_num, layer.qk_head_dim)
+            self.v = torch.zeros_like(self.k)
+        else:
+            width = layer.tp_q_head_num * layer.qk_head_dim
+            self.k, self.v = torch.zeros(max_bs, 1, layer.qk_head_dim), None
+        self.q = torch.zeros(max_bs, width, dtype=base.dtype)
+        self.k = self.k.to(base.dtype)
+        self.v = None if self.v is None else self.v.to(base.dtype)
+        fb = self.view()
+        self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        self.backend.init_forward_metadata_in_graph(fb)
+        self.captured = self.backend.forward_metadata
+        self.graph = lambda: self.backend.forward(  # the captured forward
+            self.q[:bs], self.k[:bs], None if self.v is None else self.v[:bs], layer, fb)
+        self.out = self.graph()
+        assert self.captured.plans  # planned at capture, once
+
+    def view(self):
+        bs = self.bs
+        return types.SimpleNamespace(
+            batch_size=bs, forward_mode=Mode.DECODE, req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=self.seq_lens_cpu[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], encoder_lens=None, spec_info=None)
+
+    def replay(self, scene: Scene, q: torch.Tensor, monkeypatch) -> torch.Tensor:
+        """``scene``'s decode step (its requests' earlier tokens and pages copied into the
+        base scene's pools and ``req_to_token``, in place) through the graph: its first
+        ``len(scene.lens)`` output rows."""
+        base, n = self.base, len(scene.lens)
+        base.req_to_token.copy_(scene.req_to_token)
+        idle = torch.ones(base.req_to_token.shape[0], dtype=torch.bool)
+        idle[scene.rows] = False
+        base.req_to_token[idle] = 0  # SGLang's rows start zeroed: slot 0 (padding)
+        for name in ("k_buffer", "v_buffer", "kv_buffer"):
+            for dst, src in zip(getattr(base.pool, name, []), getattr(scene.pool, name, []),
+                                strict=True):
+                dst.copy_(src)
+        fb = scene.batch(Mode.DECODE)
+        fill = self.backend.get_cuda_graph_seq_len_fill_value()
+        for buf, value, pad in ((self.req_pool_indices, fb.req_pool_indices, 0),
+                                (self.seq_lens, fb.seq_lens, fill),
+                                (self.seq_lens_cpu, fb.seq_lens_cpu, fill),
+                                (self.out_cache_loc, fb.out_cache_loc, 0)):
+            buf[:n] = value
+            buf[n:] = pad
+        k, v = scene.new_kv()
+        self.q[:n], self.q[n:] = q.reshape(n, -1), 0
+        self.k[:n], self.k[n:] = k, 0
+        if v is not None:
+            self.v[:n], self.v[n:] = v, 0
+        self.backend.init_forward_metadata_out_graph(self.view())
+        assert self.backend.forward_metadata is self.captured
+        backend_module = sys.modules["pagedattn.integrations.sglang.backend"]
+        with monkeypatch.context() as m:
+            for module, name in ((backend_module, "plan_step"), (pagedattn, "plan_mla_decode")):
+                m.setattr(module, name, lambda *a, **k: pytest.fail("planned at replay"))
+            out = self.graph()
+        return out[:n]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graph_replays_read_the_metadata_written_in_place(backend_cls, page_size,
+                                                               monkeypatch):
+    """GQA decode captured at batch size 4, replayed for three steps of other lengths, pages
+    and requests (3 of them, then 4, then 2: padding rows after them): each as the eager
+    path gives and as the oracle says."""
+    cap = (8, 160, 400 if page_size == 1 else 26)  # rows, token slots a row, pages
+    base = Scene([5, 9, 2, 4], [1] * 4, page_size=page_size, heads=(8, 2), capacity=cap)
+    runner = GraphRunner(backend_cls, base, max_bs=6, bs=4)
+    for seed, prefix in enumerate(([30, 0, 140], [3, 77, 12, 1], [150, 64]), start=1):
+        scene = Scene(prefix, [1] * len(prefix), page_size=page_size, heads=(8, 2),
+                      capacity=cap, seed=seed)
+        q = torch.randn(len(prefix), 8 * 32, generator=scene.g)
+        out = runner.replay(scene, q, monkeypatch)
+        check_mha(scene, q, out)
+        _, eager = run(backend_cls, scene, Mode.DECODE, q)
+        assert rel_l2_error(out, eager) <= tolerance_for(torch.float32)
+
+
+def test_cuda_graph_replays_of_mla_decode(backend_cls, monkeypatch):
+    """Absorbed-MLA decode (a small latent: 64 + 16, 4 heads, bf16) captured at batch size
+    3 and replayed for two steps of other lengths and pages."""
+    mla, cap = (64, 16, 4), (6, 96, 200)
+    base = Scene([1, 2, 3], [1] * 3, page_size=1, mla=mla, dtype=torch.bfloat16,
+                 capacity=cap)
+    runner = GraphRunner(backend_cls, base, max_bs=3, bs=3)
+    for seed, prefix in enumerate(([40, 7], [0, 90, 25]), start=1):
+        scene = Scene(prefix, [1] * len(prefix), page_size=1, mla=mla, dtype=torch.bfloat16,
+                      capacity=cap, seed=seed)
+        q = torch.randn(len(prefix), 4, 80, generator=scene.g).bfloat16()
+        out = runner.replay(scene, q, monkeypatch)
+        check_mla(scene, q, out)
+        _, eager = run(backend_cls, scene, Mode.DECODE, q.reshape(len(prefix), -1))
+        assert rel_l2_error(out, eager) <= tolerance_for(torch.bfloat16)
+
+
+def test_cuda_graph_sizes_and_modes_are_checked_by_name(backend_cls):
+    scene = Scene([4, 6], [1, 1], page_size=4)
+    backend = backend_cls(scene.runner)
+    view = types.SimpleNamespace(batch_size=2, forward_mode=Mode.DECODE,
+                                 req_pool_indices=scene.rows, seq_lens=torch.tensor([5, 7]),
+                                 seq_lens_cpu=torch.tensor([5, 7]), encoder_lens=None,
+                                 spec_info=None)
+    with pytest.raises(ValueError, match="init_cuda_graph_state: expected a call before"):
+        backend.init_forward_metadata_out_graph(view, in_capture=True)
+    with pytest.raises(ValueError, match="max_bs: expected an int >= 1"):
+        backend.init_cuda_graph_state(0, 8)
+    with pytest.raises(TypeError, match="max_num_tokens: expected an int"):
+        backend.init_cuda_graph_state(2, 2.0)
+    backend.init_cuda_graph_state(2, 2)
+    assert backend.graph.block_table.shape == (2, -(-scene.req_to_token.shape[1] // 4))
+    with pytest.raises(ValueError, match="batch_size: expected a captured batch size"):
+        backend.init_forward_metadata_out_graph(view)  # a replay before its capture
+    view.batch_size = 3
+    with pytest.raises(ValueError, match=r"batch_size: expected an int in \[1, max_bs=2\]"):
+        backend.init_forward_metadata_out_graph(view, in_capture=True)
+    view.batch_size, view.forward_mode = 2, Mode.EXTEND
+    with pytest.raises(ValueError, match="forward_mode: expected a decode graph"):
+        backend.init_forward_metadata_out_graph(view, in_capture=True)
+    view.forward_mode, view.spec_info = Mode.DECODE, object()
+    with pytest.raises(ValueError, match="spec_info: expected None"):
+        backend.init_forward_metadata_out_graph(view, in_capture=True)
+    view.spec_info, view.seq_lens_cpu = None, torch.tensor([5, 10**4])
+    with pytest.raises(ValueError, match="seq_lens: expected lengths within req_to_token's"):
+        backend.init_forward_metadata_out_graph(view, in_capture=True)
 
 
 # --- registration ----------------------------------------------------------------------------

@@ -15,8 +15,20 @@ kernels never run.
 What is not supported, refused by name when met: an MLA model's extend (prefill) batches
 (serve them with another backend: ``--prefill-attention-backend``, and this one as
 ``--decode-attention-backend pagedattn``), speculative-decoding modes (target verify, draft
-extend), encoder lengths, SGLang's CUDA graphs (``init_cuda_graph_state`` raises: run with
-``--disable-cuda-graph``), and what ``layer.py`` refuses.
+extend), encoder lengths, and what ``layer.py`` refuses.
+
+**CUDA graphs** (SGLang 0.5.23's decode graphs; the hooks of its ``AttentionBackend``, whose
+older ``init_forward_metadata_capture_cuda_graph`` / ``..._replay_cuda_graph`` pair 0.5.23
+removed): :meth:`~PagedAttnSGLangBackend.init_cuda_graph_state` allocates the static metadata
+once, a block table ``[max_bs, ceil(req_to_token width / page_size)]`` and lengths
+``[max_bs]`` (int32); :meth:`~PagedAttnSGLangBackend.init_forward_metadata_out_graph` at
+capture (``in_capture=True``) makes one step per captured batch size over views of them, whose
+plans the captured forward builds once, and at replay writes this step's tables and lengths
+into the same memory in place and makes that step current again. The plans read their tables
+and lengths on the device at every run, so the replayed kernels see the new ones. Decode
+graphs only: a capture or replay of any other mode (SGLang's target-verify and draft graphs,
+its full prefill graphs) is refused by name. Prefill under SGLang's default breakable prefill
+graph runs attention eagerly between the graph's segments, through ``init_forward_metadata``.
 """
 
 from __future__ import annotations
@@ -52,6 +64,18 @@ class Step:
     plans: dict[tuple, Any] = field(default_factory=dict)
 
 
+@dataclass
+class GraphState:
+    """The decode graphs' static metadata (:meth:`PagedAttnSGLangBackend.init_cuda_graph_state`)
+    and the step captured for each batch size, whose plans hold views of it."""
+
+    max_bs: int
+    block_table: torch.Tensor  # [max_bs, max_pages] int32 page ids
+    seq_lens: torch.Tensor  # [max_bs] int32 tokens per sequence
+    query_start_loc: torch.Tensor  # [max_bs + 1] int32: 0, 1, ..., max_bs (one token each)
+    steps: dict[int, Step] = field(default_factory=dict)
+
+
 class PagedAttnSGLangBackend(AttentionBackend):
     """SGLang's ``AttentionBackend`` over pagedattn's plans (the module docstring)."""
 
@@ -67,6 +91,7 @@ class PagedAttnSGLangBackend(AttentionBackend):
         self.hnd = bool(getattr(self.pool, "use_hnd", False))
         self.layers: dict[int, LayerOptions | MLAOptions] = {}
         self.forward_metadata: Step | None = None
+        self.graph: GraphState | None = None
 
     # --- per batch ------------------------------------------------------------------------
 
@@ -196,12 +221,109 @@ class PagedAttnSGLangBackend(AttentionBackend):
 
     # --- CUDA graphs ----------------------------------------------------------------------
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        checks.refuse(ValueError, "cuda_graph", "no CUDA graphs (run SGLang with "
-                      "--disable-cuda-graph: this backend's graph hooks are not written yet)",
-                      f"max_bs={max_bs}")
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """SGLang's decode-graph setup, once before any capture: the static metadata every
+        captured batch size's plans read (views of it), allocated on the model's device.
 
-    def get_cuda_graph_seq_len_fill_value(self):
+        Args:
+            max_bs: the largest batch size SGLang captures (an int >= 1).
+            max_num_tokens: the largest token count of a captured batch (an int >= 1; a
+                decode graph's is ``max_bs``, one token a request).
+
+        Allocates ``block_table`` ``[max_bs, ceil(req_to_token.shape[1] / page_size)]`` int32
+        page ids (zeros: page 0) and ``seq_lens`` ``[max_bs]`` int32 (the fill value, 1).
+        Calling it again drops the earlier graphs' steps.
+
+        Raises:
+            TypeError, ValueError: ``max_bs`` or ``max_num_tokens`` not an int >= 1 (the
+                message names it).
+        """
+        max_bs = checks.int_at_least("max_bs", max_bs, 1)
+        checks.int_at_least("max_num_tokens", max_num_tokens, 1)
+        max_pages = -(-self.req_to_token.shape[1] // self.page_size)
+        self.graph = GraphState(
+            max_bs=max_bs,
+            block_table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=self.device),
+            seq_lens=torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(),
+                                dtype=torch.int32, device=self.device),
+            query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=self.device))
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """A decode graph's metadata, outside the graph: at capture (``in_capture=True``) a
+        step for ``forward_batch.batch_size`` over views of the static metadata (its plans are
+        built by the captured forward, once, and reused by every replay); at replay this
+        batch's block tables (``req_to_token[req_pool_indices, ::page_size] // page_size``, as
+        wide as ``seq_lens_cpu`` needs: the kernels read no page past a length) and lengths
+        written into the static metadata in place, and the captured step made current.
+
+        ``forward_batch`` is SGLang's capture batch or replay view: ``batch_size`` (the
+        captured size, padding rows included), ``forward_mode`` (decode), ``req_pool_indices``
+        ``[batch_size]`` and ``seq_lens`` ``[batch_size]`` (int32 or int64, on the device),
+        ``seq_lens_cpu`` (their host copy, or ``None``: then the tables are copied whole),
+        ``encoder_lens`` and ``spec_info`` (``None``).
+
+        Raises:
+            ValueError: no :meth:`init_cuda_graph_state` first (``init_cuda_graph_state``), a
+                ``batch_size`` outside ``[1, max_bs]`` or, at replay, one never captured, a
+                mode other than decode (``forward_mode``), ``encoder_lens`` or ``spec_info``
+                given, a ``seq_lens_cpu`` longer than ``req_to_token``'s rows (``seq_lens``);
+                each message names it.
+        """
+        graph = self.graph
+        if graph is None:
+            checks.refuse(ValueError, "init_cuda_graph_state", "a call before the first "
+                          "capture (SGLang's graph runner makes it)", "none")
+        mode = forward_batch.forward_mode
+        if not mode.is_decode():
+            checks.refuse(ValueError, "forward_mode", "a decode graph (pagedattn captures "
+                          "decode batches only: disable the others' graphs)", mode)
+        for name in ("encoder_lens", "spec_info"):
+            if getattr(forward_batch, name, None) is not None:
+                checks.refuse(ValueError, name, "None (encoder-decoder models and "
+                              "speculative decoding are not supported)", "a value")
+        bs = forward_batch.batch_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= graph.max_bs:
+            checks.refuse(ValueError, "batch_size", f"an int in [1, max_bs={graph.max_bs}] "
+                          "(init_cuda_graph_state's max_bs)", bs)
+        step: Step | None
+        if in_capture:
+            step = graph.steps[bs] = Step(args=dict(
+                block_table=graph.block_table[:bs], seq_lens=graph.seq_lens[:bs],
+                query_start_loc=graph.query_start_loc[:bs + 1],
+                query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32), num_reqs=bs,
+                num_actual_tokens=bs, max_query_len=1, page_size=self.page_size),
+                decode=True)
+        else:
+            step = graph.steps.get(bs)
+            if step is None:
+                checks.refuse(ValueError, "batch_size", "a captured batch size "
+                              f"({sorted(graph.steps)})", bs)
+        self._fill_graph_metadata(graph, bs, forward_batch)
+        self.forward_metadata = step
+
+    def _fill_graph_metadata(self, graph: GraphState, bs: int, forward_batch) -> None:
+        """This batch's lengths and page ids into the static metadata's first ``bs`` rows."""
+        graph.seq_lens[:bs].copy_(forward_batch.seq_lens[:bs])
+        max_pages = graph.block_table.shape[1]
+        width = max_pages
+        lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        if lens_cpu is not None:
+            longest = max(int(lens_cpu[:bs].max()), 1)
+            if longest > max_pages * self.page_size:
+                checks.refuse(ValueError, "seq_lens", "lengths within req_to_token's "
+                              f"{max_pages * self.page_size} token slots a request", longest)
+            width = -(-longest // self.page_size)
+        tables = batch_tables(self.req_to_token, forward_batch.req_pool_indices[:bs],
+                              width * self.page_size, self.page_size)
+        graph.block_table[:bs, :tables.shape[1]].copy_(tables)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Nothing to record inside the graph: the metadata is written outside it
+        (:meth:`init_forward_metadata_out_graph`) and read by the plans' kernels."""
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """The length SGLang gives a captured batch's padding rows: 1 (one key each, page
+        ``req_to_token[0, 0]``; their outputs are discarded)."""
         return 1
 
     def support_triton(self):
