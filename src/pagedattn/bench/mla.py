@@ -126,9 +126,9 @@ Runner = Callable[[], torch.Tensor]
 
 def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") -> Runner:
     """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call. ``variant``
-    (``--ours``): ``default``; ``split`` or ``persistent``, the earlier path's schedules; or
+    (``--ours``): ``default``; ``split``, the earlier path (the decode kernel's MLA flag); or
     the MLA kernel with other tiles, ``bn<tokens>s<stages>[w<warps>]`` (A/B tuning)."""
-    schedule = variant if variant in ("split", "persistent") else None
+    schedule = "split" if variant == "split" else None
     plan = pagedattn.plan_mla_decode(
         inputs.block_tables, inputs.context_lens, num_q_heads=shape.num_heads,
         latent_dim=shape.latent_dim, rope_dim=shape.rope_dim, page_size=shape.page_size,
@@ -146,7 +146,7 @@ def _variant_config(plan, variant: str):
     """An ``--ours`` tile variant ``bn<N>s<S>[w<W>]`` as the plan's kernel config."""
     m = re.fullmatch(r"bn(\d+)s(\d+)(?:w(\d+))?", variant)
     if m is None:
-        raise ValueError(f"--ours: unknown variant {variant!r} (default, split, persistent, "
+        raise ValueError(f"--ours: unknown variant {variant!r} (default, split, "
                          "or bn<tokens>s<stages>[w<warps>])")
     from pagedattn.launch.mla import MLALauncher  # noqa: PLC0415 (Triton: on use only)
 
@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences of each row checked against the float64 oracle")
     ap.add_argument("--no-peers", action="store_true", help="pagedattn alone")
     ap.add_argument("--ours", default="default",
-                    help="comma list of our variants: default, split, persistent (the earlier "
-                         "path), bn<tokens>s<stages>[w<warps>] (the MLA kernel's tiles)")
+                    help="comma list of our variants: default, split (the earlier path), "
+                         "bn<tokens>s<stages>[w<warps>] (the MLA kernel's tiles)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: interpreter-sized rows, checked against the oracle, untimed")
     ap.add_argument("--json", help="write the rows here")
