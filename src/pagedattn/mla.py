@@ -80,6 +80,18 @@ class MLADecodePlan:
         self.kernel_config = None
         self.last_compiled: dict[str, object] = {}
 
+    def policy_kernel_config(self):
+        """The MLA kernel's tiles and parts as its policy picks them for this plan's shapes
+        (a ``launch.policy_mla.MLAKernelConfig``): the base that :attr:`kernel_config`
+        replaces for tuning (``pagedattn.bench.mla --ours``). Builds a launcher without a
+        workspace; the plan's own is built at its first run, as before."""
+        with on_device(self.device):
+            return _mla_launcher_class()(
+                batch=self.batch, max_pages=self.max_pages, num_q_heads=self.num_q_heads,
+                latent_dim=self.latent_dim, rope_dim=self.rope_dim, page_size=self.page_size,
+                q_len=self.q_len, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
+                device=self.device, options=self.options, workspace=False).config
+
     def _engine(self):
         if self._launcher is None and self.schedule is None:
             with on_device(self.device):

@@ -148,13 +148,7 @@ def _variant_config(plan, variant: str):
     if m is None:
         raise ValueError(f"--ours: unknown variant {variant!r} (default, split, "
                          "or bn<tokens>s<stages>[w<warps>])")
-    from pagedattn.launch.mla import MLALauncher  # noqa: PLC0415 (Triton: on use only)
-
-    base = MLALauncher(batch=plan.batch, max_pages=plan.max_pages,
-                       num_q_heads=plan.num_q_heads, latent_dim=plan.latent_dim,
-                       rope_dim=plan.rope_dim, page_size=plan.page_size, q_len=plan.q_len,
-                       q_dtype=plan.q_dtype, kv_dtype=plan.kv_dtype, device=plan.device,
-                       options=plan.options, workspace=False).config
+    base = plan.policy_kernel_config()  # through the API layer (tests/test_layers.py)
     bn, st, w = int(m[1]), int(m[2]), int(m[3]) if m[3] else base.num_warps
     return replace(base, block_n=bn, num_stages=st, num_warps=w)
 
