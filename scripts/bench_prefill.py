@@ -114,9 +114,9 @@ def ours(inputs, query, qsl, row: Row):
 
 
 def ours_with(fields: dict):
-    """:func:`ours` with the policy patched by ``fields`` (``ab_schedule.patched_config``)
+    """:func:`ours` with the policy patched by ``fields`` (``policy_patch.patched_config``)
     while the plan's launcher is built (its first run)."""
-    from ab_schedule import patched_config  # noqa: PLC0415 (scripts/ is the script's path)
+    from policy_patch import patched_config  # noqa: PLC0415 (scripts/ is the script's path)
 
     def make(inputs, query, qsl, row: Row):
         with patched_config(fields):

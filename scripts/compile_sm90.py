@@ -85,66 +85,38 @@ CASES = {
     "one-unit-everything": (dict(max_pages=8, q_len=3, window_left=50, logits_soft_cap=5.0),
                             ("sinks", "alibi_slopes"), torch.bfloat16, None, 2, 8),
     "one-unit-fp8": (dict(max_pages=8), (), torch.bfloat16, torch.float8_e4m3fn, 1, 8),
-    # the persistent schedule (kernels/persistent.py): the same token loop, its own scans,
-    # pieces and merge; one kernel, no merge launch
-    "persistent-bf16": (dict(schedule="persistent"), (), torch.bfloat16, None, 64, 8),
-    "persistent-fp32": (dict(schedule="persistent"), (), torch.float32, None, 64, 8),
-    "persistent-fp8": (dict(schedule="persistent"), (), torch.bfloat16, torch.float8_e4m3fn,
-                       64, 8),
-    "persistent-window-no-lse": (dict(schedule="persistent", window_left=4096, lse=False,
-                                      max_pages=512), (), torch.bfloat16, None, 64, 8),
-    "persistent-q_len4": (dict(schedule="persistent", q_len=4), (), torch.bfloat16, None, 2, 8),
-    # a table of 2^23 tokens a sequence and 65,536 programs: tiles x programs may pass
-    # 2^31, so tile indices are int64
-    "persistent-int64": (dict(schedule="persistent", max_pages=1 << 19, num_programs=1 << 16),
-                         (), torch.bfloat16, None, 8, 8),
     # paged prefill (kernels/prefill.py, launch/prefill.py): 128-row blocks of new tokens,
     # the unmasked and diagonal loops; 512 query rows of long chunks
     "prefill-bf16": (dict(num_tokens=512), (), torch.bfloat16, None, 8, 8),
     "prefill-fp8": (dict(num_tokens=512), (), torch.bfloat16, torch.float8_e4m3fn, 8, 8),
     "prefill-everything": (dict(num_tokens=512, window_left=100, logits_soft_cap=5.0),
                            ("sinks", "alibi_slopes"), torch.bfloat16, None, 8, 8),
-    "persistent-everything": (dict(schedule="persistent", q_len=3, window_left=50,
-                                   logits_soft_cap=5.0), ("sinks", "alibi_slopes"),
-                              torch.bfloat16, None, 2, 8),
 }
 
 #: absorbed MLA (pagedattn.mla, the kernel's MLA flag): name -> (query heads, latent and rope
-#: dims, page size, batch, table width, q_len, LSE, dtype, cache dtype, schedule, one-shot,
+#: dims, page size, batch, table width, q_len, LSE, dtype, cache dtype, one-shot,
 #: per-call options, plan-time options); DeepSeek-V3's 512 + 64 dims at the issue's shapes
 #: (TP1: 128 heads, two blocks of 64; TP8: 16 heads), the table of a 4k context
 MLA_CASES = {
-    "mla-tp1-bf16": (128, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None, "split", False,
-                     (), {}),
-    "mla-tp1-bf16-lse": (128, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, "split",
-                         False, (), {}),
-    "mla-tp8-bf16": (16, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None, "split", False,
-                     (), {}),
+    "mla-tp1-bf16": (128, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None, False, (), {}),
+    "mla-tp1-bf16-lse": (128, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, False, (), {}),
+    "mla-tp8-bf16": (16, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None, False, (), {}),
     "mla-tp1-fp8": (128, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, torch.float8_e4m3fn,
-                    "split", False, (), {}),
+                    False, (), {}),
     "mla-tp8-fp8": (16, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, torch.float8_e4m3fn,
-                    "split", False, (), {}),
-    "mla-tp1-persistent": (128, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None,
-                           "persistent", False, (), {}),
-    "mla-tp8-persistent": (16, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None,
-                           "persistent", False, (), {}),
+                    False, (), {}),
     # multi-token prediction: q_len 2 at 128 heads is two tokens x 32 heads a tile (4 blocks)
-    "mla-tp1-q_len2": (128, 512, 64, 64, 64, 64, 2, False, torch.bfloat16, None, "split",
-                       False, (), {}),
-    "mla-tp8-q_len4": (16, 512, 64, 64, 64, 64, 4, False, torch.bfloat16, None, "split",
-                       False, (), {}),
+    "mla-tp1-q_len2": (128, 512, 64, 64, 64, 64, 2, False, torch.bfloat16, None, False, (), {}),
+    "mla-tp8-q_len4": (16, 512, 64, 64, 64, 64, 4, False, torch.bfloat16, None, False, (), {}),
     # a one-shot call: a fresh workspace, so the merge kernel instead of the folded merge
-    "mla-tp1-one-shot": (128, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, "split",
-                         True, (), {}),
+    "mla-tp1-one-shot": (128, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, True, (), {}),
     # the variants the kernel carries for free: soft-cap and sinks
-    "mla-tp8-softcap-sinks": (16, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, "split",
-                              False, ("sinks",), dict(logits_soft_cap=30.0)),
+    "mla-tp8-softcap-sinks": (16, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, False,
+                              ("sinks",), dict(logits_soft_cap=30.0)),
     # one long sequence: its split rows merged per query head (the pairs do not fill the SMs)
-    "mla-tp1-b1-c32k": (128, 512, 64, 64, 1, 512, 1, False, torch.bfloat16, None, "split",
-                        False, (), {}),
+    "mla-tp1-b1-c32k": (128, 512, 64, 64, 1, 512, 1, False, torch.bfloat16, None, False, (), {}),
     # SGLang's one-token pages
-    "mla-tp8-page1": (16, 512, 64, 1, 64, 4096, 1, False, torch.bfloat16, None, "split", False,
-                      (), {}),
+    "mla-tp8-page1": (16, 512, 64, 1, 64, 4096, 1, False, torch.bfloat16, None, False, (), {}),
 }
 
 #: the MLA kernel (kernels/mla.py, launch/mla.py; pagedattn.mla's default) and its Gluon
@@ -210,8 +182,6 @@ def case_launcher(name: str):
     one_shot = options.pop("one_shot", False)  # paged_decode's launcher: a fresh workspace
     kv_dtype = kv_dtype or dtype
     q_len = options.pop("q_len", 1)
-    schedule = options.pop("schedule", "split")
-    num_programs = options.pop("num_programs", None)
     num_tokens = options.pop("num_tokens", None)  # varlen queries (paged prefill)
     if num_tokens is not None:
         return prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads,
@@ -220,8 +190,7 @@ def case_launcher(name: str):
                               num_kv_heads=kv_heads,
                               head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
                               device=torch.device("cpu"), num_splits=None, q_len=q_len,
-                              options=plan_options(options), workspace=not one_shot,
-                              schedule=schedule, num_programs=num_programs)
+                              options=plan_options(options), workspace=not one_shot)
     query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
@@ -257,13 +226,13 @@ def mla_case_launcher(name: str):
     """One MLA case's (:data:`MLA_CASES`) launcher, as :func:`case_launcher`: the main
     kernel with ``MLA`` on (and its merge kernel where the plan launches one)."""
     (heads, latent, rope, page_size, batch, max_pages, q_len, with_lse, dtype, kv_dtype,
-     schedule, one_shot, per_call, options) = MLA_CASES[name]
+     one_shot, per_call, options) = MLA_CASES[name]
     kv_dtype = kv_dtype or dtype
     launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=heads,
                               num_kv_heads=1, head_dim=latent, page_size=page_size,
                               q_dtype=dtype, kv_dtype=kv_dtype, device=torch.device("cpu"),
                               num_splits=None, q_len=q_len, options=plan_options(options),
-                              workspace=not one_shot, schedule=schedule, rope_dim=rope)
+                              workspace=not one_shot, rope_dim=rope)
     lead = (batch, heads) if q_len == 1 else (batch, q_len, heads)
     q_nope = torch.zeros(*lead, latent, dtype=dtype)
     q_pe = torch.zeros(*lead, rope, dtype=dtype)

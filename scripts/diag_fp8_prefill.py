@@ -8,7 +8,7 @@ built and first run:
 * ``base``: as shipped;
 * ``nopairs``: the fp8 values read as bytes (``FP8_V_PAIRS`` off);
 * ``cfg:FIELD=V,...``: the policy's ``DecodeConfig`` fields (``num_stages``, ``block_n``,
-  ``num_warps``, ``maxnreg``) or its ``_VARLEN_*`` constants (``ab_schedule.patched_config``).
+  ``num_warps``, ``maxnreg``) or its ``_VARLEN_*`` constants (``policy_patch.patched_config``).
 
     PYTHONPATH=src python3 scripts/diag_fp8_prefill.py [--variants "base;nopairs;..."]
     python3 scripts/diag_fp8_prefill.py --one VARIANT --head-dim 64 --group 4   # one case
@@ -33,7 +33,7 @@ def run_one(variant: str, head_dim: int, group: int) -> dict:
     from pagedattn.testing import make_paged_inputs, rel_l2_error
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from ab_schedule import patched_config
+    from policy_patch import patched_config
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     kv_heads = 2

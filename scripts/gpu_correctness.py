@@ -4,8 +4,7 @@ Families (``--family``; each runs in a process of its own under ``--all``, so a 
 loses one CUDA context does not hide the others' results):
 
 * ``decode``: ``plan_decode`` (split-KV, the planner's splits and forced ones), one and
-  three query tokens; ``decode-persistent``: the persistent schedule; ``one-shot``:
-  ``paged_decode``;
+  three query tokens; ``one-shot``: ``paged_decode``;
 * ``prefill``: ``paged_attention`` over batches of chunks, prompts and empty sequences;
   ``mixed``: ``plan_attention`` with ``num_decodes`` (decodes through the decode plan, the
   rest through the prefill kernel);
@@ -45,8 +44,7 @@ import torch
 import pagedattn
 from pagedattn.testing import make_mla_inputs, make_paged_inputs, rel_l2_error, tolerance_for
 
-FAMILIES = ("decode", "decode-persistent", "one-shot", "prefill", "mixed", "mla", "append",
-            "merge", "stages")
+FAMILIES = ("decode", "one-shot", "prefill", "mixed", "mla", "append", "merge", "stages")
 DTYPES = {"fp32": (torch.float32, None), "fp16": (torch.float16, None),
           "bf16": (torch.bfloat16, None), "e4m3": (torch.bfloat16, torch.float8_e4m3fn),
           "e5m2": (torch.float16, torch.float8_e5m2)}
@@ -107,7 +105,7 @@ def _check(name, out, ref_out, lse=None, ref_lse=None, tol_dtype=None) -> tuple[
     return ok, err
 
 
-def _decode(schedule=None, one_shot=False):
+def _decode(one_shot=False):
     for dt, layout, page, hd in _grid():
         for q_len in (1, 3):
             inputs, kv_layout, scales = _inputs(LENS, dt, layout, page, hd, seed=q_len)
@@ -118,7 +116,7 @@ def _decode(schedule=None, one_shot=False):
                     query.dtype).to(query.device)
             ref = pagedattn.paged_decode_reference(query, *inputs[1:], kv_layout=kv_layout,
                                                    **scales)
-            for splits in ((None,) if schedule else (None, 3)):
+            for splits in (None, 3):
                 out = torch.full_like(query, float("nan"))
                 if one_shot:
                     res = pagedattn.paged_decode(query, *inputs[1:], kv_layout=kv_layout,
@@ -129,7 +127,7 @@ def _decode(schedule=None, one_shot=False):
                         inputs.block_tables, inputs.context_lens, num_q_heads=8,
                         num_kv_heads=2, head_dim=hd, page_size=page, q_dtype=query.dtype,
                         kv_dtype=inputs.key_cache.dtype, kv_layout=kv_layout, q_len=q_len,
-                        num_splits=splits, **({"schedule": schedule} if schedule else {}))
+                        num_splits=splits)
                     res = plan.run(query, *inputs[1:3], out=out, return_lse=True, **scales)
                 _sync()
                 ok, err = _check("decode", out, ref.out, res.lse, ref.lse,
@@ -264,10 +262,9 @@ def _stages():
         yield (impl, dt, page), ok, err
 
 
-RUNS = {"decode": lambda: _decode(), "decode-persistent": lambda: _decode("persistent"),
-        "one-shot": lambda: _decode(one_shot=True), "prefill": lambda: _prefill(),
-        "mixed": lambda: _prefill(mixed=True), "mla": _mla, "append": _append,
-        "merge": _merge, "stages": _stages}
+RUNS = {"decode": lambda: _decode(), "one-shot": lambda: _decode(one_shot=True),
+        "prefill": lambda: _prefill(), "mixed": lambda: _prefill(mixed=True), "mla": _mla,
+        "append": _append, "merge": _merge, "stages": _stages}
 
 
 def run_family(family: str) -> tuple[int, int]:
@@ -330,7 +327,7 @@ def main(argv=None) -> int:
                     del procs[f]
             time.sleep(0.5)
     total = sum(f for _, f in rows.values())
-    print(f"\n| family | cases | failed |\n|---|---|---|")
+    print("\n| family | cases | failed |\n|---|---|---|")
     for f in FAMILIES:
         c, x = rows.get(f, (0, 1))
         print(f"| {f} | {c} | {x} |")

@@ -421,9 +421,7 @@ def _command(rows: list[dict]) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     builtin = [i for i in impls if i.startswith("flashinfer")]
     files = "".join(f" --peer-file {PEER_FILE_ARGS[i]}" for i in impls if i in PEER_FILE_ARGS)
-    schedules = [i[len("auto["):-1] for i in impls if i.startswith("auto[")]
     return (f"pagedattn bench --shapes peers --impls auto --peers {','.join(builtin) or 'none'}"
-            + (f" --schedules {','.join(schedules)}" if schedules else "")
             + f"{files} --graph --reps 40")
 
 

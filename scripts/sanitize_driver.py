@@ -18,8 +18,8 @@ per-group merge on the ``b17-hkv8`` shape, whose batch x kv heads fills the H200
 ``auto`` (forced splits, LSE) and ``split_kv_v4`` at new lengths (a pass of its own, with
 PyTorch's caching allocator on: capture forbids ``cudaMalloc``); and ``auto``'s variant
 specializations (window, soft-cap, sinks, ALiBi, multi-token queries, batch invariance);
-and a plan's folded merge (arrival counters in its workspace) and the persistent schedule's
-in-launch merge, each run twice and replayed twice from a graph. The last line lists the
+and a plan's folded merge (arrival counters in its workspace), run twice and replayed twice
+from a graph. The last line lists the
 kernels launched (from the launchers' compile records).
 
 Shapes (tiny, so the sanitizer finishes in a minute or two; all but the last fit ``auto``'s
@@ -184,26 +184,21 @@ def _plan_runs(graph: bool = False) -> int:
     failures = 0
     for lens in ([0 if i % 5 == 2 else 9 + 23 * i for i in range(17)], [300, 170, 0]):
         failures += _plan_run(lens, graph)
-        # the persistent schedule: its in-launch merge through the same counters (7 programs
-        # share 17 x 8 pairs: shares cross sequences, a long sequence is merged by its last)
-        failures += _plan_run(lens, graph, schedule="persistent")
     return failures
 
 
-def _plan_run(lens: list[int], graph: bool, schedule: str = "split") -> int:
+def _plan_run(lens: list[int], graph: bool) -> int:
     from pagedattn.bench.timing import capture_graph
 
     batch = len(lens)
     inputs = make_paged_inputs(lens, num_q_heads=16, num_kv_heads=8, head_dim=64,
                                page_size=16, dtype=torch.bfloat16, seed=13, device=DEVICE)
     sinks = torch.linspace(-1.0, 1.0, 16, device=DEVICE)
-    persistent = schedule == "persistent"
     plan = pagedattn.plan_decode(inputs.block_tables, inputs.context_lens, num_q_heads=16,
                                  num_kv_heads=8, head_dim=64, page_size=16,
-                                 q_dtype=torch.bfloat16, num_splits=None if persistent else 3,
-                                 schedule=schedule, num_programs=7 if persistent else None)
+                                 q_dtype=torch.bfloat16, num_splits=3)
     engine = plan._engine()
-    folded = engine.fold_merge or engine.persistent if DEVICE == "cuda" else True
+    folded = engine.fold_merge if DEVICE == "cuda" else True
 
     def step():
         return plan.run(*inputs[:3], sinks=sinks, return_lse=True)
@@ -230,7 +225,7 @@ def _plan_run(lens: list[int], graph: bool, schedule: str = "split") -> int:
         err = rel_l2_error(out, ref.out)
         ok = err <= tolerance_for(torch.bfloat16) and counters_zero and folded
         ok &= bool(torch.allclose(lse.double().cpu(), ref.lse.cpu(), rtol=1e-3, atol=1e-3))
-        failures += _report(f"plan {'persistent' if persistent else 'folded'} merge",
+        failures += _report("plan folded merge",
                             "graph replay" if graph else "run",
                             {"batch": batch, "run": i, "folded": folded}, ok, err)
     return failures
@@ -422,8 +417,6 @@ def main(argv: list[str]) -> int:
         runs = [(impl, {}) for impl in pagedattn.IMPLS]
         runs += [("split_kv_v4", {"num_splits": 4}), ("auto", {"num_splits": 3}),
                  ("auto", {"return_lse": True}),
-                 ("auto", {"schedule": "persistent", "num_programs": 5, "return_lse": True}),
-                 ("auto", {"schedule": "persistent"}),
                  ("auto", {})]  # a repeat: launched from the recorded plan, not by Triton
         for impl, kw in runs:
             ok, err = _run(impl, inputs, **kw)

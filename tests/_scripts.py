@@ -42,11 +42,11 @@ def run_script(name: str, *args: str, interpret: bool, timeout: float
 #: Triton's compiler makes of the same source: the bound for it on that Triton only, where a
 #: regression past it still fails. 3.8's fp8 tile takes 138 registers (three programs per SM
 #: where the split planner assumes four) and its fp32 token loop spills (plain-fp32 81
-#: instructions, persistent-fp32 86): 3.8 is CPU-only (README's support table).
+#: instructions): 3.8 is CPU-only (README's support table).
 SM90_OVER: dict[tuple[int, int], dict[tuple[str, str], int]] = {
     (3, 6): {},
     (3, 7): {},
-    (3, 8): {("plain-fp8", "registers"): 138, ("persistent-fp32", "loop spills"): 86},
+    (3, 8): {("plain-fp8", "registers"): 138},
     (3, 9): {},
 }
 

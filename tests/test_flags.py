@@ -24,7 +24,7 @@ def test_fields_are_the_kernels_constexprs():
     and nothing else is: a new constexpr without a setter fails here."""
     params = inspect.signature(_paged_decode_kernel.fn).parameters.values()  # jit or interpreted
     constexprs = [p.name for p in params if p.annotation in (tl.constexpr, "tl.constexpr")]
-    assert len(constexprs) > 25
+    assert len(constexprs) > 20  # the signature was read (23 since the persistent four went)
     assert sorted(FLAG_NAMES) == sorted(constexprs)
     assert len(set(FLAG_NAMES)) == len(FLAG_NAMES)
     flags = AutoLauncher(**SHAPE).flags

@@ -1,6 +1,6 @@
 """Absorbed multi-head latent attention (``pagedattn.mla_decode`` / ``plan_mla_decode``: the
-MLA kernel by default, the production decode kernel's ``MLA`` flag with ``schedule="split"``
-or ``"persistent"``) against the float64 MLA oracle.
+MLA kernel by default, the production decode kernel's ``MLA`` flag with ``schedule="split"``)
+against the float64 MLA oracle.
 
 Every case draws fresh random inputs with NaN in every unused cache slot and garbage in the
 block tables' padding (``make_mla_inputs``) and a NaN-filled ``out``; the plan cases poison
@@ -8,8 +8,8 @@ the workspace's partials too. DeepSeek-V3's 512 + 64 dims at 16 and 128 heads (o
 blocks of heads), small latents at odd head counts, page sizes 1 to 128, bf16/fp16/fp32 and
 fp8 caches, 1-4 query tokens (causal), the MLA kernel's balanced parts (one to more parts
 than tiles, sequences cut and merged), the earlier path's forced and device-planned splits
-(the merge kernel, the folded merge) and persistent schedule, soft-cap and sinks, and bad
-arguments named before any launch and any write.
+(the merge kernel, the folded merge), soft-cap and sinks, and bad arguments (the removed
+``schedule="persistent"`` among them) named before any launch and any write.
 """
 
 import dataclasses
@@ -159,13 +159,6 @@ def test_forced_splits_merge(device, num_splits):
            num_splits=num_splits)
 
 
-@pytest.mark.parametrize("num_programs", [1, 3, 13])
-def test_persistent_schedule(device, num_programs):
-    _check(make_mla_inputs(RAGGED, num_q_heads=32, latent_dim=64, rope_dim=16, page_size=16,
-                           seed=num_programs, device=device),
-           schedule="persistent", num_programs=num_programs)
-
-
 def test_soft_cap_and_sinks(device):
     inputs = make_mla_inputs(RAGGED, num_q_heads=8, latent_dim=64, rope_dim=16, page_size=16,
                              seed=7, device=device)
@@ -183,7 +176,7 @@ def test_combined_cache_and_query_buffers(device):
     _check(inputs)
 
 
-@pytest.mark.parametrize("schedule", [None, "split", "persistent"])
+@pytest.mark.parametrize("schedule", [None, "split"])
 def test_plan_across_layers_and_steps(device, schedule):
     """One plan serves several layers and a next step whose lengths and pages are written in
     place (what a CUDA graph replays): the workspace poisoned before each run (the MLA
@@ -200,9 +193,9 @@ def test_plan_across_layers_and_steps(device, schedule):
         counters = torch.zeros(1)
         poison = [part_o, part_lse]
     else:
-        # a block of heads is a kv head of the kernel's: 32 rows (split), 16 (persistent)
-        assert launcher.fold_merge == (schedule == "split")
-        assert launcher.num_kv_heads == (1 if schedule == "split" else 2)
+        # a block of heads is a kv head of the kernel's: 32 rows, one block
+        assert launcher.fold_merge
+        assert launcher.num_kv_heads == 1
         part_ml, part_acc, counters = launcher.workspace_parts(launcher.workspace)
         poison, pieces = [part_ml, part_acc], None
     second = make_mla_inputs([77, 5, 0, 128], num_q_heads=32, latent_dim=64, rope_dim=16,
@@ -250,9 +243,8 @@ def test_head_blocks_policy():
     """The heads are cut into the fewest blocks that divide them within the tile's rows."""
     from pagedattn.launch.policy_mla import mla_head_blocks, mla_max_rows
 
-    assert mla_max_rows(torch.bfloat16, "split") == 64
-    assert mla_max_rows(torch.float8_e4m3fn, "split") == 32
-    assert mla_max_rows(torch.bfloat16, "persistent") == 16
+    assert mla_max_rows(torch.bfloat16) == 64
+    assert mla_max_rows(torch.float8_e4m3fn) == 32
     assert [mla_head_blocks(h, 1, 64) for h in (1, 16, 64, 128, 96, 127)] == [1, 1, 1, 2, 2,
                                                                              127]
     assert mla_head_blocks(128, 4, 64) == 8 and mla_head_blocks(16, 4, 64) == 1
@@ -288,6 +280,9 @@ def _bad_cases(inputs, device):
         (dict(return_lse=1), TypeError, "return_lse"),
         (dict(num_splits=0), ValueError, "num_splits"),
         (dict(schedule="fast"), ValueError, "schedule"),
+        # the decode kernel's persistent schedule was removed (perf-notes step 48)
+        (dict(schedule="persistent"), ValueError, "schedule"),
+        (dict(schedule="persistent", num_programs=3), ValueError, "schedule"),
         (dict(num_programs=0), ValueError, "num_programs"),
         (dict(num_programs=4, schedule="split"), ValueError, "num_programs"),
         (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
@@ -326,6 +321,28 @@ def test_bad_arguments_are_named_before_any_launch(device, monkeypatch):
     assert not launches
 
 
+def test_the_persistent_schedule_is_refused_with_why(device, monkeypatch):
+    """``schedule="persistent"`` (removed: slower than the split schedule on the GPUs
+    measured, perf-notes step 48) raises a ValueError that names ``schedule`` and says it
+    was removed, from the plan and the one-shot call, before any launch; ``num_programs``
+    stays the MLA kernel's parts."""
+    from pagedattn.launch import decode, mla
+
+    launches = []
+    monkeypatch.setattr(decode.AutoLauncher, "launch", lambda *a, **k: launches.append(1))
+    monkeypatch.setattr(mla.MLALauncher, "launch", lambda *a, **k: launches.append(1))
+    inputs = make_mla_inputs([9, 20], num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8,
+                             seed=12, device=device)
+    kw = dict(num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8, q_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^schedule: 'persistent' was removed"):
+        plan_mla_decode(*inputs[4:], schedule="persistent", **kw)
+    out = torch.full_like(inputs.q_nope, 7.0)
+    with pytest.raises(ValueError, match=r"^schedule: 'persistent' was removed"):
+        mla_decode(*inputs, scale=0.1, out=out, schedule="persistent")
+    assert torch.equal(out, torch.full_like(out, 7.0)) and not launches
+    plan_mla_decode(*inputs[4:], num_programs=3, **kw)  # the MLA kernel's parts: accepted
+
+
 def test_plan_checks_its_arguments(device):
     inputs = make_mla_inputs([9], num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8,
                              device=device)
@@ -348,11 +365,10 @@ def test_plan_checks_its_arguments(device):
 def test_mla_kernels_compile_for_sm90():
     """The MLA cases of ``scripts/compile_sm90.py`` compile for sm_90 (no GPU needed) within
     an H200's 227 KB of shared memory a program and 255 registers; where the policy says the
-    token loop does not spill (TP8's 16 rows, the fp8 32-row tiles, the persistent 16-row
-    tiles), it does not (docs/perf-notes.md, step 42; Triton 3.6's bounds, another Triton's
-    own measured counts where they differ: ``_scripts.sm90_bound``)."""
-    cases = ("mla-tp1-bf16", "mla-tp8-bf16", "mla-tp1-fp8", "mla-tp8-persistent",
-             "mla-tp1-q_len2")
+    token loop does not spill (TP8's 16 rows, the fp8 32-row tiles), it does not
+    (docs/perf-notes.md, step 42; Triton 3.6's bounds, another Triton's own measured counts
+    where they differ: ``_scripts.sm90_bound``)."""
+    cases = ("mla-tp1-bf16", "mla-tp8-bf16", "mla-tp1-fp8", "mla-tp1-q_len2")
     lines = compiled_sm90(cases)
     assert set(lines) == set(cases)
     for line in lines.values():

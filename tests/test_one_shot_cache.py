@@ -178,7 +178,7 @@ def test_repeated_one_shots_take_the_recorded_launch():
     assert launch_decode.one_shot_launcher.cache_info().currsize == 1
     engine = launch_decode.one_shot_launcher(4, 5, 8, 2, 128, 16, torch.bfloat16,
                                              torch.bfloat16, calls[0][0].query.device, 3, 1,
-                                             DEFAULT, "split", None)  # as api passes it
+                                             DEFAULT)  # as api passes it
     assert launch_decode.one_shot_launcher.cache_info().currsize == 1  # the calls' own
     assert engine._direct and len(engine._bindings) == 1
     for entry in engine._bindings.values():

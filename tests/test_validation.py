@@ -172,6 +172,57 @@ def test_scale_argument_error(case, no_launch):
         pagedattn.paged_decode(*args, **kw)
 
 
+# the schedule keywords: ``schedule`` None or "split" (impl="auto" only); "persistent" was
+# removed (slower than the split schedule on the GPUs measured: perf-notes step 48) and is
+# refused by name, with why; ``num_programs`` (its program count, kept for one release) too
+SCHEDULE_ERRORS = {
+    "schedule-persistent": (dict(schedule="persistent"), ValueError,
+                            r"^schedule: 'persistent' was removed \(.*slower"),
+    "schedule-persistent-programs": (dict(schedule="persistent", num_programs=4), ValueError,
+                                     r"^schedule: 'persistent' was removed"),
+    "schedule-unknown": (dict(schedule="stream-k"), ValueError, r"^schedule: expected None"),
+    "schedule-int": (dict(schedule=1), TypeError, r"^schedule: expected None"),
+    "schedule-on-a-stage": (dict(schedule="split", impl="gqa_reuse_v3"), ValueError,
+                            r"^schedule: expected None for impl='gqa_reuse_v3'"),
+    "num_programs": (dict(num_programs=4), ValueError, r"^num_programs: expected None.*removed"),
+    "num_programs-split": (dict(schedule="split", num_programs=4), ValueError,
+                           r"^num_programs"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEDULE_ERRORS))
+def test_schedule_error_before_any_launch(case, no_launch):
+    """``paged_decode`` (after a plain call of the same shapes made the one-shot fast path's
+    template), ``plan_decode`` and the custom op refuse before any launch and any write."""
+    from pagedattn.serving import ops
+
+    kw, exc, says = SCHEDULE_ERRORS[case]
+    args = _base()
+    with pytest.raises(Launched):  # the template of these shapes now exists
+        pagedattn.paged_decode(*args)
+    out = torch.full_like(args[Q], 7.0)
+    with pytest.raises(exc, match=says):
+        pagedattn.paged_decode(*args, out=out, **kw)
+    assert (out == 7.0).all()
+    with pytest.raises(exc, match=says):
+        ops.paged_decode(*args, **kw)
+    if "impl" not in kw:
+        with pytest.raises(exc, match=says):
+            pagedattn.plan_decode(args[BT], args[CL], num_q_heads=4, num_kv_heads=2,
+                                  head_dim=64, page_size=8, q_dtype=FP16, **kw)
+
+
+@pytest.mark.parametrize("schedule", [None, "split"])
+def test_the_split_schedule_reaches_the_launcher(schedule, no_launch):
+    """``schedule=None`` and ``"split"`` (kept for compatibility) are the same schedule."""
+    with pytest.raises(Launched):
+        pagedattn.paged_decode(*_base(), schedule=schedule)
+    plan = pagedattn.plan_decode(*_base()[3:5], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                 page_size=8, q_dtype=FP16, schedule=schedule)
+    with pytest.raises(Launched):
+        plan.run(*_base()[:3])
+
+
 # what a stage cannot honour -> the argument the error names
 # case -> (mutation, the argument named, the ImplSpec capability that would honour it)
 REFUSALS = {

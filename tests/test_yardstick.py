@@ -1,7 +1,7 @@
 """The yardstick of the harness, on the CPU (issue 46, item 1): the minimal-bytes formula, the
 size-matched limit's buffer, the clean flush (it reads its buffer and writes nothing there),
-the timers every % comes from, the serving-condition step's distinct caches, and the
-``--schedules`` rows. Nothing is timed: the timers are fakes or record what they would run."""
+the timers every % comes from and the serving-condition step's distinct caches. Nothing is
+timed: the timers are fakes or record what they would run."""
 
 from __future__ import annotations
 
@@ -321,68 +321,6 @@ def test_a_limit_that_raises_is_an_error_of_every_row():
     assert harness.errored(rows[0]) and "limit_us" not in rows[0]
 
 
-# --- schedules side by side -------------------------------------------------------------------
-
-_ABSENT = "<absent>"
-
-
-def _given(schedule) -> dict:
-    return {} if schedule is _ABSENT else {"schedule": schedule}
-
-
-def _api_with_schedules(monkeypatch) -> list[tuple[str, str]]:
-    """``plan_decode`` / ``paged_decode`` / the one-shot path recording the ``schedule=`` each
-    call got (``_ABSENT``: none), then running the real one with it."""
-    import pagedattn.api as api
-
-    seen: list[tuple[str, str]] = []
-    real_plan, real_decode, real_one_shot = api.plan_decode, api.paged_decode, api._decode
-
-    def plan_decode(*a, schedule=_ABSENT, **k):
-        seen.append(("plan_decode", schedule))
-        return real_plan(*a, **_given(schedule), **k)
-
-    def paged_decode(*a, schedule=_ABSENT, **k):
-        seen.append(("paged_decode", schedule))
-        return real_decode(*a, **_given(schedule), **k)
-
-    def _decode(*a, schedule=_ABSENT, **k):
-        seen.append(("paged_decode", schedule))
-        return real_one_shot(*a, **_given(schedule), **k)
-
-    monkeypatch.setattr(api, "plan_decode", plan_decode)
-    monkeypatch.setattr(api, "paged_decode", paged_decode)
-    monkeypatch.setattr(api, "_decode", _decode)
-    return seen
-
-
-def test_schedules_are_rows_of_auto_each_passing_its_schedule(monkeypatch):
-    seen = _api_with_schedules(monkeypatch)
-    shape = make_shape("tiny", "smollm2-135m", [5, 17], dtype=torch.float32)
-    columns = harness.entries(["auto"], [], schedules=["split", "persistent"])
-    assert [(e.name, e.kind) for e in columns] == [
-        ("auto", "ours"), ("auto[split]", "ours"), ("auto[persistent]", "ours")]
-    fake = lambda fn: Timing(10.0, 9.0, 11.0, 3)  # noqa: E731
-    rows = harness.measure_shape(shape, columns, "cpu", timers=harness.Timers(fake, fake))
-    assert [r["status"] for r in rows] == ["ok"] * 3, rows
-    assert [r["impl"] for r in rows] == ["auto", "auto[split]", "auto[persistent]"]
-    # per row: the eager timing's plan, the check (one-shot), the graph timing's plan
-    assert seen == [(f, s) for s in (_ABSENT, "split", "persistent")
-                    for f in ("plan_decode", "paged_decode", "plan_decode")]
-
-
-def test_schedules_run_through_the_api_and_pass_their_check():
-    """Through the real ``plan_decode`` / ``paged_decode`` (their ``schedule=`` keyword), each
-    schedule's row is checked against the oracle (untimed on the CPU) and passes."""
-    shape = make_shape("tiny", "smollm2-135m", [5, 40], dtype=torch.float32)
-    rows = harness.measure_shape(shape, harness.entries(["auto"], [],
-                                                        schedules=["split", "persistent"]),
-                                 "cpu")
-    assert [r["impl"] for r in rows] == ["auto", "auto[split]", "auto[persistent]"]
-    assert [r["status"] for r in rows] == ["ok"] * 3, rows
-    assert harness.bench_status(rows) == 0
-
-
 # --- the command line -------------------------------------------------------------------------
 
 def test_dry_run_shows_the_new_columns_as_na(tmp_path, capsys):
@@ -401,7 +339,6 @@ def test_dry_run_shows_the_new_columns_as_na(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["--schedules", "eager"], "argument --schedules: unknown schedule 'eager'"),
     (["--layers", "-1"], "argument --layers: expected a non-negative integer, got '-1'"),
 ])
 def test_bad_yardstick_options_are_one_line(argv, says, tmp_path, capsys):

@@ -14,8 +14,8 @@ Two kinds of checks:
 from __future__ import annotations
 
 import math
-import os
 import numbers
+import os
 import sys
 from typing import Any
 
@@ -32,10 +32,15 @@ KV_LAYOUTS = ("NHD", "HND")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 #: most forced splits per sequence (a split holds at least one token; more only allocate)
 MAX_SPLITS = 1 << 16
-#: the most programs a persistent launch takes (``num_programs``)
+#: the most parts a head block of the MLA kernel takes (``num_programs`` of ``plan_mla_decode``)
 MAX_PROGRAMS = 1 << 16
-#: the production kernel's schedules (``schedule=``; ``None`` picks the split one)
-SCHEDULES = ("split", "persistent")
+#: the production kernel's schedules (``schedule=``; ``None`` is the same): the split one
+SCHEDULES = ("split",)
+#: why ``schedule="persistent"`` is refused (issue 68): the message of the ValueError
+PERSISTENT_REMOVED = (
+    "schedule: 'persistent' was removed (the persistent schedule measured slower than the "
+    "split schedule on 15 of 16 rows on an H100 and on an H200, and tied on the Mooncake "
+    "trace: docs/perf-notes.md step 48); expected None or 'split', got 'persistent'")
 #: the largest finite float32: a Python float past it is inf in the kernels
 FLOAT32_MAX = 3.4028234663852886e38
 #: the largest magnitude of a scalar that the kernels multiply by log2(e) (their softmax runs
@@ -666,32 +671,30 @@ def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
              int(slot_mapping[i]))
 
 
-def check_schedule(schedule: Any, num_programs: Any, *, num_splits: Any = None,
-                   batch_invariant: bool = False, impl: str = "auto") -> None:
-    """``schedule`` (``None``, ``"split"`` or ``"persistent"``) and ``num_programs`` (``None``
-    or an int in ``[1, MAX_PROGRAMS]``, persistent only), and what a persistent launch cannot
-    honour: forced ``num_splits`` (it balances bytes, not splits) and ``batch_invariant``
-    (its shares depend on the whole batch). Only ``impl="auto"`` has schedules."""
-    if schedule is not None:
-        if not isinstance(schedule, str):
-            fail(TypeError, "schedule", "None, 'split' or 'persistent'", type_name(schedule))
-        if schedule not in SCHEDULES:
-            fail(ValueError, "schedule", "None, 'split' or 'persistent'", repr(schedule))
-        if impl != "auto":
-            fail(ValueError, "schedule", f"None for impl={impl!r} (only impl='auto' has "
-                 "schedules)", repr(schedule))
-    if num_programs is not None:
-        check_int("num_programs", num_programs, 1, MAX_PROGRAMS)
-        if schedule != "persistent":
-            fail(ValueError, "num_programs", "None unless schedule='persistent' (the split "
-                 "schedule launches a program per split unit)", num_programs)
+def check_schedule(schedule: Any, *, impl: str = "auto") -> None:
+    """``schedule``: ``None`` or ``"split"`` (the same: the split schedule, the production
+    kernel's only one). ``"persistent"`` is refused by name with the reason it was removed
+    (:data:`PERSISTENT_REMOVED`). Only ``impl="auto"`` has schedules."""
+    if schedule is None:
+        return
+    if not isinstance(schedule, str):
+        fail(TypeError, "schedule", "None or 'split'", type_name(schedule))
     if schedule == "persistent":
-        if num_splits is not None:
-            fail(ValueError, "num_splits", "None with schedule='persistent' (it shares the "
-                 "step's bytes equally, not per sequence)", num_splits)
-        if batch_invariant:
-            fail(ValueError, "batch_invariant", "False with schedule='persistent' (each "
-                 "program's share depends on the whole batch); use schedule='split'", True)
+        raise ValueError(PERSISTENT_REMOVED)
+    if schedule not in SCHEDULES:
+        fail(ValueError, "schedule", "None or 'split'", repr(schedule))
+    if impl != "auto":
+        fail(ValueError, "schedule", f"None for impl={impl!r} (only impl='auto' has "
+             "schedules)", repr(schedule))
+
+
+def check_num_programs_removed(num_programs: Any) -> None:
+    """``num_programs`` of ``plan_decode`` / ``paged_decode`` (and the decode ops): ``None``.
+    It was the persistent schedule's program count; the keyword is kept for one release so a
+    caller that still passes it is told why, by name, before any launch."""
+    if num_programs is not None:
+        fail(ValueError, "num_programs", "None (it set the program count of the persistent "
+             "schedule, which was removed: docs/perf-notes.md step 48)", repr(num_programs))
 
 
 def check_host_context_lens(lens: Any, batch: int) -> list[int]:

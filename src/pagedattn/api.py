@@ -130,17 +130,13 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
             ``context_lens`` on the device, so a later in-place update stays correct.
         q_len: query tokens per sequence (≥ 1); with ``q_len > 1`` :meth:`DecodePlan.run`
             takes ``[batch, q_len, num_q_heads, head_dim]`` queries (speculative decoding).
-        schedule: how the kernel cuts the work. ``"split"``: one program per (split of a
-            sequence, kv head), token-balanced splits, then a merge. ``"persistent"``: a
-            fixed number of programs, each taking an equal share (within one tile) of the
-            step's K/V bytes across sequence and kv-head boundaries; a (sequence, kv head)
-            shared by several programs is merged by the last of them to finish, in the same
-            launch (stream-K, as LeanAttention and FlashMLA's tile scheduler). ``None``:
-            ``"split"`` (until the H200 measures where the persistent one is faster).
-            ``"persistent"`` refuses ``num_splits`` and ``batch_invariant=True``.
-        num_programs: ``schedule="persistent"`` only: the program count (an int in [1,
-            65536]); default a few per SM on a GPU (the programs that stay resident at
-            once), 4 on the CPU.
+        schedule: ``None`` (default) or ``"split"``, the same: one program per (split of a
+            sequence, kv head), token-balanced splits, then a merge. ``"persistent"`` was
+            removed (slower than the split schedule on 15 of 16 rows on an H100 and an
+            H200: ``docs/perf-notes.md`` step 48) and raises a ``ValueError`` naming
+            ``schedule``.
+        num_programs: ``None``. It was the persistent schedule's program count; kept for one
+            release, any other value raises a ``ValueError`` naming ``num_programs``.
         variants: the plan-time options of :mod:`pagedattn.options`, as in
             :func:`paged_decode`: compile-time specializations of the plan's kernel (the
             per-call ones are per layer: pass them to :meth:`DecodePlan.run`):
@@ -159,8 +155,8 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                  num_splits=num_splits)
     V.check_int("q_len", q_len, 1)
     options = O.plan_options(variants)
-    V.check_schedule(schedule, num_programs, num_splits=num_splits,
-                     batch_invariant=options.batch_invariant)
+    V.check_schedule(schedule)
+    V.check_num_programs_removed(num_programs)
     ragged = False
     if host_context_lens is not None:
         lens = V.check_host_context_lens(host_context_lens, block_tables.shape[0])
@@ -169,7 +165,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *, num_q
                       num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                       q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,
                       kv_layout=kv_layout, num_splits=num_splits, ragged=ragged, q_len=q_len,
-                      options=options, schedule=schedule or "split", num_programs=num_programs)
+                      options=options)
 
 
 def paged_decode(
@@ -224,8 +220,9 @@ def paged_decode(
         num_splits: ``None`` lets the impl decide; an int forces the number of context splits
             per sequence for the impls that split (``split_kv_v4``, ``auto``); the others
             ignore it.
-        schedule, num_programs: ``impl="auto"`` only: ``"split"`` or ``"persistent"`` and the
-            latter's program count, as in :func:`plan_decode` (``None``: the split schedule).
+        schedule, num_programs: as in :func:`plan_decode`: ``schedule`` ``None`` or
+            ``"split"`` (``impl="auto"`` only; ``"persistent"`` was removed: a ``ValueError``
+            naming it), ``num_programs`` ``None`` (kept for one release).
         out: optional ``[batch, num_q_heads, head_dim]`` output in the query's dtype, any
             strides.
         kv_layout: ``"NHD"`` (default) or ``"HND"``.
@@ -302,8 +299,8 @@ def check_decode(query, key_cache, value_cache, block_tables, context_lens, *, s
         impls=tuple(IMPLS), num_splits=num_splits, out=out, kv_layout=kv_layout,
         k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, validate=validate)
     options, calls = O.split(variants, query.shape[-2], query.device, where)
-    V.check_schedule(schedule, num_programs, num_splits=num_splits,
-                     batch_invariant=options.batch_invariant, impl=impl)
+    V.check_schedule(schedule, impl=impl)
+    V.check_num_programs_removed(num_programs)
     return options, calls
 
 
@@ -333,7 +330,6 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
         v_scale=v_scale, return_lse=return_lse, validate=validate, variants=variants,
         schedule=schedule, num_programs=num_programs)
     num_splits = None if num_splits is None else int(num_splits)  # numpy ints pass the check
-    num_programs = None if num_programs is None else int(num_programs)
     spec = IMPLS[impl]
     _check_capabilities(spec, key_cache, kv_layout, k_scale, v_scale, return_lse, query,
                         variants)
@@ -345,7 +341,7 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=
     if spec.planned:
         return one_shot.decode(
             query, key_cache, value_cache, block_tables, context_lens, scale=scale,
-            num_splits=num_splits, schedule=schedule, num_programs=num_programs, out=out,
+            num_splits=num_splits, out=out,
             kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
             options=options, calls=calls,
             plan_variants={n: v for n, v in variants.items() if n not in O.CALL})

@@ -12,9 +12,10 @@ the latent is both key (with the rope part) and value. The kernel is MLA's own
 (``kernels/mla.py``, launched by ``launch/mla.py``): 64 query rows (heads of a block) a
 program on 64-token latent tiles, each tile read once for both dots, and balanced parts of
 the batch's tiles, one program per SM, with a small merge of the sequences they cut
-(FlashMLA's schedule). ``schedule="split"`` or ``"persistent"`` runs the earlier path, the
-production decode kernel with its ``MLA`` flag (``kernels/decode.py``), kept for comparison
-until the GPU measures the new kernel ahead on every row. Either way a plan is CUDA-graph
+(FlashMLA's schedule). ``schedule="split"`` runs the earlier path, the production decode
+kernel with its ``MLA`` flag (``kernels/decode.py``), kept for comparison until the GPU
+measures the new kernel ahead on every row (``"persistent"``, the decode kernel's persistent
+schedule, was removed: docs/perf-notes.md step 48). Either way a plan is CUDA-graph
 safe: it reads ``block_tables`` and ``context_lens`` on the device at every run.
 """
 
@@ -64,7 +65,9 @@ class MLADecodePlan:
         self.rope_dim, self.page_size, self.q_len = int(rope_dim), int(page_size), int(q_len)
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.num_splits = None if num_splits is None else int(num_splits)
-        self.options, self.schedule = options, schedule  # None: the MLA kernel
+        # None: the MLA kernel (num_programs: its parts a head block); "split": the decode
+        # kernel's MLA flag
+        self.options, self.schedule = options, schedule
         self.num_programs = None if num_programs is None else int(num_programs)
         self.batch, self.max_pages = block_tables.shape
         self.device = block_tables.device
@@ -78,16 +81,17 @@ class MLADecodePlan:
         self.last_compiled: dict[str, object] = {}
 
     def policy_config(self):
-        """The MLA kernel's tiles and parts its policy picks for this plan (an
-        ``MLAKernelConfig``; set :attr:`kernel_config` to a variant of it to tune)."""
-        from pagedattn.launch.mla import MLALauncher
-
-        return MLALauncher(batch=self.batch, max_pages=self.max_pages,
-                           num_q_heads=self.num_q_heads, latent_dim=self.latent_dim,
-                           rope_dim=self.rope_dim, page_size=self.page_size, q_len=self.q_len,
-                           q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=self.device,
-                           options=self.options, num_parts=self.num_programs,
-                           workspace=False).config
+        """The MLA kernel's tiles and parts as its policy picks them for this plan's shapes
+        (a ``launch.policy_mla.MLAKernelConfig``): the base that :attr:`kernel_config`
+        replaces for tuning (``pagedattn.bench.mla --ours``). Builds a launcher without a
+        workspace; the plan's own is built at its first run."""
+        with on_device(self.device):
+            return _mla_launcher_class()(
+                batch=self.batch, max_pages=self.max_pages, num_q_heads=self.num_q_heads,
+                latent_dim=self.latent_dim, rope_dim=self.rope_dim, page_size=self.page_size,
+                q_len=self.q_len, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
+                device=self.device, options=self.options, num_parts=self.num_programs,
+                workspace=False).config
 
     def _engine(self):
         if self._launcher is None and self.schedule is None:
@@ -102,15 +106,14 @@ class MLADecodePlan:
         if self._launcher is None:
             statics = (self.batch, self.max_pages, self.num_q_heads, 1, self.latent_dim,
                        self.page_size, self.q_dtype, self.kv_dtype, self.device,
-                       self.num_splits, self.q_len, self.options, self.schedule,
-                       self.num_programs)
+                       self.num_splits, self.q_len, self.options)
             with on_device(self.device):
                 if self._one_shot:  # shared by every one-shot call of the key: no workspace
                     self._launcher = _one_shot_launcher()(*statics, rope_dim=self.rope_dim)
                 else:
                     names = ("batch", "max_pages", "num_q_heads", "num_kv_heads", "head_dim",
                              "page_size", "q_dtype", "kv_dtype", "device", "num_splits",
-                             "q_len", "options", "schedule", "num_programs")
+                             "q_len", "options")
                     self._launcher = _auto_launcher_class()(
                         **dict(zip(names, statics, strict=True)), rope_dim=self.rope_dim)
         return self._launcher
@@ -204,13 +207,14 @@ def plan_mla_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *,
         q_len: query tokens per sequence, 1 to 64 (speculative decoding: token ``j`` sits
             at position ``context_len - q_len + j`` and attends causally).
         schedule: ``None`` (default): the MLA kernel's balanced parts (see the module
-            docstring); ``"split"`` or ``"persistent"``: the earlier path, the decode
-            kernel's splits or persistent schedule, as in :func:`pagedattn.plan_decode`.
+            docstring); ``"split"``: the earlier path, the decode kernel's splits, as in
+            :func:`pagedattn.plan_decode`. ``"persistent"`` was removed (as in
+            :func:`pagedattn.plan_decode`): a ``ValueError`` naming ``schedule``.
         num_splits: the split schedule's forced splits, as in :func:`pagedattn.plan_decode`
             (given with ``schedule=None``, it selects ``"split"``).
         num_programs: the programs of each head block (an int in [1, 65536]: the parts the
-            batch's tiles are shared into; ``None``: one per SM), or with
-            ``schedule="persistent"`` that schedule's program count.
+            batch's tiles are shared into; ``None``: one per SM); the MLA kernel's only
+            (``None`` with ``schedule="split"``).
         logits_soft_cap: as in :func:`pagedattn.paged_decode` (a constexpr of the plan).
 
     Returns:
@@ -226,13 +230,14 @@ def plan_mla_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *,
     options = O.plan_options({"logits_soft_cap": logits_soft_cap}, "plan_mla_decode")
     if num_splits is not None:
         V.check_int("num_splits", num_splits, 1, V.MAX_SPLITS)
+    V.check_schedule(schedule)  # "persistent": refused by name, with why
     if schedule is None and num_splits is not None:
         schedule = "split"  # forced splits exist only in the split schedule
-    if schedule is None:  # the MLA kernel: balanced parts
-        if num_programs is not None:
-            V.check_int("num_programs", num_programs, 1, V.MAX_PROGRAMS)
-    else:
-        V.check_schedule(schedule, num_programs, num_splits=num_splits)
+    if num_programs is not None:
+        V.check_int("num_programs", num_programs, 1, V.MAX_PROGRAMS)
+        if schedule is not None:
+            V.fail(ValueError, "num_programs", "None with schedule='split' (it is the MLA "
+                   "kernel's parts a head block: schedule=None)", num_programs)
     return MLADecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
                          latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size,
                          q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,

@@ -26,7 +26,7 @@ TEMPLATES_MAX = 64
 TEMPLATES: dict[tuple, DecodePlan] = {}
 _LOCK = threading.Lock()
 _STRIDED = torch.strided  # the dense layout, tested by identity
-_SCHEDULE_KEYS = (None, *V.SCHEDULES)  # the fast path's schedules (exact strings)
+_SCHEDULE_KEYS = (None, *V.SCHEDULES)  # the schedules of a plain call (exact strings)
 
 
 def static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
@@ -35,21 +35,22 @@ def static_key(query, key_cache, block_tables, context_lens, kv_layout, num_spli
     the fast path: the shapes, dtypes and device of the tensors, the layout and the
     plan-time variants (``options_key``: :func:`pagedattn.options.fast_key`, exact types: a
     bool ``window_left`` is no int there). ``None`` for a call that is not plain
-    (non-tensors, other types, a 4-D query of one token, a per-call variant)."""
+    (non-tensors, other types, a 4-D query of one token, a per-call variant, a ``schedule``
+    other than ``None`` or ``"split"``, a ``num_programs``: the checks refuse those)."""
     if not (options_key is not None and type(query) is torch.Tensor
             and type(key_cache) is torch.Tensor
             and type(block_tables) is torch.Tensor and type(context_lens) is torch.Tensor
             and block_tables.layout is _STRIDED and context_lens.layout is _STRIDED
             and (num_splits is None or type(num_splits) is int) and type(kv_layout) is str
             and schedule in _SCHEDULE_KEYS
-            and (num_programs is None or type(num_programs) is int)):
+            and num_programs is None):
         return None
     rank, shape = query.dim(), query.shape
     if key_cache.dim() != 4 or not (rank == 3 or rank == 4 and shape[1] > 1):
         return None
     return (shape, query.dtype, query.device, key_cache.shape[1:], key_cache.dtype, kv_layout,
             block_tables.shape, block_tables.dtype, context_lens.shape, context_lens.dtype,
-            num_splits, options_key, schedule, num_programs)
+            num_splits, options_key)
 
 
 def _keep(key: tuple, plan: DecodePlan) -> DecodePlan:
@@ -69,8 +70,8 @@ def runnable(query) -> bool:
 
 
 def decode(query, key_cache, value_cache, block_tables, context_lens, *, scale, num_splits,
-           schedule, num_programs, out, kv_layout, k_scale, v_scale, return_lse, options,
-           calls, plan_variants) -> tuple[object, dict[str, object]]:
+           out, kv_layout, k_scale, v_scale, return_lse, options, calls,
+           plan_variants) -> tuple[object, dict[str, object]]:
     """A one-shot ``impl="auto"`` call whose checks (metadata and values) have passed:
     through its key's template (made and kept now if new), or a plan of its own for a call
     with no key. ``options``: the plan-time variants, checked; ``calls``: the per-call
@@ -84,11 +85,11 @@ def decode(query, key_cache, value_cache, block_tables, context_lens, *, scale, 
     statics = dict(num_q_heads=query.shape[-2], num_kv_heads=num_kv_heads, head_dim=head_dim,
                    page_size=page_size, q_dtype=query.dtype, kv_dtype=key_cache.dtype,
                    kv_layout=kv_layout, num_splits=num_splits, q_len=q_len, options=options,
-                   one_shot=True, schedule=schedule or "split", num_programs=num_programs)
+                   one_shot=True)
     # validated: a call of this static key may take the fast path from now on (a call with
     # per-call variants never does: its template serves the plain calls of the key)
     key = static_key(query, key_cache, block_tables, context_lens, kv_layout, num_splits,
-                     O.fast_key(plan_variants) or options.key(), schedule, num_programs)
+                     O.fast_key(plan_variants) or options.key())
     if key is None:  # a 4-D query of one token, a str subclass...: a plan of its own
         plan = DecodePlan(block_tables, context_lens, **statics)
     else:

@@ -111,7 +111,7 @@ class DecodePlan:
     def __init__(self, block_tables, context_lens, *, num_q_heads, num_kv_heads, head_dim,
                  page_size, q_dtype, kv_dtype, kv_layout, num_splits, ragged=False, q_len=1,
                  options: DecodeOptions = O.DEFAULT, one_shot=False, table_shape=None,
-                 device=None, schedule="split", num_programs=None):
+                 device=None):
         # a one-shot template (pagedattn.one_shot.TEMPLATES) holds no tensor: it is built
         # from the table's ``table_shape`` and ``device``, and each call passes its own tables
         self.block_tables, self.context_lens = block_tables, context_lens
@@ -127,9 +127,6 @@ class DecodePlan:
         self.head_dim, self.page_size = int(head_dim), int(page_size)
         self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
         self.num_splits = None if num_splits is None else int(num_splits)
-        # the kernel's schedule ("split" or "persistent") and a persistent launch's programs
-        self.schedule = schedule
-        self.num_programs = None if num_programs is None else int(num_programs)
         self.batch, self.max_pages = (block_tables.shape if table_shape is None
                                       else table_shape)
         self.device = block_tables.device if device is None else device
@@ -161,8 +158,7 @@ class DecodePlan:
                 self._launcher = _one_shot_launcher()(
                     self.batch, self.max_pages, self.num_q_heads,
                     self.num_kv_heads, self.head_dim, self.page_size, self.q_dtype,
-                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.options,
-                    self.schedule, self.num_programs)
+                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.options)
         elif self._launcher is None:
             with on_device(self.device):
                 self._launcher = _auto_launcher_class()(
@@ -170,8 +166,7 @@ class DecodePlan:
                     num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
                     kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
-                    ragged=self.ragged, q_len=self.q_len, options=self.options,
-                    schedule=self.schedule, num_programs=self.num_programs)
+                    ragged=self.ragged, q_len=self.q_len, options=self.options)
         return self._launcher
 
     def check_tables(self) -> None:

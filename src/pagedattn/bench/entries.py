@@ -1,11 +1,6 @@
-"""The columns of a benchmark run: our impls (each planned once per batch when it is planned,
-``auto`` optionally once per schedule) and the peers, as :class:`Entry` values the harness
-(:mod:`pagedattn.bench.harness`) measures one by one.
-
-``--schedules split,persistent`` adds ``auto`` once per schedule, as rows named
-``auto[split]`` and ``auto[persistent]``: ``schedule=`` goes to ``plan_decode`` (the timed
-``plan.run``) and to the one-shot call that checks the output, only for those rows, so plain
-``auto`` passes none (the API's default schedule).
+"""The columns of a benchmark run: our impls (each planned once per batch when it is planned)
+and the peers, as :class:`Entry` values the harness (:mod:`pagedattn.bench.harness`) measures
+one by one.
 """
 
 from __future__ import annotations
@@ -20,8 +15,6 @@ from pagedattn.bench import step
 from pagedattn.bench.peers import PEERS, PeerUnsupported
 from pagedattn.bench.shapes import BenchBatch, BenchShape
 
-#: the schedules ``--schedules`` takes (``schedule=`` of ``plan_decode`` / ``paged_decode``)
-SCHEDULES = ("split", "persistent")
 Factory = Callable[[BenchShape, BenchBatch, bool], Callable[[], torch.Tensor]]
 StepFactory = Callable[[BenchShape, list[BenchBatch]], Callable[[], object]]
 
@@ -46,15 +39,12 @@ def impl_names() -> tuple[str, ...]:
     return tuple(IMPLS)
 
 
-def impl_entry(impl: str, schedule: str | None = None) -> Entry:
+def impl_entry(impl: str) -> Entry:
     """Our ``impl`` as an :class:`Entry`: ``paged_decode(..., impl=impl)`` on the batch (a
-    planned impl: ``plan_decode`` once per batch, then ``plan.run``). With a ``schedule``
-    (``auto`` only) the row is ``impl[schedule]`` and ``schedule=`` goes to ``plan_decode``
-    and ``paged_decode``; without one, no ``schedule`` keyword is passed."""
+    planned impl: ``plan_decode`` once per batch, then ``plan.run``)."""
     import pagedattn.api as api
 
-    name = impl if schedule is None else f"{impl}[{schedule}]"
-    extra: dict[str, Any] = {} if schedule is None else {"schedule": schedule}
+    name = impl
 
     def supported(shape: BenchShape) -> None:
         if not api.IMPLS[impl].fp8 and shape.cache_dtype != shape.dtype:
@@ -66,14 +56,14 @@ def impl_entry(impl: str, schedule: str | None = None) -> Entry:
                                num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                page_size=shape.page_size, q_dtype=shape.dtype,
                                kv_dtype=shape.cache_dtype,
-                               host_context_lens=list(shape.context_lens), **extra)
+                               host_context_lens=list(shape.context_lens))
 
     def make(shape: BenchShape, b: BenchBatch, for_graph: bool = False):
         supported(shape)
         if api.IMPLS[impl].planned:  # planned once per batch, like the peers' plan() calls
             plan = plan_for(shape, b)
             return lambda: plan.run(*b.tensors[:3], **b.scales)
-        return lambda: api.paged_decode(*b.tensors, impl=impl, **{**b.scales, **extra})
+        return lambda: api.paged_decode(*b.tensors, impl=impl, **b.scales)
 
     def make_step(shape: BenchShape, layers: list[BenchBatch]):
         if not api.IMPLS[impl].planned:
@@ -83,17 +73,15 @@ def impl_entry(impl: str, schedule: str | None = None) -> Entry:
         return lambda: [plan.run(*lb.tensors[:3], **lb.scales) for lb in layers]
 
     def check(b: BenchBatch):
-        return api.compiled_kernels(*b.tensors, impl=impl, **{**b.scales, **extra})
+        return api.compiled_kernels(*b.tensors, impl=impl, **b.scales)
 
     return Entry(name, "ours", make, check, make_step)
 
 
-def entries(impls: list[str], peers: list[str], peer_files=(),
-            schedules: list[str] | tuple[str, ...] = ()) -> list[Entry]:
-    """Our impls, then ``auto`` once per schedule (``auto[<schedule>]``), then the built-in
-    peers, then peers loaded with ``--peer-file``. Raises ArgumentError (a ValueError) when
-    two rows would share a name (the table keys on it)."""
-    rows = ([impl_entry(i) for i in impls] + [impl_entry("auto", s) for s in schedules]
+def entries(impls: list[str], peers: list[str], peer_files=()) -> list[Entry]:
+    """Our impls, then the built-in peers, then peers loaded with ``--peer-file``. Raises
+    ArgumentError (a ValueError) when two rows would share a name (the table keys on it)."""
+    rows = ([impl_entry(i) for i in impls]
             + [Entry(p, "peer", PEERS[p]) for p in peers]
             + [Entry(p.name, "peer", p.factory) for p in peer_files])
     names = [e.name for e in rows]

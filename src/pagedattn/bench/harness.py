@@ -20,12 +20,10 @@ counts), each shape's size-matched limit (a contiguous streaming read of exactly
 minimal bytes, :func:`pagedattn.bench.shapes.minimal_bytes`, timed the same way in the same
 run: ``limit_us``; every row is reported as % of it, ``pct_limit``, and as % of the read rate,
 ``pct_roofline``), a "to beat" column (the fastest peer that passed its check, same run) and
-whether each impl is at most ``TO_BEAT_SLACK`` x that. ``--schedules split,persistent`` adds
-a row of ``auto`` per schedule (``auto[split]``, ``auto[persistent]``: ``schedule=`` passed
-to ``plan_decode`` and ``paged_decode``; ``unsupported`` where they take no such keyword).
-Outputs in ``--out-dir`` (``bench.csv``, ``.json``, ``.md``, ``.png``) are rewritten after
-every shape and name the commit measured; every error is kept whole
-(the CSV/JSON as raised, the tables in numbered notes). Exit status
+whether each impl is at most ``TO_BEAT_SLACK`` x that. Outputs in ``--out-dir``
+(``bench.csv``, ``.json``, ``.md``, ``.png``) are rewritten after every shape and name the
+commit measured; every error is kept whole (the CSV/JSON as raised, the tables in numbered
+notes). Exit status
 (:func:`bench_status`): 1 when one of our impls gives a wrong result, or when any impl or peer
 raised an error (an ``error`` cell, or a timing that raised) unless ``--allow-errors``; an
 ``unsupported`` cell and a peer's own ``FAIL`` are reported only; 2 for a bad argument. Needs
@@ -68,7 +66,6 @@ from pagedattn._env import free_memory
 from pagedattn.bench import report, step
 from pagedattn.bench.cpu_time import batch_bytes, interpreter_seconds, say_estimate, seconds_for
 from pagedattn.bench.entries import (
-    SCHEDULES,
     Entry,
     entries,
     impl_names,
@@ -391,11 +388,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="[NAME=]PATH[:FUNC]",
                         help="a Python file whose FUNC (default make_runner) builds a runner; "
                              "repeatable (see pagedattn.bench.peers)")
-    parser.add_argument("--schedules", default=[],
-                        type=name_list(SCHEDULES, what="schedule", allow_none=True),
-                        help=f"comma list of {', '.join(SCHEDULES)}: a row of auto per "
-                             "schedule (auto[split], ...), schedule= passed to plan_decode "
-                             "(default: none)")
     parser.add_argument("--graph", action="store_true",
                         help="also time CUDA-graph replays (FlashInfer with use_cuda_graph)")
     parser.add_argument("--layers", type=nonneg_int, default=step.STEP_LAYERS,
@@ -445,7 +437,7 @@ def main(args: argparse.Namespace) -> int:
     out_dir = check_report_files(args.out_dir)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     shapes = [resolve_shape(n, small=args.dry_run) for n in args.shapes]
-    columns = entries(args.impls, args.peers, args.peer_file, args.schedules)
+    columns = entries(args.impls, args.peers, args.peer_file)
     if args.dry_run:
         timers, roof_start, meta = UNTIMED, None, report.environment_meta(None)
         print("pagedattn bench --dry-run: shrunken shapes, outputs checked, nothing timed")

@@ -126,10 +126,10 @@ Runner = Callable[[], torch.Tensor]
 
 def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") -> Runner:
     """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call. ``variant``
-    (``--ours``): ``default``; ``split`` or ``persistent``, the earlier path's schedules;
+    (``--ours``): ``default``; ``split``, the earlier path (the decode kernel's MLA flag);
     ``gluon``, the MLA kernel's Hopper path; or the MLA kernel with other tiles,
     ``bn<tokens>s<stages>[w<warps>]`` (A/B tuning)."""
-    schedule = variant if variant in ("split", "persistent") else None
+    schedule = "split" if variant == "split" else None
     plan = pagedattn.plan_mla_decode(
         inputs.block_tables, inputs.context_lens, num_q_heads=shape.num_heads,
         latent_dim=shape.latent_dim, rope_dim=shape.rope_dim, page_size=shape.page_size,
@@ -150,9 +150,9 @@ def _variant_config(plan, variant: str):
         return replace(plan.policy_config(), gluon=True)
     m = re.fullmatch(r"bn(\d+)s(\d+)(?:w(\d+))?", variant)
     if m is None:
-        raise ValueError(f"--ours: unknown variant {variant!r} (default, split, persistent, "
-                         "gluon, or bn<tokens>s<stages>[w<warps>])")
-    base = plan.policy_config()
+        raise ValueError(f"--ours: unknown variant {variant!r} (default, split, gluon, "
+                         "or bn<tokens>s<stages>[w<warps>])")
+    base = plan.policy_config()  # through the API layer (tests/test_layers.py)
     bn, st, w = int(m[1]), int(m[2]), int(m[3]) if m[3] else base.num_warps
     return replace(base, block_n=bn, num_stages=st, num_warps=w)
 
@@ -254,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences of each row checked against the float64 oracle")
     ap.add_argument("--no-peers", action="store_true", help="pagedattn alone")
     ap.add_argument("--ours", default="default",
-                    help="comma list of our variants: default, split, persistent (the earlier "
-                         "path), gluon (the Hopper path), bn<tokens>s<stages>[w<warps>] (the "
-                         "MLA kernel's tiles)")
+                    help="comma list of our variants: default, split (the earlier path), "
+                         "gluon (the Hopper path), bn<tokens>s<stages>[w<warps>] (the MLA "
+                         "kernel's tiles)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: interpreter-sized rows, checked against the oracle, untimed")
     ap.add_argument("--json", help="write the rows here")

@@ -48,8 +48,8 @@ and bottom-right aligned.
 
 **Schedules and fast forms**, set by the launcher where they are exact: ``ONE_UNIT`` (no
 sequence splits: program ``(b, kv head)`` takes the whole sequence, no scan, no merge),
-``PERSISTENT`` (:mod:`pagedattn.kernels.persistent`), ``LEAN_SOFTMAX`` (every row sees a key
-in every tile: exactly rounded products, no clamp, no select), ``SLOT_OFFSETS_I32``
+``LEAN_SOFTMAX`` (every row sees a key in every tile: exactly rounded products, no clamp, no
+select), ``SLOT_OFFSETS_I32``
 (in-page offsets in int32 where both caches allow), ``FP8_V_PAIRS`` (fp8 values read as
 16-bit pairs of dims). Lengths are clamped to the table's capacity; block-table entries past
 ``ceil(len / page_size)`` are never read.
@@ -83,7 +83,6 @@ from pagedattn.kernels.paging import (
     _program_sequence,
     _unit_tokens,
 )
-from pagedattn.kernels.persistent import _persistent_program
 from pagedattn.kernels.softmax import LOG2E, _fold_sink, _natural_lse, _rescale
 from pagedattn.kernels.steps import (
     _attend_tiles,
@@ -149,10 +148,6 @@ def _paged_decode_kernel(
     FOLD_MERGE: tl.constexpr = False,  # the last unit of a (sequence, kv head) merges its rows
     LEAN_SOFTMAX: tl.constexpr = False,  # every row sees a key in every tile: no clamp, no select
     SLOT_OFFSETS_I32: tl.constexpr = False,  # a token's offset within its page in int32
-    PERSISTENT: tl.constexpr = False,  # the persistent schedule (kernels/persistent.py)
-    BLOCK_R: tl.constexpr = 1,  # PERSISTENT: slots a merge round
-    BLOCK_HM: tl.constexpr = 1,  # PERSISTENT: the merge's rows (Q_LEN x group, padded)
-    TILES_I64: tl.constexpr = False,  # PERSISTENT: tile indices in int64 (T x P past 2^31)
     # absorbed multi-head latent attention (pagedattn.mla): keys [latent | rope], values the
     # latent; key_cache_ptr the latent cache (HEAD_DIM = d_latent), value_cache_ptr the rope
     # cache (ROPE_DIM dims, padded to BLOCK_DR), query_ptr q_nope; a "kv head" is a block of
@@ -177,22 +172,6 @@ def _paged_decode_kernel(
         raw_len = tl.load(context_lens_ptr + b_chk * stride_ctx)
         _report(errors_ptr, (raw_len < 0) | (raw_len > max_pages * PAGE_SIZE * (num_pages > 0)),
                 CONTEXT_LENS, b_chk, raw_len)
-    if PERSISTENT:  # a program per equal share of the step's tiles, merges in this launch
-        _persistent_program(
-            query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
-            out_ptr, lse_ptr, part_ml_ptr, part_acc_ptr, seq_rows_ptr, k_scale_ptr,
-            v_scale_ptr, stride_k_scale, stride_v_scale, k_scale_val, v_scale_val, scale_log2,
-            sinks_ptr, alibi_ptr, window_left, softcap, stride_q_t, stride_o_t, batch,
-            num_kv_heads, group, max_pages, stride_q_b, stride_q_h, stride_q_d, stride_k_page,
-            stride_k_tok, stride_k_head, stride_k_d, stride_v_page, stride_v_tok,
-            stride_v_head, stride_v_d, stride_bt_b, stride_bt_p, stride_ctx, stride_o_b,
-            stride_o_h, stride_o_d, num_pages, HEAD_DIM, BLOCK_D, BLOCK_H, BLOCK_N,
-            BLOCK_B, PAGE_SIZE,
-            DOT_DTYPE, DOT_PRECISION, Q_POW2_SCALE, SCALE_FROM_PTR, HAS_LSE, Q_LEN, VARIANTS,
-            FP8_V_PAIRS, ASM, LEAN_SOFTMAX,
-            SLOT_OFFSETS_I32, BLOCK_R, BLOCK_HM, TILES_I64, MLA, ROPE_DIM, BLOCK_DR, q_pe_ptr,
-            stride_qpe_b, stride_qpe_t, stride_qpe_h, stride_qpe_d)
-        return
     u = tl.program_id(0)  # one split unit per program: (row r, kv head)
     r = u // num_kv_heads
     kv_head = u % num_kv_heads
@@ -250,9 +229,10 @@ def _paged_decode_kernel(
                               ctx, q_pos, win_first, window_left, softcap, offs_n, offs_d,
                               mask_d, stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
                               stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
-                              stride_bt_b, stride_bt_p, num_pages, HEAD_DIM,
-                              BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN, VARIANTS, FP8_V_PAIRS,
-                              ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA, ROPE_DIM, BLOCK_DR)
+                              stride_bt_b, stride_bt_p, num_pages, HEAD_DIM, BLOCK_H,
+                              BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN,
+                              VARIANTS, FP8_V_PAIRS, ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA,
+                              ROPE_DIM, BLOCK_DR)
 
     if ONE_UNIT:  # the sequence's only unit (an empty one too: out 0)
         _store_result(out_ptr, lse_ptr, sinks_ptr, b, q_tok, heads, mask_h, offs_d, mask_hd,

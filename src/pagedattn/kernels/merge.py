@@ -1,5 +1,5 @@
 """Combining a sequence's split units: ``@triton.jit`` helpers of the per-group merge kernel
-and of the merges folded into the main kernel (``FOLD_MERGE``, the persistent schedule).
+and of the merge folded into the main kernel (``FOLD_MERGE``).
 
 * ``_arrive``: a folded merge's arrival counter; the unit that arrives last merges.
 * ``_merge_group_rows``: a (sequence, kv head)'s split rows folded in row order

@@ -1,5 +1,5 @@
-"""The production kernel's steps for one unit (:mod:`pagedattn.kernels.decode`,
-:mod:`pagedattn.kernels.persistent`), in the order a unit runs them.
+"""The production kernel's steps for one unit (:mod:`pagedattn.kernels.decode`), in the
+order a unit runs them.
 
 The tile's rows and pointers (``_tile_rows`` with ``_token_rows``, ``_tile_ptrs``,
 ``_lse_ptrs``), the scales and the query (``_kv_scales``, ``_load_query``,
@@ -262,11 +262,9 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
     tok_end)`` of sequence ``b``, kv head ``kv_head`` (``k_head``/``v_head``: its 64-bit
     offsets in the caches), ``BLOCK_N`` tokens a tile that may span pages. Returns the
     unnormalized state ``(m, l, acc)``: ``[BLOCK_H]``, ``[BLOCK_H]``, ``[BLOCK_H, BLOCK_D]``
-    (``-inf``, 0, 0 for an empty range). Both schedules run it: a split unit's range, or one
-    piece of a persistent program's share (:mod:`pagedattn.kernels.persistent`). The next
-    tile's page ids are loaded one iteration ahead, so the K/V loads never wait on a
-    block-table load of their own iteration and the pipeliner keeps several tiles in
-    flight.
+    (``-inf``, 0, 0 for an empty range). The next tile's page ids are loaded one iteration
+    ahead, so the K/V loads never wait on a block-table load of their own iteration and the
+    pipeliner keeps several tiles in flight.
 
     ``MLA`` (absorbed multi-head latent attention): the keys are ``[latent | rope]`` and the
     values the latent itself, so ``key_cache_ptr`` is the latent cache (``HEAD_DIM`` =

@@ -174,9 +174,7 @@ class AutoLauncher:
                  device: torch.device, num_splits: int | None,
                  config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
                  options: DecodeOptions = DEFAULT, record: bool = True,
-                 workspace: bool = True, schedule: str = "split",
-                 num_programs: int | None = None,
-                 rope_dim: int | None = None):
+                 workspace: bool = True, rope_dim: int | None = None):
         interpret = is_interpreter()
         on_gpu = device.type == "cuda"
         window_left, batch_invariant = options.window_left, options.batch_invariant
@@ -184,7 +182,7 @@ class AutoLauncher:
         self.mla = rope_dim is not None
         if self.mla:
             num_kv_heads = policy_mla.mla_head_blocks(
-                num_q_heads, q_len, policy_mla.mla_max_rows(kv_dtype, schedule))
+                num_q_heads, q_len, policy_mla.mla_max_rows(kv_dtype))
             config = config or policy_mla.mla_config(
                 d_latent=head_dim, rows=max(16, q_len * num_q_heads // num_kv_heads),
                 kv_dtype=kv_dtype, interpret=interpret)
@@ -199,8 +197,7 @@ class AutoLauncher:
             q_len=q_len, window_left=window_left, batch_invariant=batch_invariant,
             interpret=interpret, sms=sms,
             device_name=device_name_for(device) if on_gpu and config is None else None,
-            owns_workspace=workspace, schedule=schedule, num_programs=num_programs,
-            )
+            owns_workspace=workspace)
         self.config = cfg = plan.config
         group = num_q_heads // num_kv_heads
         bd = block_d(head_dim)
@@ -216,10 +213,7 @@ class AutoLauncher:
         self.forced_splits, self.window_unit = plan.forced_splits, plan.window_unit
         self.target_units, self.target_units_ragged = plan.target_units, plan.target_units_ragged
         self.min_chunk, self.one_unit, self.rows_max = plan.min_chunk, plan.one_unit, plan.rows_max
-        #: the persistent schedule (kernels/persistent.py): a program per equal share
-        self.persistent = plan.num_programs > 0
-        self.grid = ((plan.num_programs, 1, 1) if self.persistent
-                     else (self.rows_max * num_kv_heads, 1, 1))
+        self.grid = (self.rows_max * num_kv_heads, 1, 1)
         self.rope_dim = rope_dim
         self._main_slots = _MLA_SLOTS if self.mla else _MAIN_SLOTS
         # the plan-time variants' runtime values (fixed for the launcher)
@@ -236,7 +230,7 @@ class AutoLauncher:
         # calls) cannot keep zeroed without a fill: those launch the merge kernel
         self.fold_merge = plan.fold_merge
         #: whether a launch runs a merge kernel after the main one
-        self.launches_merge = not (self.one_unit or self.fold_merge or self.persistent)
+        self.launches_merge = not (self.one_unit or self.fold_merge)
         self.pdl = bool(cfg.pdl) and per_group and on_gpu and not interpret and (
             self.launches_merge) and pdl_supported(device.index if device.index is not None
                                                    else torch.cuda.current_device())
@@ -267,9 +261,7 @@ class AutoLauncher:
         part_rows = plan.part_rows
         self._n_ml = -(-part_rows * 2 // 4) * 4  # acc starts 16-byte aligned
         self._n_acc = part_rows * bd
-        # the arrival counters of a folded merge or of the persistent schedule's merges
-        self._counters = self.fold_merge or self.persistent
-        self._n_rows = batch * num_kv_heads if self._counters else 2 * batch
+        self._n_rows = batch * num_kv_heads if self.fold_merge else 2 * batch
         self._n_work = 4 if self.one_unit else self._n_ml + self._n_acc + self._n_rows
         # byte offsets of acc and seq_rows from the base (multiples of 16)
         self._acc_offset, self._rows_offset = 4 * self._n_ml, 4 * (self._n_ml + self._n_acc)
@@ -296,7 +288,7 @@ class AutoLauncher:
         every entry a merge reads (the ``seq_rows`` of an empty sequence included). A folded
         merge's arrival counters are zeroed here, once."""
         work = torch.empty(self._n_work, dtype=torch.float32, device=self.device)
-        if self._counters:  # the counters start at 0, and each launch leaves them at 0
+        if self.fold_merge:  # the counters start at 0, and each launch leaves them at 0
             work[self._n_work - self._n_rows:].view(torch.int32).zero_()
         return work
 
@@ -514,7 +506,6 @@ def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads
                       head_dim: int, page_size: int, q_dtype: torch.dtype,
                       kv_dtype: torch.dtype, device: torch.device, num_splits: int | None,
                       q_len: int, options: DecodeOptions = DEFAULT,
-                      schedule: str = "split", num_programs: int | None = None,
                       rope_dim: int | None = None) -> AutoLauncher:
     """The launcher that every one-shot ``paged_decode`` of these shapes, dtypes, device and
     plan-time variants (``options``, per-call fields off) shares (its arguments are the key;
@@ -533,4 +524,4 @@ def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads
                         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                         q_dtype=q_dtype, kv_dtype=kv_dtype, device=device,
                         num_splits=num_splits, q_len=q_len, options=options, workspace=False,
-                        schedule=schedule, num_programs=num_programs, rope_dim=rope_dim)
+                        rope_dim=rope_dim)

@@ -12,7 +12,7 @@ who sets them:
   plan-time options' flags are the plan's, the per-call options' the binding's), and the
   kernel's mode (absorbed MLA);
 * **policy**: the schedule and the token loop's fast forms that the launch plan chose (one
-  unit, folded merge, persistent, PDL, lean softmax), and inline PTX off the interpreter;
+  unit, folded merge, PDL, lean softmax), and inline PTX off the interpreter;
 * **binding**: what one call's tensors decide (:class:`Binding`: tensor scales, LSE, the
   caches' strides; the per-call options that are on, in ``VARIANTS``). Each is part of the
   launcher's binding key, so a recorded launch never recomputes them.
@@ -81,11 +81,10 @@ UNBOUND = Binding()
 #: the kernel's constexpr parameters by setter, in the order of :class:`KernelFlags`
 GROUPS: dict[str, tuple[str, ...]] = {
     "shape and tile": ("HEAD_DIM", "BLOCK_D", "BLOCK_H", "BLOCK_N", "BLOCK_B", "PAGE_SIZE",
-                       "Q_LEN", "ROPE_DIM", "BLOCK_DR", "BLOCK_R", "BLOCK_HM"),
+                       "Q_LEN", "ROPE_DIM", "BLOCK_DR"),
     "dtype": ("DOT_DTYPE", "DOT_PRECISION", "Q_POW2_SCALE"),
     "variant": ("VARIANTS", "MLA"),
-    "policy": ("ONE_UNIT", "PERSISTENT", "FOLD_MERGE", "PDL", "LEAN_SOFTMAX", "TILES_I64",
-               "ASM"),
+    "policy": ("ONE_UNIT", "FOLD_MERGE", "PDL", "LEAN_SOFTMAX", "ASM"),
     "binding": ("SCALE_FROM_PTR", "HAS_LSE", "SLOT_OFFSETS_I32", "FP8_V_PAIRS"),
 }
 #: the kernel's constexpr parameters, in the order of :class:`KernelFlags`
@@ -125,8 +124,6 @@ def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UN
         BLOCK_N=cfg.block_n, BLOCK_B=BLOCK_B, PAGE_SIZE=page_size, Q_LEN=q_len,
         ROPE_DIM=rope_dim if mla else 0,
         BLOCK_DR=policy_mla.mla_block_dr(rope_dim) if mla else 1,
-        # the persistent schedule's merge tile ((1, 1), unused, for the split one)
-        BLOCK_R=plan.persistent_merge[0], BLOCK_HM=plan.persistent_merge[1],
         # dtype
         DOT_DTYPE=dot_dtype(kv_dtype, interpret),
         DOT_PRECISION=dot_precision(kv_dtype, interpret),
@@ -135,15 +132,14 @@ def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UN
         # when the binding's call holds the option)
         VARIANTS=variants(options, binding.calls), MLA=mla,
         # policy
-        ONE_UNIT=plan.one_unit, PERSISTENT=plan.num_programs > 0, FOLD_MERGE=plan.fold_merge,
-        PDL=pdl,
+        ONE_UNIT=plan.one_unit, FOLD_MERGE=plan.fold_merge, PDL=pdl,
         # the lean online softmax needs every row of every tile to see a key (so the running
         # max is finite from the first tile on) and a score whose last operation is the exact
         # product: one query token (no causal rows), no window (no masked first keys) and no
         # soft-cap (its tanh follows the product)
         LEAN_SOFTMAX=(cfg.lean_softmax and q_len == 1 and plan.window_left < 0
                       and options.logits_soft_cap is None),
-        TILES_I64=plan.tiles_i64, ASM=not interpret,
+        ASM=not interpret,
         # binding
         SCALE_FROM_PTR=binding.scale_from_ptr, HAS_LSE=binding.has_lse,
         SLOT_OFFSETS_I32=cfg.slot_offsets_i32 and binding.slot_offsets_fit_int32,

@@ -66,11 +66,6 @@ class DecodeConfig:
     # a token's offset within its page (slot and kv head) in int32 where every such offset
     # of both caches fits (the launcher checks the strides), the page's own in 64-bit
     slot_offsets_i32: bool = True
-    # the persistent schedule's programs per SM (schedule="persistent" without
-    # num_programs), all resident at once: its register cap is sized for them; None:
-    # ctas_per_sm, at most three (the persistent kernel's piece loop holds more registers
-    # than a split unit's: 212 at head_dim 128 uncapped)
-    persistent_ctas_per_sm: int | None = None
 
 
 #: tuned tables, one per GPU model: ``tuned/<device name, non-alphanumerics as _>.json``,
@@ -225,39 +220,6 @@ def multi_token_config(cfg: DecodeConfig, *, head_dim: int, kv_dtype: torch.dtyp
     return replace(cfg, maxnreg=cap) if cap < 255 else cfg
 
 
-#: the persistent merge's tile, at most (slots x rows x padded head dims, fp32 elements):
-#: 32 registers a thread at four warps
-_PERSISTENT_MERGE_ELEMENTS = 4096
-#: slots a persistent merge round takes, at most
-_PERSISTENT_MERGE_MAX_SLOTS = 16
-
-
-#: programs per SM of the persistent schedule by default, at most
-_PERSISTENT_RESIDENT_MAX = 3
-
-
-def persistent_residency(cfg: DecodeConfig) -> int:
-    """Programs per SM of the persistent schedule: ``persistent_ctas_per_sm``, else
-    ``ctas_per_sm`` capped at :data:`_PERSISTENT_RESIDENT_MAX`."""
-    return cfg.persistent_ctas_per_sm or min(cfg.ctas_per_sm, _PERSISTENT_RESIDENT_MAX)
-
-
-def persistent_programs(cfg: DecodeConfig, sms: int, num_programs: int | None) -> int:
-    """The persistent schedule's program count: ``num_programs`` when given, else
-    :func:`persistent_residency` programs per SM."""
-    if num_programs is not None:
-        return int(num_programs)
-    return sms * persistent_residency(cfg)
-
-
-def persistent_merge_tile(q_len: int, group: int, head_dim: int) -> tuple[int, int]:
-    """``(BLOCK_R, BLOCK_HM)`` of the persistent merge: a segment's slots merged ``BLOCK_R``
-    a load round, each ``BLOCK_HM`` rows (``q_len · group``, padded to a power of two)."""
-    block_hm = max(2, next_power_of_2(q_len * group))
-    return max(2, min(_PERSISTENT_MERGE_MAX_SLOTS,
-                      _PERSISTENT_MERGE_ELEMENTS // (block_hm * block_d(head_dim)))), block_hm
-
-
 def merge_per_group(batch: int, num_kv_heads: int, sms: int) -> bool:
     """One merge program per (sequence, kv head) when those fill the SMs, else one per
     (sequence, query head)."""
@@ -284,40 +246,23 @@ class LaunchPlan:
     fold_merge: bool  # the per-group merge runs in the main kernel's last unit per pair
     merge_block: int  # the per-group merge's BLOCK_H, or the per-head merge's BLOCK_R
     part_rows: int  # workspace rows of partials (split row x query token x query head)
-    # the persistent schedule: its program count (the grid) and merge tile, or 0 (split)
-    num_programs: int = 0
-    persistent_merge: tuple[int, int] = (1, 1)  # (BLOCK_R, BLOCK_HM)
-    # the persistent kernel's tile indices in int64: the step may hold so many tiles T that
-    # T x num_programs passes 2^31 (from shapes: every sequence at the table's capacity)
-    tiles_i64: bool = False
 
 
 def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
                 head_dim: int, page_size: int, kv_dtype: torch.dtype, num_splits: int | None,
                 config: DecodeConfig | None, ragged: bool, q_len: int, window_left: int,
                 batch_invariant: bool, interpret: bool, sms: int,
-                device_name: str | None, owns_workspace: bool = True,
-                schedule: str = "split", num_programs: int | None = None) -> LaunchPlan:
+                device_name: str | None, owns_workspace: bool = True) -> LaunchPlan:
     """The launch plan of an :class:`~pagedattn.launch.decode.AutoLauncher` (its keywords,
     plus the device facts: ``interpret``, ``sms`` and ``device_name``, the GPU's name for
     its tuned table or ``None``). ``config`` replaces :func:`choose_config` (tuning) and
     turns off the plan's own tile adjustments. ``owns_workspace``: the launcher keeps one
     workspace for every launch (a plan's), so a merge may be folded (``fold_merge``).
-    ``schedule``: ``"split"`` (a program per split unit, then a merge) or ``"persistent"`` (a
-    fixed number of programs, each an equal share of the step's tiles, merges in the same
-    launch: ``kernels/persistent.py``; the API refuses it with ``num_splits`` or batch
-    invariance), ``num_programs`` its program count (:func:`persistent_programs`).
 
     Raises:
         ValueError: ``num_splits`` past the partial rows the kernels index in int32.
     """
     group = num_q_heads // num_kv_heads
-    if schedule == "persistent":
-        return _persistent_plan(batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
-                                group=group, head_dim=head_dim, page_size=page_size,
-                                kv_dtype=kv_dtype, config=config, ragged=ragged, q_len=q_len,
-                                window_left=window_left, interpret=interpret, sms=sms,
-                                device_name=device_name, num_programs=num_programs)
     # int32 safety: the kernels hold positions in 32 bits, so the table they see holds at
     # most MAX_CONTEXT_LEN tokens (max_pages * page_size past 2^31 wrapped: zeros, or
     # reads outside the cache), and a window at least that wide is no window (it sees
@@ -409,35 +354,3 @@ def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: i
         per_group_merge=per_group, fold_merge=fold_merge, merge_block=merge_block,
         part_rows=part_rows)
 
-
-def _persistent_plan(*, batch: int, max_pages: int, num_q_heads: int, group: int,
-                     head_dim: int, page_size: int, kv_dtype: torch.dtype,
-                     config: DecodeConfig | None, ragged: bool, q_len: int, window_left: int,
-                     interpret: bool, sms: int, device_name: str | None,
-                     num_programs: int | None) -> LaunchPlan:
-    """:func:`plan_launch` for ``schedule="persistent"``: the split schedule's tiles (the
-    token loop is the same code), ``num_programs`` programs, two partial slots each (a share's
-    first and last pieces), the merge in the same launch (no merge kernel, no fold)."""
-    max_pages = kernel_max_pages(max_pages, page_size)
-    if window_left >= max_pages * page_size:
-        window_left = -1
-    cfg = config or choose_config(head_dim, group, kv_dtype, page_size, interpret, device_name,
-                                  ragged)
-    if q_len > 1:  # its tiles (its register cap is the split schedule's: sized below)
-        cfg = multi_token_config(cfg, head_dim=head_dim, kv_dtype=kv_dtype,
-                                 choose_tiles=config is None and not interpret)
-        cfg = replace(cfg, maxnreg=None) if config is None else cfg
-    if config is None:  # the default residency stays resident
-        cap = 65536 // (persistent_residency(cfg) * cfg.num_warps * 32) // 8 * 8
-        cfg = replace(cfg, maxnreg=cap) if cap < 255 else cfg
-    programs = persistent_programs(cfg, sms, num_programs)
-    part_rows = 2 * programs * q_len * group  # two slots a program, Q_LEN x group rows each
-    return LaunchPlan(
-        config=cfg, max_pages=max_pages, window_left=window_left, forced_splits=0,
-        window_unit=False, target_units=0, target_units_ragged=0, min_chunk=cfg.min_chunk,
-        one_unit=False, rows_max=2 * programs,
-        block_h=max(16, next_power_of_2(q_len * group)), per_group_merge=True,
-        fold_merge=False, merge_block=0, part_rows=part_rows, num_programs=programs,
-        persistent_merge=persistent_merge_tile(q_len, group, head_dim),
-        tiles_i64=(batch * cdiv(max_pages * page_size, cfg.block_n) * (num_q_heads // group)
-                   + 1) * (programs + 1) >= 1 << 31)

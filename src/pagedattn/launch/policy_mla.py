@@ -8,7 +8,7 @@ query heads as one tile's rows, as it packs a GQA group, and walks the latent ti
 the scores and the output. A block is what the kernel calls a kv head: the launcher hands it
 the caches with a head stride of 0, so the ``num_heads / group`` blocks of one sequence all
 read the same latent rows (adjacent programs: the second read comes from L2), and the
-device planner, the merges and the persistent schedule are the kernel's own.
+device planner and the merges are the kernel's own.
 
 Pure functions of shapes, dtypes and the interpreter flag, as :mod:`pagedattn.launch.policy`.
 """
@@ -22,23 +22,19 @@ import torch
 from pagedattn.launch._common import block_d, next_power_of_2
 from pagedattn.launch.policy import DecodeConfig
 
-#: tile rows (query tokens x heads of a block), at most, by schedule and cache dtype, from
+#: tile rows (query tokens x heads of a block), at most, by cache dtype, from
 #: the compiled sm_90 kernels. 64 rows are Hopper's wgmma tile
 #: (one warpgroup's M; at eight warps the two warpgroups split the 512 value dims, the fp32
 #: accumulator 128 registers a thread): bf16 compiles to 255 registers with no spill inside
 #: the token loop; fp16 and fp8 latents at 64 rows spill inside it (74 and 215 spill
-#: instructions), at 32 rows not (144 and 240 registers); the persistent schedule's piece
-#: loop and merge spill inside the loop from 32 rows (and its 64-row merge needs 256 KB of
-#: shared memory), not at 16; fp32's split-bf16 dots spill at any size (a CPU path)
+#: instructions), at 32 rows not (144 and 240 registers); fp32's split-bf16 dots spill at
+#: any size (a CPU path)
 _MAX_ROWS = {torch.bfloat16: 64, torch.float16: 32, torch.float32: 16}
 _MAX_ROWS_FP8 = 32
-_MAX_ROWS_PERSISTENT = 16
 
 
-def mla_max_rows(kv_dtype: torch.dtype, schedule: str) -> int:
-    """The most tile rows of an MLA plan (see :data:`_MAX_ROWS`)."""
-    if schedule == "persistent":
-        return _MAX_ROWS_PERSISTENT
+def mla_max_rows(kv_dtype: torch.dtype) -> int:
+    """The most tile rows of an MLA plan on the decode kernel (see :data:`_MAX_ROWS`)."""
     return _MAX_ROWS.get(kv_dtype, _MAX_ROWS_FP8)
 
 
@@ -74,10 +70,7 @@ def mla_config(*, d_latent: int, rows: int, kv_dtype: torch.dtype, interpret: bo
                        ragged_ctas_per_sm=2 * ctas,
                        fold_merge=kv_dtype in (torch.float16, torch.bfloat16),
                        lean_softmax=kv_dtype != torch.float32,
-                       slot_offsets_i32=kv_dtype != torch.float32,
-                       # the persistent kernel takes 255 registers at eight warps (its
-                       # piece loop): one program per SM stays resident
-                       persistent_ctas_per_sm=1)
+                       slot_offsets_i32=kv_dtype != torch.float32)
     if interpret:  # the interpreter runs programs one by one: fewer, smaller is faster
         cfg = replace(cfg, ctas_per_sm=1, ragged_ctas_per_sm=2, num_stages=1,
                       block_n=min(cfg.block_n, 16), min_chunk=64, invariant_chunk=64)
