@@ -23,12 +23,12 @@ Timing: CUDA-graph replays of one call after a read-only flush of twice the L2
 float64 oracle (rows of at most ``--oracle-tokens`` new tokens), the peers' against ours.
 
     PYTHONPATH=src python3 scripts/bench_prefill.py [--fa3 .peers/fa3_peer.py] [--json F]
-        [--variants "r64w8:_VARLEN_ROWS=64,_VARLEN_RESIDENT=1,num_warps=8;..."]
+        [--variants "m64:block_m=64,num_warps=4;n128:block_n=128,num_stages=2;..."]
 
-A ``--variants`` entry adds a ``pagedattn-LABEL`` column: our plan with the policy's
-:class:`~pagedattn.launch.policy.DecodeConfig` fields, or its ``_NAME`` module constants
-(``_VARLEN_ROWS``: query rows a tile takes; ``_VARLEN_RESIDENT``: programs per SM its
-register cap keeps), replaced while the plan is built and first run.
+A ``--variants`` entry adds a ``pagedattn-LABEL`` column: our plan with the prefill
+policy's :class:`~pagedattn.launch.prefill.PrefillConfig` fields (``block_m``, ``block_n``,
+``g_pack``, ``num_warps``, ``num_stages``) or the decode policy's ``DecodeConfig`` fields
+(a mixed step's decodes) replaced while the plan is built and first run.
     TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/bench_prefill.py --dry-run   # CPU
 """
 
