@@ -9,10 +9,11 @@
 #             scripts/sanitize_driver.py (every family once, and metadata past the tables)
 #             -> $OUT/gpu-correctness.log, sanitize-*.log, correctness-summary.md
 #             (docs/results/gpu-correctness-<gpu>.md records the commit it passed on)
-#   tests     every gpu/gpu2-marked test (xdist when present), then tests/test_engine.py on the
-#             GPU -> $OUT/pytest-gpu.log, pytest-engine.log (docs/results/gpu-tests-h200.log
-#             holds them one after the other); with $PEERS carried, the compat layer's
-#             comparisons with FlashInfer and FA3 run too (FlashInfer's JIT: TESTS_S=420)
+#   tests     every gpu/gpu2-marked test (xdist when present), then
+#             tests/serving/test_engine.py on the GPU -> $OUT/pytest-gpu.log, pytest-engine.log
+#             (docs/results/gpu-tests-h200.log holds them one after the other); with $PEERS
+#             carried, the compat layer's comparisons with FlashInfer and FA3 run too
+#             (FlashInfer's JIT: TESTS_S=420)
 #   bench     `pagedattn bench` of auto beside every peer found (the floor and FA3 peer files,
 #             FlashInfer 0.7.4 TC and XQA), eager and graph after the clean L2 flush, eager
 #             after the dirty (zeroing) one, each row's size-matched limit and the 32-layer
@@ -117,7 +118,7 @@ phase_tests() {
   timeout "${TESTS_S:-300}" python3 -m pytest -q -m "gpu or gpu2" -p no:cacheprovider $xdist \
     -rfE --durations=10 tests > "$OUT/pytest-gpu.log" 2>&1; tail -15 "$OUT/pytest-gpu.log"
   stamp "the engine's tests on the GPU (unmarked: they take the GPU when there is one)"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_engine.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/serving/test_engine.py \
     > "$OUT/pytest-engine.log" 2>&1; tail -3 "$OUT/pytest-engine.log"
 }
 

@@ -1,8 +1,9 @@
 """Helpers of the hardening tests (issue 6): NaN-poisoned runs, the oracle check, scratch
-poisoning, hand-built block tables, and the tile boundaries of each impl.
+poisoning, hand-built block tables, the tile boundaries of each impl, and bit-for-bit
+comparisons of poisoned pages.
 
-Not a test module (no ``test_`` prefix); the test files import it by name (pytest puts
-``tests/`` on ``sys.path``).
+Not a test module (no ``test_`` prefix); the test files of every folder import it by name
+(pyproject.toml's pytest ``pythonpath`` puts ``tests/`` on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -155,3 +156,18 @@ def head_values(device, seed: int, low: float, high: float, n: int) -> torch.Ten
     ALiBi slopes), from a seeded generator."""
     g = torch.Generator().manual_seed(seed)
     return (torch.rand(n, generator=g) * (high - low) + low).to(device)
+
+
+def bits(t):
+    """A tensor's bits as integers of its element size (NaN-poisoned slots compare equal)."""
+    t = t.detach().cpu().contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same_bits(got, ref):
+    """Bit-identical but for the sign of zero (the append and the drop-ins' pages)."""
+    g, r = bits(got), bits(ref)
+    bad = g != r
+    if got.is_floating_point():  # +0 and -0 are the same value
+        bad &= ~((got.cpu().float() == 0) & (ref.cpu().float() == 0))
+    assert not bad.any(), f"{int(bad.sum())} elements differ, first at {bad.nonzero()[0].tolist()}"

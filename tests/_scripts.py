@@ -2,8 +2,8 @@
 compile checks (``scripts/compile_sm90.py``, Triton's interpreter off) and the benchmark
 scripts' CPU dry runs (interpreter on).
 
-Not a test module (no ``test_`` prefix); the test files import it by name (pytest puts
-``tests/`` on ``sys.path``).
+Not a test module (no ``test_`` prefix); the test files of every folder import it by name
+(pyproject.toml's pytest ``pythonpath`` puts ``tests/`` on ``sys.path``).
 """
 
 from __future__ import annotations

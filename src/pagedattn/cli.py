@@ -74,7 +74,7 @@ COMMANDS: dict[str, tuple[Callable[[], Any], str]] = {
 
 
 #: the extra of pyproject.toml each subcommand needs, and the modules of it that they import
-#: (tests/test_deps.py checks them against pyproject.toml): without one, the subcommand is
+#: (tests/package/test_deps.py checks them against pyproject.toml): without one, the subcommand is
 #: refused in one line naming the extra, before it loads
 EXTRA_OF = {"run": "bench", "bench": "bench", "profile": "bench", "ladder": "bench",
             "generate": "serve", "bench-model": "serve"}

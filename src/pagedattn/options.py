@@ -12,7 +12,7 @@ the one-shot fast path, its op-schema type and its docstring. The keywords of
 :meth:`pagedattn.DecodePlan.run` (per-call fields), the stages' refusal
 (``ImplSpec.variants``), the launcher's constexprs, kernel arguments, slots and key, and the
 custom ops' schemas (``serving/ops.py``) all come from these fields; the oracle
-(``pagedattn.reference``) takes the same keywords (``tests/test_variants.py`` checks it).
+(``pagedattn.reference``) takes the same keywords (``tests/plans/test_variants.py`` checks it).
 
 A variant is off at its default, and off it costs nothing: the flag is ``False`` and the
 kernel's code is unchanged. ``q_len`` (the 4-D query's token count) and the scales

@@ -69,7 +69,7 @@ def paged_decode_reference(
             cache value is ``stored * scale``.
         window_left, logits_soft_cap, sinks, alibi_slopes: the variants (module docstring);
             ``sinks`` and ``alibi_slopes`` are ``[num_q_heads]``. The oracle takes every
-            option of ``pagedattn.options`` by its keyword (``tests/test_variants.py``).
+            option of ``pagedattn.options`` by its keyword (``tests/plans/test_variants.py``).
         batch_invariant: changes no value (it makes the kernel's result bitwise independent
             of the batch); taken so that one set of keywords serves the kernel and the oracle.
 

@@ -152,7 +152,7 @@ def _variant_config(plan, variant: str):
     if m is None:
         raise ValueError(f"--ours: unknown variant {variant!r} (default, split, gluon, "
                          "or bn<tokens>s<stages>[w<warps>])")
-    base = plan.policy_config()  # through the API layer (tests/test_layers.py)
+    base = plan.policy_config()  # through the API layer (tests/package/test_layers.py)
     bn, st, w = int(m[1]), int(m[2]), int(m[3]) if m[3] else base.num_warps
     return replace(base, block_n=bn, num_stages=st, num_warps=w)
 

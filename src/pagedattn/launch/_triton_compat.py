@@ -242,7 +242,7 @@ def on_interpreter_launch(callback) -> None:
     interpreter.GridExecutor.__call__ = counted
 
 
-# the interpreter's int32: the tests' GPU arithmetic (tests/test_numerics.py)
+# the interpreter's int32: the tests' GPU arithmetic (tests/kernels/test_numerics.py)
 #
 # GPU int32 arithmetic in Triton's interpreter, and a record of every overflow.
 #

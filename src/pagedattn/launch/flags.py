@@ -21,7 +21,7 @@ An :class:`~pagedattn.launch.decode.AutoLauncher` calls it once at plan time wit
 (:data:`UNBOUND`) and once for each binding it launches through ``kernel[grid]``, caching the
 result per binding, so no call rebuilds it. Every flag changes the compiled code, so each is
 off (or 1 / 0) unless its setter turns it on. ``DESIGN.md`` ("Kernel flags") tabulates each
-flag's setter and source; ``tests/test_flags.py`` checks that the fields are exactly the
+flag's setter and source; ``tests/plans/test_flags.py`` checks that the fields are exactly the
 kernel's constexpr parameters.
 """
 

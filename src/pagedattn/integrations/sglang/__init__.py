@@ -11,9 +11,10 @@ What it maps and refuses: ``layer.py`` (SGLang's layer, batch and KV
 pool in pagedattn's terms, no SGLang import) and ``backend.py`` (the class).
 
 Versions: :data:`READ` are the SGLang releases whose interface this backend was written
-against and unit-tested with stand-ins of SGLang's objects (``tests/test_sglang_backend.py``);
-:data:`RAN` the ones it ran inside (none yet: see docs/compat.md, "SGLang", for what could not
-run on a CPU). Any other version is refused by name: a warning, and nothing registered.
+against and unit-tested with stand-ins of SGLang's objects
+(``tests/integrations/test_sglang_backend.py``); :data:`RAN` the ones it ran inside (none yet:
+see docs/compat.md, "SGLang", for what could not run on a CPU). Any other version is refused
+by name: a warning, and nothing registered.
 
 Importing this package imports neither SGLang nor Triton.
 """
@@ -30,7 +31,8 @@ NAME = "pagedattn"
 RAN: dict[tuple[int, int, int], str] = {}
 #: releases whose attention interface was read and unit-tested against stand-ins
 READ = {(0, 5, 23): "sglang 0.5.23: base_attn_backend, attention_registry, memory_pool read; "
-                    "the backend unit-tested with stand-ins (tests/test_sglang_backend.py)"}
+                    "the backend unit-tested with stand-ins "
+                    "(tests/integrations/test_sglang_backend.py)"}
 
 logger = logging.getLogger("sglang.plugins.pagedattn")
 

@@ -1,6 +1,6 @@
 """SGLang's attention layer, batch and KV pool in pagedattn's terms. Pure Python over torch:
 nothing here imports SGLang, so the mapping and its refusals are tested without it
-(``tests/test_sglang_backend.py``).
+(``tests/integrations/test_sglang_backend.py``).
 
 **The layer** (SGLang's ``RadixAttention``) maps to :class:`LayerOptions`:
 

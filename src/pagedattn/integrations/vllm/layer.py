@@ -1,7 +1,7 @@
 """vLLM's attention-layer arguments mapped to pagedattn's, and the KV cache's bytes.
 
 Pure Python over torch: nothing here imports vLLM, so the mapping and its refusals are tested
-without it (``tests/test_vllm_plugin.py``).
+without it (``tests/integrations/test_vllm_plugin.py``).
 
 **The layer.** vLLM builds one ``AttentionImpl`` per attention layer with ``num_heads``,
 ``head_size``, ``scale``, ``num_kv_heads``, ``alibi_slopes``, ``sliding_window``,

@@ -31,7 +31,7 @@ from pagedattn.reference import paged_decode_reference
 from pagedattn.traces import load_trace, sample_context_lens
 
 #: the current H200 run of the peers preset (docs/results/), whose rows are the peers' table
-BENCH_H200 = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench-h200.json"
+BENCH_H200 = Path(__file__).resolve().parents[2] / "docs" / "results" / "bench-h200.json"
 #: the rows of the peers' table (the numbers to beat), in its order
 PEER_TABLE = (
     "seed-fp32-b64-c2048", "llama8b-b1-c32k", "llama8b-b8-c8k", "llama8b-b64-c2k",

@@ -17,7 +17,7 @@ import torch
 from pagedattn import _cli_types as T
 from pagedattn import cli
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
 
 #: (argv, what the one-line error must mention)

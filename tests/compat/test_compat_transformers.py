@@ -19,7 +19,7 @@ from pagedattn.reference import paged_decode_reference  # noqa: E402
 from pagedattn.testing import rel_l2_error  # noqa: E402
 
 NEW_TOKENS = 8
-COMPAT = Path(__file__).resolve().parents[1] / "docs" / "compat.md"
+COMPAT = Path(__file__).resolve().parents[2] / "docs" / "compat.md"
 
 
 @pytest.fixture

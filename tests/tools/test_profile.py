@@ -28,7 +28,7 @@ import torch
 from pagedattn.bench import ncu
 from pagedattn.bench.ncu import METRIC_KEYS, KernelCounters, parse_ncu_csv, read_ncu_csv
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 REAL = [DATA / "ncu_h200_raw.csv", DATA / "ncu_h200_details.csv"]
 SYNTHETIC = sorted(DATA.glob("ncu_synthetic_*.csv"))
 # the interpreter fallback; on a GPU these would time (never in pytest) and run ncu

@@ -728,6 +728,6 @@ def test_versions_and_the_entry_point():
     tomllib = pytest.importorskip("tomllib")
     from pathlib import Path
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert project["project"]["entry-points"]["sglang.srt.plugins"]["pagedattn"] == (
         "pagedattn.integrations.sglang:register")

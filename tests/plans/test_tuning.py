@@ -14,7 +14,7 @@ import torch
 
 import pagedattn.launch.policy as L
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from pagedattn.compat import BatchDecodeWithPagedKVCacheWrapper, flash_attn_with
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fa3():

@@ -18,7 +18,7 @@ import pytest
 
 from pagedattn.bench import report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "results.py"
 CHECK = ROOT / "scripts" / "check_doc_figures.py"
 _spec = importlib.util.spec_from_file_location("results_script", SCRIPT)

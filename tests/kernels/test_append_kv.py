@@ -3,6 +3,7 @@ other slot bit-identical to its poison (NaN for float caches, a sentinel byte fo
 
 import pytest
 import torch
+from _hardening import assert_same_bits
 
 from pagedattn.launch.append_kv import append_kv
 
@@ -43,19 +44,6 @@ def append_kv_ref(key, value, key_cache, value_cache, slots, kv_layout="NHD", k_
     if kv_layout == "HND":
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
     return kc, vc
-
-
-def bits(t):
-    t = t.detach().cpu().contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_same_bits(got, ref):
-    g, r = bits(got), bits(ref)
-    bad = g != r
-    if got.is_floating_point():  # +0 and -0 are the same value
-        bad &= ~((got.cpu().float() == 0) & (ref.cpu().float() == 0))
-    assert not bad.any(), f"{int(bad.sum())} elements differ, first at {bad.nonzero()[0].tolist()}"
 
 
 def run_case(device, *, num_tokens=7, num_kv_heads=2, head_dim=64, num_pages=5, page_size=4,

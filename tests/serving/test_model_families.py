@@ -378,7 +378,7 @@ def test_generate_cli_serves_a_hugging_face_directory(tmp_path, capsys):
 def test_docs_models_md_is_the_generated_table():
     """docs/models.md is families_markdown()'s text: regenerate it with
     ``PYTHONPATH=src python -m pagedattn.serving.families > docs/models.md``."""
-    path = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+    path = Path(__file__).resolve().parents[2] / "docs" / "models.md"
     assert path.read_text(encoding="utf-8") == families_markdown(), (
         "docs/models.md is stale: run PYTHONPATH=src python -m pagedattn.serving.families "
         "> docs/models.md")

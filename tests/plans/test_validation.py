@@ -84,7 +84,7 @@ META = torch.device("meta")
 # id -> (mutation, exception, regex the message must match: the argument's name)
 ERRORS = {
     "query-rank2": (_arg(Q, lambda t: t[:, 0]), ValueError, "query"),
-    # (rank 4 is a multi-token query: tests/test_variants.py)
+    # (rank 4 is a multi-token query: tests/plans/test_variants.py)
     "query-rank5": (_arg(Q, lambda t: t[None, None]), ValueError, "query"),
     "query-not-tensor": (_arg(Q, lambda t: t.tolist()), TypeError, "query"),
     "query-int": (_arg(Q, lambda t: t.int()), TypeError, "query"),

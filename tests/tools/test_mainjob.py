@@ -16,7 +16,7 @@ import pagedattn.api as api
 from pagedattn.bench import harness
 from pagedattn.reference import paged_decode_reference
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -21,7 +21,7 @@ import torch
 from pagedattn import cli
 from pagedattn._cli_types import OneLineParser
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
 
 
@@ -334,7 +334,7 @@ def test_bench_model_defaults_on_the_cpu_refuse_without_yes(tmp_path, capsys, mo
     assert " h in Triton's interpreter" in err  # hours
     assert err.rstrip().removesuffix(" (see --help)").endswith(" ".join(["pagedattn", *SMOKE]))
     assert " ".join(["pagedattn", *SMOKE]) == bench_model.SMOKE_RUN
-    usage = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
     assert " ".join(bench_model.SMOKE_RUN.split()) in " ".join(usage.split())
 
     class Ran(Exception):

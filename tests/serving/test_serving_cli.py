@@ -120,7 +120,7 @@ def test_stats_line_of_a_request_ended_by_eos_at_its_first_token():
 @pytest.mark.skipif(not NO_GPU, reason="the CPU user's path")
 def test_stats_line_counts_the_token_discarded_after_eos():
     """"decode 3 tokens in 4 steps" read as a miscount: the step in flight when a request met
-    EOS had its token discarded (tests/test_engine.py checks the engine's count). The line
+    EOS had its token discarded (tests/serving/test_engine.py checks the engine's count). The line
     says so, and says nothing when no token was discarded."""
     from types import SimpleNamespace
 

@@ -15,7 +15,7 @@ import pytest
 from pagedattn import _env
 from pagedattn.launch import _triton_compat as tc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _project() -> dict:

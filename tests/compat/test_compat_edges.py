@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_append_kv import assert_same_bits  # NaN-poisoned pages compare by bits
+from _hardening import assert_same_bits  # NaN-poisoned pages compare by bits
 from test_compat import _csr  # FlashInfer's CSR of a make_paged_inputs batch
 
 from pagedattn.api import DecodePlan

@@ -183,10 +183,10 @@ def test_N19_two_processes_nccl_graphs_all_gather(tmp_path):
     all-gather their outputs; rank 0 compares each rank's rows with a single-GPU run of the
     same inputs and with the reference. Runs ``n19_distributed.py`` with torchrun-free
     ``torch.multiprocessing.spawn``."""
-    script = Path(__file__).with_name("n19_distributed.py")
+    script = Path(__file__).parents[1] / "n19_distributed.py"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                         str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                         str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -91,7 +91,7 @@ def test_every_option_is_documented():
     """Each field of ``DecodeOptions`` has its row in ``docs/usage.md``'s variants table (the
     keyword in backticks, ``name=`` or ``name`` followed by a space): the one page a new
     variant edits by hand."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
     table = text.split("## The variants", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     for name in options.OPTIONS:
