@@ -17,9 +17,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 #: the CTA-wide barrier (``bar.sync``)
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+#: ``cp.async`` of a pointer tensor into shared memory, ``(smem, pointer, mask=None)``: 3.8's
+#: ``async_load`` where it exists (3.9's ``async_copy_global_to_shared`` raises "has been
+#: removed"), 3.6's name before it
+async_copy_global_to_shared = (getattr(async_copy, "async_load", None)
+                               or async_copy.async_copy_global_to_shared)
+commit_group = async_copy.commit_group
+wait_group = async_copy.wait_group
 
-if not hasattr(async_copy, "async_copy_global_to_shared"):  # a Triton that kept only the new name
-    async_copy.async_copy_global_to_shared = async_copy.async_load
-
-__all__ = ["async_copy", "fence_async_shared", "thread_barrier", "warpgroup_mma",
-           "warpgroup_mma_wait"]
+__all__ = ["async_copy_global_to_shared", "commit_group", "fence_async_shared",
+           "thread_barrier", "wait_group", "warpgroup_mma", "warpgroup_mma_wait"]

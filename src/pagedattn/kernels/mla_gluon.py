@@ -27,9 +27,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from pagedattn.kernels._gluon_compat import (
-    async_copy,
+    async_copy_global_to_shared,
+    commit_group,
     fence_async_shared,
     thread_barrier,
+    wait_group,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -64,7 +66,7 @@ def _issue_tile(k_buf, r_buf, ckv_ptr, kpe_ptr, bt_row_ptr, stride_bt_p, n0, seq
     page = gl.where(bad, 0, raw)
     off = page * stride_c_page + (toks % PAGE_SIZE).to(gl.int64) * stride_c_tok
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, LD))
-    async_copy.async_copy_global_to_shared(k_buf, ckv_ptr + off[:, None] + cols[None, :],
+    async_copy_global_to_shared(k_buf, ckv_ptr + off[:, None] + cols[None, :],
                                            mask=_cols(cols, LATENT_DIM, BLOCK_D)[None, :])
     toks_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_R))
     toks_r = gl.minimum(toks_r, seq_len - 1)
@@ -72,7 +74,7 @@ def _issue_tile(k_buf, r_buf, ckv_ptr, kpe_ptr, bt_row_ptr, stride_bt_p, n0, seq
     page_r = gl.where((raw_r < 0) | (raw_r >= num_pages), 0, raw_r)
     off_r = page_r * stride_r_page + (toks_r % PAGE_SIZE).to(gl.int64) * stride_r_tok
     cols_r = gl.arange(0, BLOCK_DR, layout=gl.SliceLayout(0, LD_R))
-    async_copy.async_copy_global_to_shared(r_buf, kpe_ptr + off_r[:, None] + cols_r[None, :],
+    async_copy_global_to_shared(r_buf, kpe_ptr + off_r[:, None] + cols_r[None, :],
                                            mask=_cols(cols_r, ROPE_DIM, BLOCK_DR)[None, :])
     return gl.max(bad.to(gl.int32), axis=0) > 0
 
@@ -170,13 +172,13 @@ def _mla_decode_gluon_kernel(
             tok_q = m_ld // HEADS
             head_q = hb * HEADS + m_ld % HEADS
             q_rows = b64 * stride_q_b + tok_q * stride_q_t + head_q * stride_q_h
-            async_copy.async_copy_global_to_shared(
+            async_copy_global_to_shared(
                 q_smem, q_ptr + q_rows[:, None] + d_ld[None, :] * stride_q_d,
                 mask=(m_ld < Q_LEN * HEADS)[:, None] & _cols(d_ld, LATENT_DIM, BLOCK_D)[None, :])
             tok_r = m_ldr // HEADS
             head_r = hb * HEADS + m_ldr % HEADS
             qr_rows = b64 * stride_qr_b + tok_r * stride_qr_t + head_r * stride_qr_h
-            async_copy.async_copy_global_to_shared(
+            async_copy_global_to_shared(
                 qr_smem, qpe_ptr + qr_rows[:, None] + d_ldr[None, :] * stride_qr_d,
                 mask=(m_ldr < Q_LEN * HEADS)[:, None] & _cols(d_ldr, ROPE_DIM, BLOCK_DR)[None, :])
             page_bad = _issue_tile(k_smem.index(0), r_smem.index(0), ckv_ptr, kpe_ptr, bt_row,
@@ -184,14 +186,14 @@ def _mla_decode_gluon_kernel(
                                    stride_c_page, stride_c_tok, stride_r_page, stride_r_tok,
                                    LD, LD_R, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DR, LATENT_DIM,
                                    ROPE_DIM)
-            async_copy.commit_group()
+            commit_group()
             if t_lo + 1 < t_hi:
                 page_bad |= _issue_tile(k_smem.index(1), r_smem.index(1), ckv_ptr, kpe_ptr,
                                         bt_row, stride_bt_p, (t_lo + 1) * BLOCK_N, seq_len,
                                         num_pages, stride_c_page, stride_c_tok, stride_r_page,
                                         stride_r_tok, LD, LD_R, PAGE_SIZE, BLOCK_N, BLOCK_D,
                                         BLOCK_DR, LATENT_DIM, ROPE_DIM)
-            async_copy.commit_group()
+            commit_group()
 
             pos = seq_len - Q_LEN + m_s // HEADS  # each score row's last visible token
             acc = gl.zeros([BLOCK_H, BLOCK_D], gl.float32, layout=O_L)
@@ -201,7 +203,7 @@ def _mla_decode_gluon_kernel(
                 stage = (i - t_lo) % 2
                 k_buf = k_smem.index(stage)
                 r_buf = r_smem.index(stage)
-                async_copy.wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
+                wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
                 fence_async_shared()  # cp.async wrote it through the generic proxy; wgmma
                 thread_barrier()  # reads through the async proxy, after every thread's copies
                 s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
@@ -234,8 +236,8 @@ def _mla_decode_gluon_kernel(
                                             num_pages, stride_c_page, stride_c_tok,
                                             stride_r_page, stride_r_tok, LD, LD_R, PAGE_SIZE,
                                             BLOCK_N, BLOCK_D, BLOCK_DR, LATENT_DIM, ROPE_DIM)
-                async_copy.commit_group()  # one group an iteration, empty or not
-            async_copy.wait_group(0)
+                commit_group()  # one group an iteration, empty or not
+            wait_group(0)
             bad_row = gl.where(page_bad & (bad_row < 0), b, bad_row)
 
             # the epilogue: rows token x head, in the score's and the output's layouts
