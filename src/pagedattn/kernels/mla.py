@@ -103,6 +103,25 @@ def _mla_locate(context_lens_ptr, stride_ctx, batch, capacity, at, BLOCK_N: tl.c
 
 
 @triton.jit
+def _mla_part(context_lens_ptr, stride_ctx, batch, capacity, part, errors_ptr, may_report,
+              BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr, OVERHEAD: tl.constexpr,
+              BLOCK_B: tl.constexpr):
+    """Part ``part``'s share of the batch's cost: ``(lo, hi, b, start, share)``, its cost
+    range ``[lo, hi)``, the sequence holding ``lo`` and where that sequence's range starts,
+    and the share every part takes. Part 0 reports the first length outside ``[0,
+    capacity]`` when ``may_report`` (one program of the grid)."""
+    total, bad, bad_len = _mla_costs(context_lens_ptr, stride_ctx, batch, capacity, BLOCK_N,
+                                     OVERHEAD, BLOCK_B)
+    _report(errors_ptr, (part == 0) & may_report & (bad >= 0), CONTEXT_LENS, bad, bad_len)
+    share = tl.cdiv(total, NUM_PARTS)
+    lo = part * share
+    hi = tl.minimum(lo + share, total)
+    b, start = _mla_locate(context_lens_ptr, stride_ctx, batch, capacity, lo, BLOCK_N,
+                           OVERHEAD, BLOCK_B)
+    return lo, hi, b, start, share
+
+
+@triton.jit
 def _mla_tiles(acc, m_i, l_i, q, qr, qk_scale, pos, lo, hi, seq_len, softcap, ckv_ptr, kpe_ptr,
                bt_row_ptr, stride_bt_p, num_pages, page_bad, offs_n, offs_d, offs_r, mask_d,
                mask_r, stride_c_page, stride_c_tok, stride_c_d, stride_r_page, stride_r_tok,
@@ -183,14 +202,9 @@ def _mla_decode_kernel(
     part = tl.program_id(0)
     hb = tl.program_id(1)
     capacity = max_pages * PAGE_SIZE * (num_pages > 0)  # no page: every length clamps to 0
-    total, bad, bad_len = _mla_costs(context_lens_ptr, stride_ctx, batch, capacity, BLOCK_N,
-                                     OVERHEAD, BLOCK_B)
-    _report(errors_ptr, (part == 0) & (hb == 0) & (bad >= 0), CONTEXT_LENS, bad, bad_len)
-    share = tl.cdiv(total, NUM_PARTS)
-    lo = part * share
-    hi = tl.minimum(lo + share, total)
-    b, start = _mla_locate(context_lens_ptr, stride_ctx, batch, capacity, lo, BLOCK_N,
-                           OVERHEAD, BLOCK_B)
+    lo, hi, b, start, share = _mla_part(context_lens_ptr, stride_ctx, batch, capacity, part,
+                                        errors_ptr, hb == 0, BLOCK_N, NUM_PARTS, OVERHEAD,
+                                        BLOCK_B)
 
     offs_m = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
@@ -347,14 +361,8 @@ def _mla_schedule_kernel(context_lens_ptr, sched_ptr, errors_ptr, batch, num_pag
     table."""
     part = tl.program_id(0)
     capacity = max_pages * PAGE_SIZE * (num_pages > 0)
-    total, bad, bad_len = _mla_costs(context_lens_ptr, stride_ctx, batch, capacity, BLOCK_N,
-                                     OVERHEAD, BLOCK_B)
-    _report(errors_ptr, (part == 0) & (bad >= 0), CONTEXT_LENS, bad, bad_len)
-    share = tl.cdiv(total, NUM_PARTS)
-    lo = part * share
-    hi = tl.minimum(lo + share, total)
-    b, start = _mla_locate(context_lens_ptr, stride_ctx, batch, capacity, lo, BLOCK_N,
-                           OVERHEAD, BLOCK_B)
+    lo, hi, b, start, share = _mla_part(context_lens_ptr, stride_ctx, batch, capacity, part,
+                                        errors_ptr, True, BLOCK_N, NUM_PARTS, OVERHEAD, BLOCK_B)
     row = sched_ptr + part * 8
     tl.store(row, lo)
     tl.store(row + 1, hi)

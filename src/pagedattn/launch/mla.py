@@ -173,8 +173,6 @@ class MLALauncher:
             stride_ctx=context_lens.stride(0), PAGE_SIZE=self.page_size, BLOCK_N=64,
             NUM_PARTS=self.config.num_parts, OVERHEAD=self.config.overhead, BLOCK_B=BLOCK_B,
             num_warps=4)
-        gluon_args = {k: v for k, v in common.items()
-                      if k not in ("SCALE_FROM_PTR", "HAS_SINKS", "HAS_LSE")}
         return sched, _mla_decode_gluon_kernel[self.grid](
             q_ptr=q_nope, qpe_ptr=q_pe, ckv_ptr=ckv_cache, kpe_ptr=kpe_cache,
             block_tables_ptr=block_tables, context_lens_ptr=context_lens,
@@ -186,9 +184,7 @@ class MLALauncher:
             stride_c_page=ckv_cache.stride(0), stride_c_tok=ckv_cache.stride(1),
             stride_r_page=kpe_cache.stride(0), stride_r_tok=kpe_cache.stride(1),
             **named_strides("bt", block_tables, "b p"), stride_ctx=context_lens.stride(0),
-            **gluon_args, SCALE_FROM_PTR=common["SCALE_FROM_PTR"],
-            HAS_SINKS=common["HAS_SINKS"], HAS_LSE=common["HAS_LSE"],
-            **self.gluon_constexprs, num_warps=8)
+            **common, **self.gluon_constexprs, num_warps=8)
 
     def _tokens_strides(self, t: torch.Tensor) -> tuple[int, int, int, int]:
         """``(b, t, h, d)`` strides of a ``[batch, heads, d]`` (q_len 1) or ``[batch, q_len,
