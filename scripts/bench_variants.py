@@ -114,12 +114,7 @@ def ours(shape, b: BenchBatch, query, plan_kw: dict, layer: dict, config: str = 
 
         base = plan._engine().config
         over = {k: int(v) for k, v in (kv.split("=") for kv in config.split(","))}
-        plan._launcher = AutoLauncher(
-            batch=plan.batch, max_pages=b.block_tables.shape[1], num_q_heads=m.num_q_heads,
-            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, page_size=shape.page_size,
-            q_dtype=shape.dtype, kv_dtype=shape.cache_dtype, device=query.device,
-            num_splits=plan_kw.get("num_splits"), config=replace(base, **over),
-            q_len=plan.q_len, options=plan.options)
+        plan._launchers[None] = AutoLauncher(plan.spec, config=replace(base, **over))
     out = torch.empty_like(query)
     return lambda: plan.run(query, b.key_cache, b.value_cache, out=out, **layer)
 

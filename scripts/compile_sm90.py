@@ -50,6 +50,7 @@ import pagedattn.launch.mla as LM  # noqa: E402
 import pagedattn.launch.prefill as LP  # noqa: E402
 from pagedattn.launch import _triton_compat as tc  # noqa: E402
 from pagedattn.options import OPTIONS, plan_options  # noqa: E402
+from pagedattn.spec import LaunchSpec  # noqa: E402
 
 #: name -> (AutoLauncher table width, q_len, LSE and plan-time options (pagedattn.options),
 #: per-call options, dtype, cache dtype, batch, kv heads)
@@ -186,11 +187,11 @@ def case_launcher(name: str):
     if num_tokens is not None:
         return prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads,
                                      num_tokens, with_lse)
-    launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=32,
-                              num_kv_heads=kv_heads,
-                              head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
-                              device=torch.device("cpu"), num_splits=None, q_len=q_len,
-                              options=plan_options(options), workspace=not one_shot)
+    launcher = L.AutoLauncher(
+        LaunchSpec(batch=batch, max_pages=max_pages, num_q_heads=32, num_kv_heads=kv_heads,
+                   head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
+                   device=torch.device("cpu"), q_len=q_len, options=plan_options(options)),
+        workspace=not one_shot)
     query = torch.zeros((batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128),
                         dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
@@ -206,11 +207,11 @@ def prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads, n
                           with_lse):
     """A prefill case's :class:`~pagedattn.launch.prefill.PrefillLauncher` (the GPU's tiles
     for long chunks), as :func:`case_launcher`."""
-    launcher = LP.PrefillLauncher(batch=batch, max_pages=64, num_q_heads=32,
-                                  num_kv_heads=kv_heads, head_dim=128, page_size=16,
-                                  q_dtype=dtype, kv_dtype=kv_dtype, device=torch.device("cpu"),
-                                  num_tokens=num_tokens, max_query_len=None,
-                                  options=plan_options(options))
+    launcher = LP.PrefillLauncher(
+        LaunchSpec(batch=batch, max_pages=64, num_q_heads=32, num_kv_heads=kv_heads,
+                   head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
+                   device=torch.device("cpu"), options=plan_options(options)),
+        num_tokens=num_tokens, max_query_len=None)
     query = torch.zeros(num_tokens, 32, 128, dtype=dtype)
     cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
     tables = torch.zeros(batch, 64, dtype=torch.int32)
@@ -228,11 +229,12 @@ def mla_case_launcher(name: str):
     (heads, latent, rope, page_size, batch, max_pages, q_len, with_lse, dtype, kv_dtype,
      one_shot, per_call, options) = MLA_CASES[name]
     kv_dtype = kv_dtype or dtype
-    launcher = L.AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=heads,
-                              num_kv_heads=1, head_dim=latent, page_size=page_size,
-                              q_dtype=dtype, kv_dtype=kv_dtype, device=torch.device("cpu"),
-                              num_splits=None, q_len=q_len, options=plan_options(options),
-                              workspace=not one_shot, rope_dim=rope)
+    launcher = L.AutoLauncher(
+        LaunchSpec(batch=batch, max_pages=max_pages, num_q_heads=heads, num_kv_heads=1,
+                   head_dim=latent, page_size=page_size, q_dtype=dtype, kv_dtype=kv_dtype,
+                   device=torch.device("cpu"), q_len=q_len, options=plan_options(options),
+                   rope_dim=rope),
+        workspace=not one_shot)
     lead = (batch, heads) if q_len == 1 else (batch, q_len, heads)
     q_nope = torch.zeros(*lead, latent, dtype=dtype)
     q_pe = torch.zeros(*lead, rope, dtype=dtype)
@@ -259,11 +261,12 @@ def mlak_case_launcher(name: str):
     real_applies = LM.gluon_applies
     LM.gluon_applies = lambda **kw: gluon  # a CPU device: the policy would say no
     try:
-        launcher = LM.MLALauncher(batch=batch, max_pages=max_pages, num_q_heads=heads,
-                                  latent_dim=latent, rope_dim=rope, page_size=page_size,
-                                  q_len=q_len, q_dtype=torch.bfloat16, kv_dtype=kv_dtype,
-                                  device=torch.device("cpu"), options=plan_options(options),
-                                  config=config)
+        launcher = LM.MLALauncher(
+            LaunchSpec(batch=batch, max_pages=max_pages, num_q_heads=heads, num_kv_heads=1,
+                       head_dim=latent, page_size=page_size, q_dtype=torch.bfloat16,
+                       kv_dtype=kv_dtype, device=torch.device("cpu"), q_len=q_len,
+                       options=plan_options(options), rope_dim=rope),
+            config=config)
     finally:
         LM.gluon_applies = real_applies
     lead = (batch, heads) if q_len == 1 else (batch, q_len, heads)
@@ -313,14 +316,14 @@ def check_bindings(name: str) -> str | None:
         calls = {}
         for hook in (None, lambda metadata: None):
             with tc.launch_hook(hook) if hook else contextlib.nullcontext():
-                launcher._bindings.clear()
+                launcher._records.clear()
                 launch()  # kernel[grid]: Triton binds
                 launch()  # the record
                 with_hook = "hook" if hook else "no hook"
                 calls[with_hook] = (seen[-2 * kernels:-kernels], seen[-kernels:])
-    if len(seen) != 4 * kernels or len(launcher._bindings) != 1:
+    if len(seen) != 4 * kernels or len(launcher._records) != 1:
         return f"{len(seen)} C launches for {kernels} kernel(s) x 4, " \
-               f"{len(launcher._bindings)} binding(s)"
+               f"{len(launcher._records)} binding(s)"
     for with_hook, (triton_calls, recorded_calls) in calls.items():
         for k, (a, b) in enumerate(zip(triton_calls, recorded_calls, strict=True)):
             if a != b:

@@ -35,6 +35,7 @@ from pagedattn.bench.timing import gb_per_s, measure_read_bandwidth, time_cold, 
 from pagedattn.launch.decode import AutoLauncher
 from pagedattn.launch.policy import DecodeConfig, choose_config, config_key, tuned_table_path
 from pagedattn.reference import paged_decode_reference
+from pagedattn.spec import LaunchSpec
 from pagedattn.testing import rel_l2_error
 
 BLOCK_N = {"fp32": (16, 32, 64), "other": (32, 64, 128)}
@@ -151,11 +152,12 @@ def main() -> int:
             if time.time() - t0 > args.budget_s:
                 print("  budget reached: sweep cut short", flush=True)
                 break
-            lau = AutoLauncher(batch=shape.batch, max_pages=b.block_tables.shape[1],
-                               num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
-                               head_dim=m.head_dim, page_size=shape.page_size,
-                               q_dtype=shape.dtype, kv_dtype=shape.cache_dtype,
-                               device=b.query.device, num_splits=None, config=cfg)
+            lau = AutoLauncher(
+                LaunchSpec(batch=shape.batch, max_pages=b.block_tables.shape[1],
+                           num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
+                           head_dim=m.head_dim, page_size=shape.page_size, q_dtype=shape.dtype,
+                           kv_dtype=shape.cache_dtype, device=b.query.device),
+                config=cfg)
             fn = functools.partial(lau.launch, *b.tensors, torch.empty_like(b.query), None,
                                    scale=m.head_dim ** -0.5, **b.scales)
             try:

@@ -38,7 +38,8 @@ from pagedattn.reference import (  # noqa: E402
 )
 
 __all__ = ["IMPLS", "STAGES", "AttentionPlan", "DecodeOutput", "DecodePlan", "ImplSpec",
-           "MLADecodePlan", "append_kv", "check_errors", "compiled_kernels", "merge_states", "mla_decode",
+           "MLADecodePlan", "append_kv", "check_errors", "compiled_kernels", "merge_states",
+           "mla_decode",
            "mla_decode_reference", "paged_attention", "paged_attention_reference",
            "paged_decode", "paged_decode_reference", "plan_attention", "plan_decode",
            "plan_mla_decode"]

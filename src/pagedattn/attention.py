@@ -23,14 +23,16 @@ Two kernels, one per roofline, planned once per step:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from pagedattn import _errors
 from pagedattn import _validation as V
 from pagedattn import options as O
-from pagedattn._env import on_device
 from pagedattn.api import plan_decode
-from pagedattn.plan import DecodeOutput, nhd_views
+from pagedattn.plan import DecodeOutput, PlanBase
+from pagedattn.spec import LaunchSpec
 
 
 def _prefill_launcher_class():
@@ -39,7 +41,7 @@ def _prefill_launcher_class():
     return PrefillLauncher
 
 
-class AttentionPlan:
+class AttentionPlan(PlanBase):
     """One step's paged attention over varlen queries: built once per step by
     :func:`plan_attention`, run once per layer with :meth:`run`.
 
@@ -54,32 +56,27 @@ class AttentionPlan:
     def __init__(self, block_tables, seq_lens, query_start_loc, *, num_q_heads, num_kv_heads,
                  head_dim, page_size, q_dtype, kv_dtype, kv_layout, max_query_len,
                  num_decodes, options):
-        self.block_tables, self.seq_lens = block_tables, seq_lens
-        self.query_start_loc = query_start_loc
-        self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
-        self.head_dim, self.page_size = int(head_dim), int(page_size)
-        self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
+        batch, max_pages = block_tables.shape
+        spec = LaunchSpec(batch=batch, max_pages=max_pages, num_q_heads=int(num_q_heads),
+                          num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
+                          page_size=int(page_size), q_dtype=q_dtype, kv_dtype=kv_dtype,
+                          device=block_tables.device, options=options)
+        super().__init__(
+            spec, dict(block_tables=block_tables, seq_lens=seq_lens,
+                       query_start_loc=query_start_loc),
+            dict(block_tables=(batch, max_pages), seq_lens=(batch,),
+                 query_start_loc=(batch + 1,)),
+            kv_layout=kv_layout, contiguous=("seq_lens", "query_start_loc"))
         self.max_query_len = None if max_query_len is None else int(max_query_len)
         self.num_decodes = int(num_decodes)
-        self.options = options
-        self.batch, self.max_pages = block_tables.shape
-        self._shapes = (tuple(block_tables.shape), (self.batch,), (self.batch + 1,))
-        self.device = block_tables.device
-        self._launchers: dict[int, object] = {}
         self._decode = None  # the decode plan of the first num_decodes sequences
 
-    def _launcher(self, num_tokens: int):
-        launcher = self._launchers.get(num_tokens)
-        if launcher is None:
-            with on_device(self.device):
-                launcher = _prefill_launcher_class()(
-                    batch=self.batch - self.num_decodes, max_pages=self.max_pages,
-                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
-                    kv_dtype=self.kv_dtype, device=self.device, num_tokens=num_tokens,
-                    max_query_len=self.max_query_len, options=self.options)
-            self._launchers[num_tokens] = launcher
-        return launcher
+    def _build_launcher(self, num_tokens: int):
+        """The prefill launcher of the sequences after the decodes, for ``num_tokens`` query
+        rows."""
+        return _prefill_launcher_class()(
+            replace(self.spec, batch=self.batch - self.num_decodes), num_tokens=num_tokens,
+            max_query_len=self.max_query_len)
 
     def _decode_plan(self):
         if self._decode is None:
@@ -91,17 +88,6 @@ class AttentionPlan:
                 kv_layout=self.kv_layout,
                 **{name: getattr(self.options, name) for name in O.PLAN})
         return self._decode
-
-    def check_tables(self) -> None:
-        """The plan's metadata tensors still have the shapes it was planned for (a caller
-        may have resized them in place): a ``ValueError`` naming the tensor otherwise."""
-        for name, t, shape in zip(("block_tables", "seq_lens", "query_start_loc"),
-                                  (self.block_tables, self.seq_lens, self.query_start_loc),
-                                  self._shapes, strict=True):
-            if tuple(t.shape) != shape or (name != "block_tables" and t.stride(0) != 1):
-                V.fail(ValueError, name, f"the planned shape {list(shape)}, contiguous "
-                       "(resized after plan_attention?)", f"{list(t.shape)}, strides "
-                       f"{t.stride()}")
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
             out=None, return_lse=False, validate=None, sinks=None, alibi_slopes=None):
@@ -143,10 +129,8 @@ class AttentionPlan:
         num_tokens, nd = query.shape[0], self.num_decodes
         if num_tokens < nd:
             V.fail(ValueError, "query", f"at least num_decodes={nd} rows", num_tokens)
-        if out is None:
-            out = torch.zeros_like(query, memory_format=torch.contiguous_format)
-        lse = (torch.full((num_tokens, self.num_q_heads), float("-inf"), dtype=torch.float32,
-                          device=self.device) if return_lse else None)
+        out, lse = self.outputs(query, out, return_lse, (num_tokens, self.num_q_heads),
+                                padded=True)
         if nd:  # the decodes: rows 0 .. nd - 1, one a sequence, split-KV
             res = self._decode_plan().run(query[:nd], key_cache, value_cache, scale=scale,
                                           k_scale=k_scale, v_scale=v_scale, out=out[:nd],
@@ -154,10 +138,10 @@ class AttentionPlan:
             if return_lse:
                 lse[:nd] = res.lse
         if num_tokens > nd and self.batch > nd:
-            key_cache, value_cache = nhd_views(key_cache, value_cache, self.kv_layout)
+            key_cache, value_cache = self.kernel_views(key_cache, value_cache)
             sm_scale = self.head_dim**-0.5 if scale is None else float(scale)
-            with on_device(self.device):
-                self._launcher(num_tokens).launch(
+            with self.guard():
+                self._engine(num_tokens).launch(
                     query, key_cache, value_cache, self.block_tables[nd:], self.seq_lens[nd:],
                     self.query_start_loc[nd:], out, lse, scale=sm_scale, k_scale=k_scale,
                     v_scale=v_scale, calls=calls, first_row=nd)

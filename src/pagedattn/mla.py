@@ -28,7 +28,8 @@ from pagedattn import _validation as V
 from pagedattn import _validation_mla as VM
 from pagedattn import options as O
 from pagedattn._env import on_device
-from pagedattn.plan import DecodeOutput
+from pagedattn.plan import DecodeOutput, PlanBase
+from pagedattn.spec import LaunchSpec
 
 
 def _auto_launcher_class():
@@ -49,7 +50,7 @@ def _mla_launcher_class():
     return MLALauncher
 
 
-class MLADecodePlan:
+class MLADecodePlan(PlanBase):
     """One decode step of absorbed MLA for every layer: built by :func:`plan_mla_decode`, run
     once per layer with :meth:`run`. It owns its workspace (the split rows' partials and the
     folded merge's arrival counters), keeps references to ``block_tables`` and
@@ -60,25 +61,27 @@ class MLADecodePlan:
     def __init__(self, block_tables, context_lens, *, num_q_heads, latent_dim, rope_dim,
                  page_size, q_dtype, kv_dtype, q_len, num_splits, options, schedule,
                  num_programs, one_shot=False):
-        self.block_tables, self.context_lens = block_tables, context_lens
-        self.num_q_heads, self.latent_dim = int(num_q_heads), int(latent_dim)
-        self.rope_dim, self.page_size, self.q_len = int(rope_dim), int(page_size), int(q_len)
-        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
-        self.num_splits = None if num_splits is None else int(num_splits)
+        batch, max_pages = block_tables.shape
+        # the latent is the one kv head of every query head: head_dim its dims
+        spec = LaunchSpec(
+            batch=batch, max_pages=max_pages, num_q_heads=int(num_q_heads), num_kv_heads=1,
+            head_dim=int(latent_dim), page_size=int(page_size), q_dtype=q_dtype,
+            kv_dtype=kv_dtype, device=block_tables.device, q_len=int(q_len),
+            options=options, num_splits=None if num_splits is None else int(num_splits),
+            rope_dim=int(rope_dim))
+        super().__init__(spec, dict(block_tables=block_tables, context_lens=context_lens),
+                         dict(block_tables=(batch, max_pages), context_lens=(batch,)))
+        self.latent_dim = self.head_dim
         # None: the MLA kernel (num_programs: its parts a head block); "split": the decode
         # kernel's MLA flag
-        self.options, self.schedule = options, schedule
+        self.schedule = schedule
         self.num_programs = None if num_programs is None else int(num_programs)
-        self.batch, self.max_pages = block_tables.shape
-        self.device = block_tables.device
-        self.q_shape = ((self.batch, self.num_q_heads, self.latent_dim) if self.q_len == 1
-                        else (self.batch, self.q_len, self.num_q_heads, self.latent_dim))
+        self.q_shape = ((batch, self.num_q_heads, self.latent_dim) if self.q_len == 1
+                        else (batch, self.q_len, self.num_q_heads, self.latent_dim))
         self._one_shot = one_shot
-        self._launcher = None  # built on first use: importing Triton waits for a launch
         #: the MLA kernel's tiles and parts (a ``launch.policy_mla.MLAKernelConfig``) instead
         #: of its policy's, read when the first run builds the launcher (tuning)
         self.kernel_config = None
-        self.last_compiled: dict[str, object] = {}
 
     def policy_config(self):
         """The MLA kernel's tiles and parts as its policy picks them for this plan's shapes
@@ -86,37 +89,17 @@ class MLADecodePlan:
         replaces for tuning (``pagedattn.bench.mla --ours``). Builds a launcher without a
         workspace; the plan's own is built at its first run."""
         with on_device(self.device):
-            return _mla_launcher_class()(
-                batch=self.batch, max_pages=self.max_pages, num_q_heads=self.num_q_heads,
-                latent_dim=self.latent_dim, rope_dim=self.rope_dim, page_size=self.page_size,
-                q_len=self.q_len, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
-                device=self.device, options=self.options, num_parts=self.num_programs,
-                workspace=False).config
+            return _mla_launcher_class()(self.spec, num_parts=self.num_programs,
+                                         workspace=False).config
 
-    def _engine(self):
-        if self._launcher is None and self.schedule is None:
-            with on_device(self.device):
-                self._launcher = _mla_launcher_class()(
-                    batch=self.batch, max_pages=self.max_pages, num_q_heads=self.num_q_heads,
-                    latent_dim=self.latent_dim, rope_dim=self.rope_dim,
-                    page_size=self.page_size, q_len=self.q_len, q_dtype=self.q_dtype,
-                    kv_dtype=self.kv_dtype, device=self.device, options=self.options,
-                    num_parts=self.num_programs, config=self.kernel_config,
-                    workspace=not self._one_shot)
-        if self._launcher is None:
-            statics = (self.batch, self.max_pages, self.num_q_heads, 1, self.latent_dim,
-                       self.page_size, self.q_dtype, self.kv_dtype, self.device,
-                       self.num_splits, self.q_len, self.options)
-            with on_device(self.device):
-                if self._one_shot:  # shared by every one-shot call of the key: no workspace
-                    self._launcher = _one_shot_launcher()(*statics, rope_dim=self.rope_dim)
-                else:
-                    names = ("batch", "max_pages", "num_q_heads", "num_kv_heads", "head_dim",
-                             "page_size", "q_dtype", "kv_dtype", "device", "num_splits",
-                             "q_len", "options")
-                    self._launcher = _auto_launcher_class()(
-                        **dict(zip(names, statics, strict=True)), rope_dim=self.rope_dim)
-        return self._launcher
+    def _build_launcher(self, key):
+        if self.schedule is None:  # the MLA kernel
+            return _mla_launcher_class()(self.spec, num_parts=self.num_programs,
+                                         config=self.kernel_config,
+                                         workspace=not self._one_shot)
+        if self._one_shot:  # shared by every one-shot call of the spec: no workspace
+            return _one_shot_launcher()(self.spec)
+        return _auto_launcher_class()(self.spec)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, *, scale, kv_scale=None, out=None,
             return_lse=False, validate=None, sinks=None):
@@ -154,11 +137,7 @@ class MLADecodePlan:
                 launch and any write.
         """
         _errors.raise_pending(self.device)  # what an earlier launch found (no sync)
-        for name, t, shape in (("block_tables", self.block_tables, (self.batch, self.max_pages)),
-                               ("context_lens", self.context_lens, (self.batch,))):
-            if tuple(t.shape) != shape:
-                V.fail(ValueError, name, f"the planned shape {list(shape)} (resized after "
-                       "the plan was built?)", list(t.shape))
+        self.check_tables()
         VM.check_mla_run(self, q_nope, q_pe, ckv_cache, kpe_cache, scale=scale,
                          kv_scale=kv_scale, out=out, return_lse=return_lse, validate=validate)
         calls = O.call_options({"sinks": sinks}, self.num_q_heads, self.device)
@@ -167,17 +146,14 @@ class MLADecodePlan:
                                 kv_scale=kv_scale)
             if calls:
                 O.check_values(calls)
-        if out is None:
-            out = torch.empty(self.q_shape, dtype=self.q_dtype, device=self.device)
-        lse = (torch.empty(self.q_shape[:-1], dtype=torch.float32, device=self.device)
-               if return_lse else None)
+        out, lse = self.outputs(q_nope, out, return_lse, self.q_shape[:-1])
         if self.batch > 0 and self.schedule is None:
-            with on_device(self.device):
+            with self.guard():
                 self.last_compiled = self._engine().launch(
                     q_nope, q_pe, ckv_cache, kpe_cache, self.block_tables, self.context_lens,
                     out, lse, scale=float(scale), kv_scale=kv_scale, calls=calls)
         elif self.batch > 0:
-            with on_device(self.device):
+            with self.guard():
                 self.last_compiled = self._engine().launch(
                     q_nope, ckv_cache, kpe_cache, self.block_tables, self.context_lens, out,
                     lse, scale=float(scale), k_scale=kv_scale, v_scale=kv_scale,

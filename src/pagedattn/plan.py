@@ -10,6 +10,7 @@ launcher (and so Triton) is imported lazily, on a plan's first launch.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -19,6 +20,7 @@ from pagedattn import _validation as V
 from pagedattn import options as O
 from pagedattn._env import num_devices, on_device
 from pagedattn.options import DecodeOptions
+from pagedattn.spec import LaunchSpec
 
 #: the largest scale the kernels take (they multiply it by log2(e) in float32)
 _SMAX = V.KERNEL_SCALAR_MAX
@@ -54,6 +56,95 @@ def nhd_views(key_cache, value_cache, kv_layout):
     if kv_layout == "HND":
         return key_cache.transpose(1, 2), value_cache.transpose(1, 2)
     return key_cache, value_cache
+
+
+class PlanBase:
+    """What the decode, attention and MLA plans share (:class:`DecodePlan`,
+    :class:`pagedattn.attention.AttentionPlan`, :class:`pagedattn.mla.MLADecodePlan`).
+
+    * the :class:`~pagedattn.spec.LaunchSpec` (``spec``), its fields also attributes of the
+      plan (read on the host path of every run);
+    * the metadata tensors read on the device at every run (attributes by their names) and
+      the shapes they were planned with (:meth:`check_tables`: the entry counts the kernels
+      index);
+    * the launchers, built on first use under a device guard (:meth:`_engine`: importing
+      Triton waits for a real launch) and kept per key (an attention plan's query row
+      count; ``None`` for the others);
+    * the caches as the kernels see them (:meth:`kernel_views`), the outputs
+      (:meth:`outputs`) and the device guard (:meth:`guard`).
+
+    A subclass builds its launcher in :meth:`_build_launcher`.
+    """
+
+    def __init__(self, spec: LaunchSpec, tables: dict, shapes: dict[str, tuple], *,
+                 kv_layout: str = "NHD", contiguous: tuple[str, ...] = ()):
+        self.spec = spec
+        for name, value in spec.as_dict().items():
+            setattr(self, name, value)
+        for name, t in tables.items():
+            setattr(self, name, t)
+        #: (name, planned shape, whether it must be contiguous) of each metadata tensor
+        self._table_checks = tuple((name, torch.Size(shape), name in contiguous)
+                                   for name, shape in shapes.items())
+        self.kv_layout = kv_layout
+        self.on_cpu = spec.device.type == "cpu"
+        # a device guard is needed only where another GPU may be current, and the
+        # interpreter's lock on the CPU
+        self._guarded = self.on_cpu or spec.device.type == "cuda" and num_devices() > 1
+        self._launchers: dict = {}
+        self.last_compiled: dict[str, object] = {}
+
+    def _build_launcher(self, key):
+        raise NotImplementedError
+
+    def _engine(self, key=None):
+        """The launcher of ``key`` (built now, under the device guard, if new)."""
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            with on_device(self.device):
+                launcher = self._launchers[key] = self._build_launcher(key)
+        return launcher
+
+    def guard(self):
+        """The plan's device made current for a launch (nothing where only one GPU is)."""
+        return on_device(self.device) if self._guarded else _NO_GUARD
+
+    def check_tables(self) -> None:
+        """The metadata tensors still have the shapes the plan was built for: a
+        ``ValueError`` naming the one that does not (resized in place after the plan was
+        built: the kernels would read past it)."""
+        for name, shape, contiguous in self._table_checks:
+            t = getattr(self, name)
+            if t.shape != shape or (contiguous and t.stride(0) != 1):
+                V.fail(ValueError, name, f"the planned shape {list(shape)}"
+                       f"{', contiguous' if contiguous else ''} (resized after the plan was "
+                       "built?)", f"{list(t.shape)}" + (f", strides {t.stride()}"
+                                                         if contiguous else ""))
+
+    def kernel_views(self, key_cache, value_cache):
+        """The caches as the kernels see them (:func:`nhd_views`)."""
+        if self.kv_layout != "NHD":
+            return nhd_views(key_cache, value_cache, self.kv_layout)
+        return key_cache, value_cache
+
+    def outputs(self, query, out, return_lse: bool, lse_shape: tuple, *,
+                padded: bool = False):
+        """``(out, lse)`` of a run: ``out`` as given, else new of the query's shape and
+        dtype (contiguous; zeros when ``padded``: rows the kernels leave), and the float32
+        LSE of ``lse_shape`` (``-inf`` when ``padded``) or ``None``."""
+        if out is None:
+            if padded:
+                out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+            elif type(query) is torch.Tensor:  # checked: no size to parse
+                out = torch.empty_like(query, memory_format=torch.contiguous_format)
+            else:
+                out = torch.empty(query.shape, dtype=self.q_dtype, device=self.device)
+        if not return_lse:
+            return out, None
+        if padded:
+            return out, torch.full(lse_shape, float("-inf"), dtype=torch.float32,
+                                   device=self.device)
+        return out, torch.empty(lse_shape, dtype=torch.float32, device=self.device)
 
 
 class ValueChecks:
@@ -96,7 +187,7 @@ class ValueChecks:
                              v_scale=v_scale, window_left=self.window_left, q_len=self.q_len)
 
 
-class DecodePlan:
+class DecodePlan(PlanBase):
     """A decode step's launch plan for the production kernel: built once per step by
     :func:`plan_decode`, run once per layer with :meth:`run`.
 
@@ -114,70 +205,44 @@ class DecodePlan:
                  device=None):
         # a one-shot template (pagedattn.one_shot.TEMPLATES) holds no tensor: it is built
         # from the table's ``table_shape`` and ``device``, and each call passes its own tables
-        self.block_tables, self.context_lens = block_tables, context_lens
+        batch, max_pages = block_tables.shape if table_shape is None else table_shape
+        # numpy integers pass validation (numbers.Integral); the launcher takes Python ints
+        spec = LaunchSpec(
+            batch=batch, max_pages=max_pages, num_q_heads=int(num_q_heads),
+            num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), page_size=int(page_size),
+            q_dtype=q_dtype, kv_dtype=kv_dtype,
+            device=block_tables.device if device is None else device, q_len=int(q_len),
+            options=options, num_splits=None if num_splits is None else int(num_splits),
+            ragged=ragged)
+        super().__init__(spec, dict(block_tables=block_tables, context_lens=context_lens),
+                         dict(block_tables=(batch, max_pages), context_lens=(batch,)),
+                         kv_layout=kv_layout)
         # a one-shot plan (paged_decode) runs once, through the launcher that every one-shot
-        # call of its static key shares (launch.decode.one_shot_launcher), which takes a fresh
+        # call of its spec shares (launch.decode.one_shot_launcher), which takes a fresh
         # workspace per launch
         self._one_shot = one_shot
-        self.ragged = ragged
-        # the plan-time variants, checked and normalized (pagedattn.options.plan_options)
-        self.q_len, self.options = int(q_len), options
-        # numpy integers pass validation (numbers.Integral); the launcher takes Python ints
-        self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
-        self.head_dim, self.page_size = int(head_dim), int(page_size)
-        self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
-        self.num_splits = None if num_splits is None else int(num_splits)
-        self.batch, self.max_pages = (block_tables.shape if table_shape is None
-                                      else table_shape)
-        self.device = block_tables.device if device is None else device
-        # the metadata's shapes, checked at every run (a caller may resize them in place)
-        self._table_shape = torch.Size((self.batch, self.max_pages))
-        self._lens_shape = torch.Size((self.batch,))
+        # the metadata's shapes, compared at every run (a caller may resize them in place)
+        self._table_shape = torch.Size((batch, max_pages))
+        self._lens_shape = torch.Size((batch,))
+        head_dim, num_q_heads = self.head_dim, self.num_q_heads
         # a multi-token plan takes 4-D queries [batch, q_len, num_q_heads, head_dim]
-        self.q_shape = torch.Size((self.batch, num_q_heads, head_dim) if q_len == 1
-                                  else (self.batch, q_len, num_q_heads, head_dim))
+        self.q_shape = torch.Size((batch, num_q_heads, head_dim) if self.q_len == 1
+                                  else (batch, self.q_len, num_q_heads, head_dim))
         self._lse_shape = tuple(self.q_shape[:-1])  # a tuple parses faster than a Size
         # FlashAttention's one-token query [batch, 1, num_q_heads, head_dim] (run_4d)
-        self._q_shape_4d = (torch.Size((self.batch, 1, num_q_heads, head_dim)) if q_len == 1
+        self._q_shape_4d = (torch.Size((batch, 1, num_q_heads, head_dim)) if self.q_len == 1
                             else None)
-        self._cache_tail = torch.Size((page_size, num_kv_heads, head_dim) if kv_layout == "NHD"
-                                      else (num_kv_heads, page_size, head_dim))
-        self._launcher = None  # built on first use: importing Triton waits for a real launch
-        self.last_compiled: dict[str, object] = {}
-        self.on_cpu = self.device.type == "cpu"
+        self._cache_tail = torch.Size(
+            (self.page_size, self.num_kv_heads, head_dim) if kv_layout == "NHD"
+            else (self.num_kv_heads, self.page_size, head_dim))
         self._default_scale = head_dim**-0.5
-        # a device guard is needed only where another GPU may be current, and the
-        # interpreter's lock on the CPU
-        self._guarded = self.on_cpu or self.device.type == "cuda" and num_devices() > 1
         # the checks that read the data (CPU tensors, or validate=True)
         self.checks = ValueChecks(self.page_size, options.window_left, self.q_len, kv_layout)
 
-    def _engine(self):
-        if self._launcher is None and self._one_shot:
-            with on_device(self.device):
-                self._launcher = _one_shot_launcher()(
-                    self.batch, self.max_pages, self.num_q_heads,
-                    self.num_kv_heads, self.head_dim, self.page_size, self.q_dtype,
-                    self.kv_dtype, self.device, self.num_splits, self.q_len, self.options)
-        elif self._launcher is None:
-            with on_device(self.device):
-                self._launcher = _auto_launcher_class()(
-                    batch=self.batch, max_pages=self.max_pages,
-                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, page_size=self.page_size, q_dtype=self.q_dtype,
-                    kv_dtype=self.kv_dtype, device=self.device, num_splits=self.num_splits,
-                    ragged=self.ragged, q_len=self.q_len, options=self.options)
-        return self._launcher
-
-    def check_tables(self) -> None:
-        """``block_tables`` and ``context_lens`` still have the shapes the plan was built
-        for: a ``ValueError`` naming the one that does not (resized in place after
-        :func:`plan_decode`: the kernels would read past it)."""
-        for name, t, shape in (("block_tables", self.block_tables, self._table_shape),
-                               ("context_lens", self.context_lens, self._lens_shape)):
-            if t.shape != shape:
-                V.fail(ValueError, name, f"the planned shape {list(shape)} (resized after "
-                       "the plan was built?)", list(t.shape))
+    def _build_launcher(self, key):
+        if self._one_shot:  # shared by every one-shot call of the spec: no workspace
+            return _one_shot_launcher()(replace(self.spec, ragged=False))
+        return _auto_launcher_class()(self.spec)
 
     def run(self, query, key_cache, value_cache, *, scale=None, k_scale=None, v_scale=None,
             out=None, return_lse=False, validate=None, **variants):
@@ -298,19 +363,13 @@ class DecodePlan:
         the call then returns ``(result, compiled)`` (a shared template keeps no
         ``last_compiled``)."""
         _errors.raise_pending(self.device)  # what an earlier launch found (no sync)
-        if out is None:  # the query's shape, dtype and device (checked): no size to parse
-            out = (torch.empty_like(query, memory_format=torch.contiguous_format)
-                   if type(query) is torch.Tensor
-                   else torch.empty(self.q_shape, dtype=self.q_dtype, device=self.device))
-        lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=self.device)
-               if return_lse else None)
+        out, lse = self.outputs(query, out, return_lse, self._lse_shape)
         if self.batch > 0 and self.num_q_heads > 0:
-            if self.kv_layout != "NHD":
-                key_cache, value_cache = nhd_views(key_cache, value_cache, self.kv_layout)
+            key_cache, value_cache = self.kernel_views(key_cache, value_cache)
             sm_scale = self._default_scale if scale is None else float(scale)
-            engine = self._launcher or self._engine()
+            engine = self._launchers.get(None) or self._engine()
             block_tables, context_lens = tables or (self.block_tables, self.context_lens)
-            with on_device(self.device) if self._guarded else _NO_GUARD:
+            with self.guard():
                 compiled = engine.launch(
                     query, key_cache, value_cache, block_tables, context_lens, out,
                     lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, calls=calls)

@@ -154,7 +154,7 @@ def test_fa_fresh_tensors_bind_the_kernel_once_on_the_gpu(counted):
         flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache, cache_seqlens=lens,
                                 page_table=table, causal=True)
     plan, = fa_module._caches()[0].values()
-    assert counted["plans"] == 1 and len(plan._launcher._bindings) == 1
+    assert counted["plans"] == 1 and len(plan._engine()._records) == 1
     out = flash_attn_with_kvcache(q, inp.key_cache, inp.value_cache,
                                   cache_seqlens=inp.context_lens.clone(),
                                   page_table=inp.block_tables.clone(), causal=True)

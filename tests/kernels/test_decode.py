@@ -129,7 +129,7 @@ def test_repeat_runs_launch_the_bound_kernels(monkeypatch):
                                  q_dtype=torch.bfloat16)
     first = plan.run(*inputs[:3], scale=0.3).clone()
     engine = plan._engine()
-    assert engine._direct and len(engine._bindings) == 1
+    assert engine._direct and len(engine._records) == 1
     for seed, lens, scale in ((2, [77, 1, 30, 64], 0.3), (3, [0, 0, 9, 3], 1.7)):
         new = make_paged_inputs(lens, num_q_heads=8, num_kv_heads=2, head_dim=128,
                                 page_size=16, dtype=torch.bfloat16, seed=seed, device="cuda",
@@ -140,13 +140,13 @@ def test_repeat_runs_launch_the_bound_kernels(monkeypatch):
         plan.run(new.query, *new[1:3], scale=scale, out=out)
         ref = paged_decode_reference(*new, scale=scale).out
         assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
-    assert len(engine._bindings) == 1
+    assert len(engine._records) == 1
     buf = torch.empty(new.query.numel() + 1, dtype=new.query.dtype, device="cuda")
     shifted = buf[1:].view_as(new.query).copy_(new.query)
     out = torch.full_like(new.query, float("nan"))
     plan.run(shifted, *new[1:3], out=out, scale=1.7)
     assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
-    assert len(engine._bindings) == 2
+    assert len(engine._records) == 2
     # Triton's own launch path (no direct launches) gives the same bits
     direct = plan.run(new.query, *new[1:3], scale=1.7)
     monkeypatch.setattr(engine, "_direct", False)
@@ -250,6 +250,7 @@ def test_pdl_only_for_a_launched_per_group_merge(device):
     compile exactly as without the flag. A plan of a 16-bit cache folds its per-group merge;
     the one-shot launcher of the same shapes (a fresh workspace per call) launches it."""
     from pagedattn.launch.decode import AutoLauncher
+    from pagedattn.spec import LaunchSpec
 
     kw = dict(max_pages=1024, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
               q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=torch.device(device))
@@ -257,20 +258,20 @@ def test_pdl_only_for_a_launched_per_group_merge(device):
     # 256 or 2 pairs (H200: 132 SMs); the two pairs split 40 ways (the table holds 256 tiles
     # or more): more rows than a per-head plan folds
     for batch, per_group, splits in ((128, True, None), (1, False, 40)):
-        plan_launcher = AutoLauncher(batch=batch, num_splits=splits, **kw)
+        plan_launcher = AutoLauncher(LaunchSpec(batch=batch, num_splits=splits, **kw))
         assert plan_launcher.fold_merge is per_group
         assert plan_launcher.launches_merge is not per_group
         assert plan_launcher.pdl is False  # folded, or a per-head merge
-        launcher = AutoLauncher(batch=batch, workspace=False, num_splits=splits, **kw)
+        launcher = AutoLauncher(LaunchSpec(batch=batch, num_splits=splits, **kw), workspace=False)
         assert not launcher.fold_merge and launcher.launches_merge
         assert (launcher.merge_grid[1] == 2) is per_group
         assert launcher.pdl is (gpu and per_group)
         assert launcher.flags.PDL is launcher.pdl
         assert launcher.merge_constexprs.get("PDL", False) is launcher.pdl
-    fp32 = AutoLauncher(batch=128, num_splits=None,
-                        **dict(kw, q_dtype=torch.float32, kv_dtype=torch.float32))
+    fp32 = AutoLauncher(LaunchSpec(batch=128, **dict(kw, q_dtype=torch.float32,
+                                                     kv_dtype=torch.float32)))
     assert not fp32.fold_merge and fp32.pdl is gpu  # fp32 and fp8 plans launch the merge
-    one_unit = AutoLauncher(batch=128, num_splits=None, **dict(kw, max_pages=8))
+    one_unit = AutoLauncher(LaunchSpec(batch=128, **dict(kw, max_pages=8)))
     assert one_unit.pdl is False and not one_unit.fold_merge and not one_unit.launches_merge
 
 
@@ -282,24 +283,24 @@ def test_few_pairs_fold_their_merge_when_their_rows_are_few(device):
     one kernel; more rows (on the H200 a 4,096-token table at batch 1: 16) and a one-shot
     call (a fresh workspace per call) launch the per-head merge."""
     from pagedattn.launch.decode import AutoLauncher
+    from pagedattn.spec import LaunchSpec
 
     kw = dict(batch=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
               q_dtype=torch.float16, kv_dtype=torch.float16, device=torch.device(device))
-    short = AutoLauncher(max_pages=19, num_splits=None, **kw)  # 304 tokens
+    short = AutoLauncher(LaunchSpec(max_pages=19, **kw))  # 304 tokens
     assert short.config.fold_max_rows == 4
     assert short.fold_merge and not short.launches_merge and not short.pdl
     assert short.plan.per_group_merge and short.merge_grid == (1, 2, 1)
     # a 16,384-token table: 64 rows on the H200 (five under the interpreter's 4 SMs)
-    wide = AutoLauncher(max_pages=1024, num_splits=None, **kw)
+    wide = AutoLauncher(LaunchSpec(max_pages=1024, **kw))
     assert not wide.fold_merge and wide.launches_merge and wide.merge_grid == (1, 8, 1)
-    many = AutoLauncher(max_pages=1024, num_splits=5, **kw)  # five rows, forced
+    many = AutoLauncher(LaunchSpec(max_pages=1024, num_splits=5, **kw))  # five rows, forced
     assert not many.fold_merge and many.launches_merge and many.merge_grid == (1, 8, 1)
-    forced = AutoLauncher(max_pages=1024, num_splits=3, **kw)  # three rows, whatever the table
+    forced = AutoLauncher(LaunchSpec(max_pages=1024, num_splits=3, **kw))  # three rows, any table
     assert forced.fold_merge and not forced.launches_merge
-    one_shot = AutoLauncher(max_pages=19, num_splits=None, workspace=False, **kw)
+    one_shot = AutoLauncher(LaunchSpec(max_pages=19, **kw), workspace=False)
     assert not one_shot.fold_merge and one_shot.merge_grid == (1, 8, 1)
-    fp8 = AutoLauncher(max_pages=19, num_splits=None,
-                       **dict(kw, kv_dtype=torch.float8_e4m3fn))
+    fp8 = AutoLauncher(LaunchSpec(max_pages=19, **dict(kw, kv_dtype=torch.float8_e4m3fn)))
     assert not fp8.fold_merge and fp8.merge_grid == (1, 8, 1)
 
 
@@ -474,14 +475,16 @@ def test_lean_loop_and_int32_slot_offsets_where_they_apply(device):
     from pagedattn.launch import policy
     from pagedattn.launch.decode import AutoLauncher, slot_offsets_fit_int32
     from pagedattn.options import plan_options
+    from pagedattn.spec import LaunchSpec
 
     kw = dict(batch=4, max_pages=64, num_q_heads=8, num_kv_heads=2, head_dim=128,
               page_size=16, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
-              device=torch.device(device), num_splits=None)
+              device=torch.device(device))
 
     def lean(**over):
         options = over.pop("options", {})
-        return AutoLauncher(**{**kw, **over}, options=plan_options(options)).flags.LEAN_SOFTMAX
+        spec = LaunchSpec(**{**kw, **over}, options=plan_options(options))
+        return AutoLauncher(spec).flags.LEAN_SOFTMAX
 
     assert lean() and lean(kv_dtype=torch.float8_e4m3fn) and lean(kv_dtype=torch.float16)
     assert lean(options=dict(batch_invariant=True))

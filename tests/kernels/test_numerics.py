@@ -339,12 +339,13 @@ def test_workspace_rows_past_int32_are_refused():
     the kernels' int32 row index: refused before any allocation or launch, naming
     ``num_splits``."""
     from pagedattn.launch.decode import AutoLauncher
+    from pagedattn.spec import LaunchSpec
 
     kw = dict(max_pages=1 << 20, num_q_heads=64, num_kv_heads=8, head_dim=16, page_size=16,
               q_dtype=torch.float16, kv_dtype=torch.float16, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="num_splits"):
-        AutoLauncher(batch=1 << 11, num_splits=1 << 14, **kw)
-    assert AutoLauncher(batch=1, num_splits=1 << 10, **kw).rows_max == 1 << 10
+        AutoLauncher(LaunchSpec(batch=1 << 11, num_splits=1 << 14, **kw))
+    assert AutoLauncher(LaunchSpec(batch=1, num_splits=1 << 10, **kw)).rows_max == 1 << 10
 
 
 def test_value_bounds_ignore_unread_data():

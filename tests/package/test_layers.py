@@ -18,6 +18,7 @@ LEAVES = {"pagedattn._env": set(), "pagedattn._validation": {"pagedattn._env"},
           "pagedattn._errors": set(),
           "pagedattn._cli_types": set(), "pagedattn.traces": set(), "pagedattn.reference": set(),
           "pagedattn.options": {"pagedattn._validation"},
+          "pagedattn.spec": {"pagedattn.options"},
           "pagedattn._validation_mla": {"pagedattn._validation"},
           "pagedattn.testing": {"pagedattn.reference"}}
 #: the one kernel outside the attention path: the roofline probe that bench/timing launches

@@ -12,11 +12,11 @@ from pagedattn.kernels.decode import _paged_decode_kernel
 from pagedattn.launch.decode import AutoLauncher
 from pagedattn.launch.flags import FLAG_NAMES, UNBOUND, Binding, KernelFlags, kernel_flags
 from pagedattn.options import OPTIONS, Variants, plan_options, variants
+from pagedattn.spec import LaunchSpec
 from pagedattn.testing import make_paged_inputs
 
 SHAPE = dict(batch=4, max_pages=8, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
-             q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=torch.device("cpu"),
-             num_splits=None)
+             q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=torch.device("cpu"))
 
 
 def test_fields_are_the_kernels_constexprs():
@@ -27,7 +27,7 @@ def test_fields_are_the_kernels_constexprs():
     assert len(constexprs) > 20  # the signature was read (23 since the persistent four went)
     assert sorted(FLAG_NAMES) == sorted(constexprs)
     assert len(set(FLAG_NAMES)) == len(FLAG_NAMES)
-    flags = AutoLauncher(**SHAPE).flags
+    flags = AutoLauncher(LaunchSpec(**SHAPE)).flags
     assert list(flags.as_kwargs()) == list(FLAG_NAMES)
     with pytest.raises(dataclasses.FrozenInstanceError):
         flags.HAS_LSE = True
@@ -36,7 +36,7 @@ def test_fields_are_the_kernels_constexprs():
 def test_plan_and_binding_set_their_groups():
     """The plan's flags (no binding) have every binding flag off; a binding turns on its
     own and leaves the plan's as they were; the plan-time options set theirs."""
-    launcher = AutoLauncher(**SHAPE, options=plan_options(dict(logits_soft_cap=30.0)))
+    launcher = AutoLauncher(LaunchSpec(**SHAPE, options=plan_options(dict(logits_soft_cap=30.0))))
     plan = launcher.flags
     assert plan.HEAD_DIM == 64 and plan.BLOCK_D == 64 and plan.PAGE_SIZE == 16
     assert plan.Q_LEN == 1 and plan.VARIANTS.HAS_SOFTCAP and not plan.VARIANTS.HAS_WINDOW
@@ -45,7 +45,7 @@ def test_plan_and_binding_set_their_groups():
                 or plan.VARIANTS.HAS_ALIBI or plan.SLOT_OFFSETS_I32 or plan.FP8_V_PAIRS)
     binding = Binding(scale_from_ptr=True, has_lse=True, calls=frozenset({"sinks"}),
                       slot_offsets_fit_int32=True, fp8_v_pairs=1)
-    bound = kernel_flags(launcher.plan, launcher.options, binding, **launcher._flag_facts)
+    bound = kernel_flags(launcher.plan, launcher.spec, binding, **launcher._flag_facts)
     assert bound.HAS_LSE and bound.SCALE_FROM_PTR
     # the binding's per-call options in VARIANTS, beside the plan's own
     assert plan.VARIANTS._replace(HAS_SINKS=True) == bound.VARIANTS
@@ -55,11 +55,11 @@ def test_plan_and_binding_set_their_groups():
                       "FP8_V_PAIRS"}
     assert {n: getattr(bound, n) for n in FLAG_NAMES if n not in binding_fields} == \
         {n: getattr(plan, n) for n in FLAG_NAMES if n not in binding_fields}
-    assert kernel_flags(launcher.plan, launcher.options, UNBOUND,
+    assert kernel_flags(launcher.plan, launcher.spec, UNBOUND,
                         **launcher._flag_facts) == plan
-    mla = AutoLauncher(**{**SHAPE, "num_kv_heads": 1, "head_dim": 512}, rope_dim=64)
+    mla = AutoLauncher(LaunchSpec(**{**SHAPE, "num_kv_heads": 1, "head_dim": 512}, rope_dim=64))
     assert mla.flags.MLA and mla.flags.ROPE_DIM == 64 and mla.flags.BLOCK_DR == 64
-    fp8_mla = kernel_flags(mla.plan, mla.options, binding, **mla._flag_facts)
+    fp8_mla = kernel_flags(mla.plan, mla.spec, binding, **mla._flag_facts)
     assert fp8_mla.FP8_V_PAIRS == 0  # MLA's values are its latent tiles
 
 

@@ -16,6 +16,7 @@ from pagedattn import one_shot
 from pagedattn.launch import decode as launch_decode
 from pagedattn.options import DEFAULT, DecodeOptions
 from pagedattn.reference import paged_decode_reference
+from pagedattn.spec import LaunchSpec
 from pagedattn.testing import make_paged_inputs, rel_l2_error, tolerance_for
 
 SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=8)
@@ -86,12 +87,12 @@ def test_each_part_of_the_key_gets_its_own_launcher(change):
                 page_size=8, q_dtype=torch.float16, kv_dtype=torch.float16,
                 device=torch.device("cpu"), num_splits=None, q_len=1, options=DEFAULT)
     other = {**base, **change}
-    a = launch_decode.one_shot_launcher(**base)
-    b = launch_decode.one_shot_launcher(**other)
+    a = launch_decode.one_shot_launcher(LaunchSpec(**base))
+    b = launch_decode.one_shot_launcher(LaunchSpec(**other))
     assert a is not b
-    assert launch_decode.one_shot_launcher(**base) is a  # the key's own launcher, reused
+    assert launch_decode.one_shot_launcher(LaunchSpec(**base)) is a  # the key's own, reused
     for shared, key in ((a, base), (b, other)):
-        fresh = launch_decode.AutoLauncher(**key)
+        fresh = launch_decode.AutoLauncher(LaunchSpec(**key))
         assert _static(shared) == _static(fresh)
         if shared.one_unit:  # 16 bytes no kernel touches, kept
             assert shared.workspace.numel() == 4
@@ -105,8 +106,8 @@ def test_the_cache_is_bounded():
     size = launch_decode.ONE_SHOT_CACHE_SIZE
 
     def launcher(batch):
-        return launch_decode.one_shot_launcher(
-            batch, 4, 4, 2, 16, 8, torch.float16, torch.float16, torch.device("cpu"), None, 1)
+        return launch_decode.one_shot_launcher(LaunchSpec(
+            batch, 4, 4, 2, 16, 8, torch.float16, torch.float16, torch.device("cpu")))
 
     first = launcher(1)
     for batch in range(2, size + 10):
@@ -176,14 +177,14 @@ def test_repeated_one_shots_take_the_recorded_launch():
         assert rel_l2_error(out, ref) <= tolerance_for(torch.bfloat16)
         calls.append((x, ref))
     assert launch_decode.one_shot_launcher.cache_info().currsize == 1
-    engine = launch_decode.one_shot_launcher(4, 5, 8, 2, 128, 16, torch.bfloat16,
-                                             torch.bfloat16, calls[0][0].query.device, 3, 1,
-                                             DEFAULT)  # as api passes it
+    engine = launch_decode.one_shot_launcher(LaunchSpec(
+        4, 5, 8, 2, 128, 16, torch.bfloat16, torch.bfloat16, calls[0][0].query.device,
+        num_splits=3))  # as the one-shot plan builds it
     assert launch_decode.one_shot_launcher.cache_info().currsize == 1  # the calls' own
-    assert engine._direct and len(engine._bindings) == 1
-    for entry in engine._bindings.values():
-        main_args, merge_args = entry[2], entry[3]
-        assert not any(isinstance(a, torch.Tensor) for a in main_args + (merge_args or []))
+    assert engine._direct and len(engine._records) == 1
+    for record in engine._records.values():
+        args = record.main.args + (record.merge.args if record.merge else [])
+        assert not any(isinstance(a, torch.Tensor) for a in args)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     outs = [None, None]
     torch.cuda.synchronize()

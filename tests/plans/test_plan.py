@@ -102,7 +102,7 @@ def test_one_unit_plan_without_merge(device, lse):
     plan = _plan(narrow)
     out = torch.full_like(narrow.query, float("nan"))
     res = plan.run(*narrow[:3], out=out, return_lse=lse)
-    assert plan._launcher.one_unit and set(plan.last_compiled) == {"paged_decode"}
+    assert plan._engine().one_unit and set(plan.last_compiled) == {"paged_decode"}
     ref = _check(out, narrow)
     assert (out[0] == 0).all()
     if lse:
@@ -112,7 +112,7 @@ def test_one_unit_plan_without_merge(device, lse):
         1, 40)], dim=1)  # capacity 672: the device-planned path (one row per sequence here)
     wide = _plan(narrow._replace(block_tables=wide_bt))
     wide_out = wide.run(narrow.query, narrow.key_cache, narrow.value_cache)
-    assert not wide._launcher.one_unit
+    assert not wide._engine().one_unit
     assert torch.equal(wide_out[1:], out[1:])
 
 

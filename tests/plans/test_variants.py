@@ -159,7 +159,7 @@ def test_window_splits_count_visible_tokens(device):
         plan = plan_decode(inp.block_tables, inp.context_lens, q_dtype=torch.float32,
                            window_left=40, num_splits=num_splits, **SHAPE)
         out = plan.run(*inp[:3])
-        assert int(plan._launcher.seq_rows[1]) == rows
+        assert int(plan._engine().seq_rows[1]) == rows
         ref = paged_decode_reference(*inp, window_left=40)
         assert rel_l2_error(out, ref.out) <= tolerance_for(torch.float32)
 

@@ -22,10 +22,11 @@ vLLM                            pagedattn
 vLLM puts decode rows first (the builder's ``reorder_batch_threshold = 1``). The leading
 requests that bring exactly one token are the step's **decode part**: one plan over them with
 ``num_decodes`` equal to their count, which runs pagedattn's decode plan (split-KV for long
-contexts; CUDA-graph safe). The rest, chunked-prefill chunks, prompts after a cached prefix and anything else, is
-the **varlen part**: one plan over those rows, ``query_start_loc`` shifted to start at 0 (one
-device subtraction). A step of decodes only has no varlen part, a step of prefills no decode
-part. Correctness does not rest on the order: the varlen kernel takes any query lengths.
+contexts; CUDA-graph safe). The rest, chunked-prefill chunks, prompts after a cached prefix
+and anything else, is the **varlen part**: one plan over those rows, ``query_start_loc``
+shifted to start at 0 (one device subtraction). A step of decodes only has no varlen part, a
+step of prefills no decode part. Correctness does not rest on the order: the varlen kernel
+takes any query lengths.
 
 Layers whose plan-time variants differ (a sliding window, a soft-cap) get one plan each per
 step (:attr:`LayerOptions.variant`); everything per layer (scale, fp8 scales, sinks, ALiBi

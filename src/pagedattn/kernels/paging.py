@@ -17,8 +17,8 @@ Addressing (in the style of attention-gym's pointer helpers):
 The split planner of the production kernel (:mod:`pagedattn.kernels.decode`), in the order a
 unit runs it: ``_plan_unit`` (the batch's split size, ``_batch_chunk`` over
 ``_total_and_max_tokens``, and the row's sequence, ``_locate_row`` with ``_chunk_of``), then
-``_unit_tokens`` (the row's token range). The scans read ``context_lens`` on the device at every launch, so one plan
-serves every layer and lengths updated in place are honoured.
+``_unit_tokens`` (the row's token range). The scans read ``context_lens`` on the device at
+every launch, so one plan serves every layer and lengths updated in place are honoured.
 
 Nothing here imports another kernels module; :mod:`pagedattn.kernels.steps` builds on it.
 """

@@ -148,8 +148,8 @@ def _prefill_tiles(acc, m_i, l_i, q, qk_scale, alibi2, pos, lo, hi, kv_lo, kv_en
     return acc, m_i, l_i, page_bad
 
 
-@triton.jit(do_not_specialize=["batch", "first_row", "num_tokens", "num_pages", "max_pages", "window_left",
-                               "stride_q_t", "stride_o_t", "stride_bt_b"])
+@triton.jit(do_not_specialize=["batch", "first_row", "num_tokens", "num_pages", "max_pages",
+                               "window_left", "stride_q_t", "stride_o_t", "stride_bt_b"])
 def _paged_prefill_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, out_ptr, lse_ptr, errors_ptr,

@@ -31,21 +31,17 @@ unit of each pair resets its own), so a launch is the main kernel alone. Otherwi
 kernel follows the main one (the one-shot launcher: a fresh workspace per launch, whose
 counters would need a fill).
 
-Launching. The first launch of a binding (the tensors' dtypes, strides and 16-byte alignment,
-LSE on or off) goes through Triton's own ``kernel[grid](...)``, which compiles or finds the
-binary. On the Tritons whose launch path was read (3.6-3.9:
-:mod:`pagedattn.launch._triton_compat`, the one module that touches Triton's private API), the
-launcher records that launch's argument list, and later launches of the binding fill in the
-per-call pointers and scales and call ``CompiledKernel.run`` directly (the host path of
-``kernel[grid]`` re-derives the specialization from every argument each call), or, for a
-kernel without scratch memory and no launch hook set, the C launch behind it
-(``_triton_compat.c_launch``: what ``CudaLauncher.__call__`` would pass it). Everything
-else Triton specializes on (constexprs, integers, launch options) is fixed by the launcher,
-so the records live in the launcher object (one per plan). Every tensor argument, the
-workspace's included, is a per-call slot, so a record holds no tensor and no address. A
-one-shot ``paged_decode`` launches through the launcher that :func:`one_shot_launcher` keeps
-per static key (a bounded LRU cache of launch configurations and their records), with a
-fresh workspace per call, so its repeats take the recorded path too. On any
+Launching. :meth:`AutoLauncher.kernel_args` builds both kernels' keyword arguments (a pure
+function of the call). The first launch of a binding (the tensors' dtypes, strides and
+16-byte alignment, LSE on or off, the per-call variants that are on:
+:meth:`AutoLauncher._binding_key`) goes through Triton's own ``kernel[grid](**kwargs)``; on
+the Tritons whose launch path was read (3.6-3.9), later launches of the binding go through its
+record (:mod:`pagedattn.launch.recorded`: the argument list with every per-call argument a
+slot, handed to Triton's C launch). Everything else Triton specializes on (constexprs,
+integers, launch options) is fixed by the launcher, so the records live in the launcher
+object (one per plan). A one-shot ``paged_decode`` launches through the launcher that
+:func:`one_shot_launcher` keeps per :class:`~pagedattn.spec.LaunchSpec` (a bounded LRU
+cache), with a fresh workspace per call, so its repeats take the recorded path too. On any
 other Triton version or under the interpreter every launch goes through ``kernel[grid]``;
 launch hooks (profilers) are honoured on both paths. Calls with tensor scales always launch
 through ``kernel[grid]``; the per-call variants of :mod:`pagedattn.options` (``sinks``,
@@ -57,6 +53,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -73,7 +70,9 @@ from pagedattn.launch import policy, policy_mla
 from pagedattn.launch._common import LOG2E, block_d
 from pagedattn.launch.flags import UNBOUND, Binding, KernelFlags, kernel_flags
 from pagedattn.launch.policy import DecodeConfig
-from pagedattn.options import CALL_ARGS, DEFAULT, DecodeOptions
+from pagedattn.launch.recorded import RecordedLaunch
+from pagedattn.options import CALL_ARGS
+from pagedattn.spec import LaunchSpec
 
 
 def fp8_v_pairs(value_cache: torch.Tensor, head_dim: int) -> int:
@@ -117,19 +116,12 @@ _MERGE_CALLS = tuple((name, arg, flag) for name, arg, flag, merge in CALL_ARGS i
 _MAX_BINDINGS = 16
 
 
-def _recorded(kernel, args: dict, slots: tuple[str, ...], calls: tuple) -> tuple[list, tuple]:
-    """``kernel``'s arguments in parameter order with ``None`` in the per-call ``slots`` and
-    the per-call variants' arguments (``calls``: ``(name, arg, flag)``), and the positions
-    of the slots followed by one tuple of ``(position, option name)`` for the variants.
-    Every tensor argument is a slot (the caller's tensors and the workspace), so a record
-    holds no tensor and no address: it is a function of the launcher's shapes and the
-    binding alone."""
-    names = kernel.arg_names
-    variant_args = {arg for _, arg, _ in calls}
-    rec = [None if n in slots or n in variant_args else args[n] for n in names]
-    assert not any(isinstance(a, torch.Tensor) for a in rec), "a tensor argument is no slot"
-    return rec, (*(names.index(n) for n in slots),
-                 tuple((names.index(arg), name) for name, arg, _ in calls))
+class BindingRecord(NamedTuple):
+    """A launcher's recorded launches for one binding (:mod:`pagedattn.launch.recorded`)."""
+
+    main: RecordedLaunch
+    merge: RecordedLaunch | None  # None: a launch without a merge kernel
+    compiled: dict[str, object]  # what launch() returns: the compiled kernels by name
 
 
 @functools.cache
@@ -142,26 +134,21 @@ class AutoLauncher:
     """Everything one decode step launches, decided from shapes: see the module docstring.
 
     Args:
-        batch, max_pages: ``block_tables``' shape.
-        num_q_heads, num_kv_heads, head_dim, page_size: the model's attention shapes.
-        q_dtype: the query's dtype; ``kv_dtype``: the caches' (the query's, or fp8).
-        device: where the tensors live.
-        num_splits: forced splits per sequence, or ``None`` (token-balanced on the device).
+        spec: the shapes, dtypes, device and plan-time variants of the step
+            (:class:`~pagedattn.spec.LaunchSpec`: ``num_splits`` forced splits per sequence
+            or ``None``, token-balanced on the device; ``ragged``: the caller knows the batch
+            is ragged, from a host copy of the lengths; ``q_len``: query tokens per sequence,
+            a constexpr of the kernels; ``options``' per-call fields off). Absorbed MLA
+            (``spec.rope_dim`` not ``None``: the keys' rope dims, 0 for none): ``num_kv_heads``
+            is 1 (the latent), ``head_dim`` the latent's dims, and the launcher cuts the
+            query heads into blocks (:mod:`pagedattn.launch.policy_mla`), each a kv head of
+            the kernel's; :meth:`launch` takes ``[num_pages, page_size, dims]`` latent and
+            rope caches and the query's rope part ``q_pe``.
         config: a :class:`~pagedattn.launch.policy.DecodeConfig` to use instead of
             :func:`~pagedattn.launch.policy.choose_config` (tuning).
-        ragged: the caller knows the batch is ragged (from a host copy of the lengths).
-        q_len: query tokens per sequence (a constexpr of the kernels).
-        options: the plan-time variants (:class:`pagedattn.options.DecodeOptions`, per-call
-            fields off); each is a constexpr of the kernels, off by default.
         record: record each binding's launch for the direct path of later launches (see the
             module docstring); ``False`` for a launcher that launches once, which saves the
             record's host time.
-        rope_dim: absorbed MLA (``pagedattn.mla``) when not ``None``: the keys' rope dims
-            (0: no rope part); then
-            ``num_kv_heads`` is 1 (the latent), ``head_dim`` the latent's dims, and the
-            launcher cuts the query heads into blocks (:mod:`pagedattn.launch.policy_mla`),
-            each a kv head of the kernel's; :meth:`launch` takes ``[num_pages, page_size,
-            dims]`` latent and rope caches and the query's rope part ``q_pe``.
         workspace: own a workspace, used by every launch (a plan's launcher); ``False`` for a
             launcher shared by one-shot calls (:func:`one_shot_launcher`): each of its
             launches takes a fresh :meth:`new_workspace`. A one-unit launcher's kernels never
@@ -169,33 +156,28 @@ class AutoLauncher:
             always owns a 16-byte one, shared by every launch, and allocates nothing per call.
     """
 
-    def __init__(self, *, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
-                 head_dim: int, page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
-                 device: torch.device, num_splits: int | None,
-                 config: DecodeConfig | None = None, ragged: bool = False, q_len: int = 1,
-                 options: DecodeOptions = DEFAULT, record: bool = True,
-                 workspace: bool = True, rope_dim: int | None = None):
+    def __init__(self, spec: LaunchSpec, *, config: DecodeConfig | None = None,
+                 record: bool = True, workspace: bool = True):
         interpret = is_interpreter()
+        device, options = spec.device, spec.options
         on_gpu = device.type == "cuda"
-        window_left, batch_invariant = options.window_left, options.batch_invariant
+        batch_invariant = options.batch_invariant
         #: absorbed MLA: the query heads in blocks that each read the one latent
-        self.mla = rope_dim is not None
-        if self.mla:
-            num_kv_heads = policy_mla.mla_head_blocks(
-                num_q_heads, q_len, policy_mla.mla_max_rows(kv_dtype))
+        self.mla = spec.rope_dim is not None
+        if self.mla:  # the kernel's kv heads: the blocks of query heads
+            spec = replace(spec, num_kv_heads=policy_mla.mla_head_blocks(
+                spec.num_q_heads, spec.q_len, policy_mla.mla_max_rows(spec.kv_dtype)))
             config = config or policy_mla.mla_config(
-                d_latent=head_dim, rows=max(16, q_len * num_q_heads // num_kv_heads),
-                kv_dtype=kv_dtype, interpret=interpret)
+                d_latent=spec.head_dim, rows=max(16, spec.q_len * spec.group),
+                kv_dtype=spec.kv_dtype, interpret=interpret)
+        batch, num_q_heads, num_kv_heads = spec.batch, spec.num_q_heads, spec.num_kv_heads
+        head_dim, page_size, q_len = spec.head_dim, spec.page_size, spec.q_len
         # the device facts the policy reads: the SM count (4 off a GPU: the interpreter runs
         # programs one by one) and, for its tuned table, the GPU's name
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if on_gpu else 4
         self.plan = plan = policy.plan_launch(
-            batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-            kv_dtype=kv_dtype, num_splits=num_splits, config=config, ragged=ragged,
-            q_len=q_len, window_left=window_left, batch_invariant=batch_invariant,
-            interpret=interpret, sms=sms,
+            spec, config=config, interpret=interpret, sms=sms,
             device_name=device_name_for(device) if on_gpu and config is None else None,
             owns_workspace=workspace)
         self.config = cfg = plan.config
@@ -203,6 +185,9 @@ class AutoLauncher:
         bd = block_d(head_dim)
         if plan.window_left != options.window_left:  # a window the table fits in: none
             options = replace(options, window_left=plan.window_left)
+            spec = replace(spec, options=options)
+        #: the spec the kernels see (MLA: the head blocks as kv heads; the plan's window)
+        self.spec = spec
         self.q_len, self.options, self.window_left = q_len, options, plan.window_left
         self.batch_invariant = batch_invariant
         self.batch, self.num_q_heads, self.num_kv_heads = batch, num_q_heads, num_kv_heads
@@ -214,7 +199,7 @@ class AutoLauncher:
         self.target_units, self.target_units_ragged = plan.target_units, plan.target_units_ragged
         self.min_chunk, self.one_unit, self.rows_max = plan.min_chunk, plan.one_unit, plan.rows_max
         self.grid = (self.rows_max * num_kv_heads, 1, 1)
-        self.rope_dim = rope_dim
+        self.rope_dim = spec.rope_dim
         self._main_slots = _MLA_SLOTS if self.mla else _MAIN_SLOTS
         # the plan-time variants' runtime values (fixed for the launcher)
         self.main_variant_args = options.kernel_args()
@@ -236,11 +221,9 @@ class AutoLauncher:
                                                    else torch.cuda.current_device())
         # the main kernel's constexprs (launch.flags): those of the plan now, with every
         # binding flag off; launch() binds them, once per binding (self._bound_flags)
-        self._flag_facts = dict(head_dim=head_dim, page_size=page_size, q_len=q_len,
-                                q_dtype=q_dtype, kv_dtype=kv_dtype, interpret=interpret,
-                                pdl=self.pdl, rope_dim=rope_dim)
+        self._flag_facts = dict(interpret=interpret, pdl=self.pdl)
         #: the plan's flags (:func:`~pagedattn.launch.flags.kernel_flags`, no binding)
-        self.flags: KernelFlags = kernel_flags(plan, options, UNBOUND, **self._flag_facts)
+        self.flags: KernelFlags = kernel_flags(plan, spec, UNBOUND, **self._flag_facts)
         self._bound_flags: dict[Binding, dict[str, object]] = {}
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
         # the merge's warps: four, or for MLA's wide tiles (rows, or split rows, x 512 latent
@@ -274,7 +257,7 @@ class AutoLauncher:
         # records hold no tensor and no address (the workspace's are per-call slots too)
         self._direct = (record and on_gpu and device.index is not None
                         and tc.direct_launch_supported())
-        self._bindings: dict[tuple, tuple] = {}
+        self._records: dict[tuple, BindingRecord] = {}
         self._get_stream = tc.current_stream if self._direct else None
         #: the device's error word (pagedattn._errors): the main kernel reports a length
         #: it clamped there
@@ -316,7 +299,7 @@ class AutoLauncher:
             if len(self._bound_flags) >= _MAX_BINDINGS:
                 self._bound_flags.clear()
             kwargs = self._bound_flags[binding] = kernel_flags(
-                self.plan, self.options, binding, **self._flag_facts).as_kwargs()
+                self.plan, self.spec, binding, **self._flag_facts).as_kwargs()
         return kwargs
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
@@ -331,68 +314,95 @@ class AutoLauncher:
         ``calls``: the per-call variants that are on (``pagedattn.options``: name ->
         contiguous ``[num_q_heads]`` float32, as the API makes them), or ``None``.
         The workspace is the launcher's own, or a fresh :meth:`new_workspace` when it owns
-        none. Returns the compiled kernels launched, by name (compile metadata for the
-        tools)."""
+        none. A binding's first launch goes through ``kernel[grid]`` with the arguments of
+        :meth:`kernel_args`; later ones through its record (the module docstring). Returns
+        the compiled kernels launched, by name (compile metadata for the tools)."""
         work = self.workspace if self.workspace is not None else self.new_workspace()
         tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
         key = None
         if self._direct and not tensor_scales:
-            q_ptr, k_ptr, v_ptr = query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr()
-            bt_ptr, cl_ptr, out_ptr = (block_tables.data_ptr(), context_lens.data_ptr(),
-                                       out.data_ptr())
-            ml_ptr = work.data_ptr()
-            # the binding: what Triton specializes on beyond the launcher's fixed choices (the
-            # workspace's parts are aligned with its base: their offsets are multiples of 16
-            # bytes)
-            # (of the query and out, the strides the kernels take: a single-token query
-            # binds the same as 3-D [batch, heads, dim] or 4-D [batch, 1, heads, dim])
-            key = (lse is None, query.dtype, _kernel_strides(query), key_cache.dtype,
-                   key_cache.stride(), value_cache.dtype, value_cache.stride(), out.dtype,
-                   _kernel_strides(out), block_tables.dtype, block_tables.stride(),
-                   context_lens.dtype, context_lens.stride(), q_ptr % 16 == 0,
-                   k_ptr % 16 == 0, v_ptr % 16 == 0, bt_ptr % 16 == 0, cl_ptr % 16 == 0,
-                   out_ptr % 16 == 0, ml_ptr % 16 == 0,
-                   tuple((n, t.dtype, t.data_ptr() % 16 == 0) for n, t in calls.items())
-                   if calls else None,
-                   (q_pe.dtype, _kernel_strides(q_pe), q_pe.data_ptr() % 16 == 0)
-                   if self.mla else None)
-            entry = self._bindings.get(key)
-            if entry is not None:
-                (main, merge, main_args, merge_args, main_slots, merge_slots, compiled, main_c,
-                 merge_c) = entry
-                # unused pointers (flags off) point at the workspace, never read
-                lse_ptr = lse.data_ptr() if lse is not None else ml_ptr
-                acc_ptr, rows_ptr = ml_ptr + self._acc_offset, ml_ptr + self._rows_offset
-                args = main_args.copy()
-                (args[main_slots[0]], args[main_slots[1]], args[main_slots[2]],
-                 args[main_slots[3]], args[main_slots[4]], args[main_slots[5]],
-                 args[main_slots[6]], args[main_slots[7]], args[main_slots[8]],
-                 args[main_slots[9]], args[main_slots[10]], args[main_slots[11]],
-                 args[main_slots[12]], args[main_slots[13]], args[main_slots[14]]) = (
-                    q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, lse_ptr,
-                    scale * LOG2E, 1.0 if k_scale is None else float(k_scale),
-                    1.0 if v_scale is None else float(v_scale), ml_ptr, acc_ptr, rows_ptr,
-                    ml_ptr, ml_ptr)
-                args[main_slots[15]] = self._error_ptr
-                args[main_slots[16]] = key_cache.shape[0]
-                if self.mla:
-                    args[main_slots[17]] = q_pe.data_ptr()
-                # the per-call variants' slots (after the fixed ones): on, or the workspace
-                for pos, name in main_slots[-1]:
-                    args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
-                stream = self._get_stream(self.device.index)
-                enter, leave = tc.launch_hooks()
-                tc.launch_recorded(main, main_c, self.grid, stream, args, enter, leave)
-                if merge is None:
-                    return compiled
-                args = merge_args.copy()
-                (args[merge_slots[0]], args[merge_slots[1]], args[merge_slots[2]],
-                 args[merge_slots[3]], args[merge_slots[4]], args[merge_slots[5]]) = (
-                    cl_ptr, out_ptr, lse_ptr, ml_ptr, acc_ptr, rows_ptr)
-                for pos, name in merge_slots[6]:
-                    args[pos] = calls[name].data_ptr() if calls and name in calls else ml_ptr
-                tc.launch_recorded(merge, merge_c, self.merge_grid, stream, args, enter, leave)
-                return compiled
+            ptrs = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                    block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
+                    work.data_ptr())
+            key = self._binding_key(query, key_cache, value_cache, block_tables, context_lens,
+                                    out, lse, ptrs, calls, q_pe)
+            record = self._records.get(key)
+            if record is not None:
+                self._launch_record(record, ptrs, key_cache.shape[0], lse, scale, k_scale,
+                                    v_scale, calls, q_pe)
+                return record.compiled
+        main_args, merge_args = self.kernel_args(
+            query, key_cache, value_cache, block_tables, context_lens, out, lse, work,
+            scale=scale, k_scale=k_scale, v_scale=v_scale, calls=calls, q_pe=q_pe)
+        cfg = self.config
+        main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
+                                               num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+                                               **tc.KERNEL_OPTIONS)
+        compiled = {"paged_decode": main}
+        merge = None
+        if merge_args is not None:
+            merge = self.merge_kernel[self.merge_grid](
+                **merge_args, num_warps=self.merge_warps, **tc.KERNEL_OPTIONS,
+                **({"launch_pdl": True} if self.pdl else {}))
+            compiled["paged_decode_merge"] = merge
+        if key is not None:
+            if len(self._records) >= _MAX_BINDINGS:
+                self._records.clear()
+            self._records[key] = BindingRecord(
+                RecordedLaunch.record(_paged_decode_kernel, main, main_args, self._main_slots,
+                                      _MAIN_CALLS),
+                None if merge is None else RecordedLaunch.record(
+                    self.merge_kernel, merge, merge_args, _MERGE_SLOTS, _MERGE_CALLS),
+                compiled)
+        return compiled
+
+    def _binding_key(self, query, key_cache, value_cache, block_tables, context_lens, out,
+                     lse, ptrs, calls, q_pe) -> tuple:
+        """One call's binding: what Triton specializes on beyond the launcher's fixed
+        choices (``ptrs``: the data pointers of the query, the caches, the tables, out and
+        the workspace, whose parts are aligned with its base: their offsets are multiples of
+        16 bytes). Of the query and out, the strides the kernels take: a single-token query
+        binds the same as 3-D ``[batch, heads, dim]`` or 4-D ``[batch, 1, heads, dim]``."""
+        return (lse is None, query.dtype, _kernel_strides(query), key_cache.dtype,
+                key_cache.stride(), value_cache.dtype, value_cache.stride(), out.dtype,
+                _kernel_strides(out), block_tables.dtype, block_tables.stride(),
+                context_lens.dtype, context_lens.stride(),
+                *(p % 16 == 0 for p in ptrs),
+                tuple((n, t.dtype, t.data_ptr() % 16 == 0) for n, t in calls.items())
+                if calls else None,
+                (q_pe.dtype, _kernel_strides(q_pe), q_pe.data_ptr() % 16 == 0)
+                if self.mla else None)
+
+    def _launch_record(self, record: BindingRecord, ptrs: tuple, num_pages: int, lse, scale,
+                       k_scale, v_scale, calls, q_pe) -> None:
+        """A later launch of a recorded binding: the slots in ``_MAIN_SLOTS``' (and
+        ``_MERGE_SLOTS``') order; pointers of unused arguments (flags off: never read) at the
+        workspace."""
+        q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ml_ptr = ptrs
+        lse_ptr = lse.data_ptr() if lse is not None else ml_ptr
+        acc_ptr, rows_ptr = ml_ptr + self._acc_offset, ml_ptr + self._rows_offset
+        values = (q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, lse_ptr, scale * LOG2E,
+                  1.0 if k_scale is None else float(k_scale),
+                  1.0 if v_scale is None else float(v_scale), ml_ptr, acc_ptr, rows_ptr,
+                  ml_ptr, ml_ptr, self._error_ptr, num_pages)
+        if self.mla:
+            values = (*values, q_pe.data_ptr())
+        stream = self._get_stream(self.device.index)
+        enter, leave = tc.launch_hooks()
+        record.main.run(self.grid, stream, values, calls, ml_ptr, enter, leave)
+        if record.merge is not None:
+            record.merge.run(self.merge_grid, stream,
+                             (cl_ptr, out_ptr, lse_ptr, ml_ptr, acc_ptr, rows_ptr), calls,
+                             ml_ptr, enter, leave)
+
+    def kernel_args(self, query, key_cache, value_cache, block_tables, context_lens, out, lse,
+                    work, *, scale: float, k_scale=None, v_scale=None, calls=None,
+                    q_pe=None) -> tuple[dict[str, object], dict[str, object] | None]:
+        """The keyword arguments of the main kernel (``_paged_decode_kernel``'s signature:
+        tensors, strides, launcher integers, constexprs) and of the merge kernel (``None``
+        for a launch without one) for one :meth:`launch` (its arguments, ``work`` the
+        workspace). Launches nothing, writes nothing."""
+        tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
         part_ml, part_acc, seq_rows = self.workspace_parts(work)
         multi = self.q_len > 1  # a 4-D query and out
         mla_args = _NO_MLA
@@ -449,43 +459,23 @@ class AutoLauncher:
                 fp8_v_pairs=fp8_v_pairs(value_cache, self.head_dim))),
             **mla_args,
         )
-        cfg = self.config
-        main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
-                                               num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-                                               **tc.KERNEL_OPTIONS)
-        compiled = {"paged_decode": main}
-        merge = None
-        if self.launches_merge:  # (a folded or one-unit launch binds no merge)
-            merge_args = dict(
-                context_lens_ptr=context_lens, part_ml_ptr=part_ml,
-                part_acc_ptr=part_acc, seq_rows_ptr=seq_rows, out_ptr=out,
-                lse_ptr=main_args["lse_ptr"],
-                **{arg: main_args[arg] for _, arg, _ in _MERGE_CALLS}, **self.merge_variant_args,
-                num_q_heads=self.num_q_heads, group=self.group,
-                page_size=self.page_size, max_pages=self.max_pages,
-                stride_ctx=context_lens.stride(0), stride_o_b=out.stride(0),
-                stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
-                stride_o_t=main_args["stride_o_t"],
-                HAS_LSE=lse is not None,
-                **{flag: getattr(main_args["VARIANTS"], flag) for _, _, flag in _MERGE_CALLS},
-                **self.merge_constexprs,
-            )
-            merge = self.merge_kernel[self.merge_grid](
-                **merge_args, num_warps=self.merge_warps, **tc.KERNEL_OPTIONS,
-                **({"launch_pdl": True} if self.pdl else {}))
-            compiled["paged_decode_merge"] = merge
-        if key is not None:
-            if len(self._bindings) >= _MAX_BINDINGS:
-                self._bindings.clear()
-            main_rec, main_slots = _recorded(_paged_decode_kernel, main_args,
-                                             self._main_slots, _MAIN_CALLS)
-            merge_rec, merge_slots = (_recorded(self.merge_kernel, merge_args, _MERGE_SLOTS,
-                                                _MERGE_CALLS)
-                                      if merge is not None else (None, None))
-            self._bindings[key] = (main, merge, main_rec, merge_rec, main_slots, merge_slots,
-                                   compiled, tc.c_launch(main),
-                                   tc.c_launch(merge) if merge is not None else None)
-        return compiled
+        if not self.launches_merge:  # a folded or one-unit launch has no merge kernel
+            return main_args, None
+        merge_args = dict(
+            context_lens_ptr=context_lens, part_ml_ptr=part_ml,
+            part_acc_ptr=part_acc, seq_rows_ptr=seq_rows, out_ptr=out,
+            lse_ptr=main_args["lse_ptr"],
+            **{arg: main_args[arg] for _, arg, _ in _MERGE_CALLS}, **self.merge_variant_args,
+            num_q_heads=self.num_q_heads, group=self.group,
+            page_size=self.page_size, max_pages=self.max_pages,
+            stride_ctx=context_lens.stride(0), stride_o_b=out.stride(0),
+            stride_o_h=out.stride(-2), stride_o_d=out.stride(-1),
+            stride_o_t=main_args["stride_o_t"],
+            HAS_LSE=lse is not None,
+            **{flag: getattr(main_args["VARIANTS"], flag) for _, _, flag in _MERGE_CALLS},
+            **self.merge_constexprs,
+        )
+        return main_args, merge_args
 
 
 #: shared one-shot launchers kept, at most (least recently used dropped first): each holds its
@@ -502,14 +492,10 @@ def _kernel_strides(t: torch.Tensor) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=ONE_SHOT_CACHE_SIZE)
-def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
-                      head_dim: int, page_size: int, q_dtype: torch.dtype,
-                      kv_dtype: torch.dtype, device: torch.device, num_splits: int | None,
-                      q_len: int, options: DecodeOptions = DEFAULT,
-                      rope_dim: int | None = None) -> AutoLauncher:
-    """The launcher that every one-shot ``paged_decode`` of these shapes, dtypes, device and
-    plan-time variants (``options``, per-call fields off) shares (its arguments are the key;
-    ``ragged`` is off, as a one-shot call has no host copy of the lengths).
+def one_shot_launcher(spec: LaunchSpec) -> AutoLauncher:
+    """The launcher that every one-shot ``paged_decode`` (or ``mla_decode`` on the split
+    schedule) of this :class:`~pagedattn.spec.LaunchSpec` shares: the spec is the key
+    (``ragged`` off, as a one-shot call has no host copy of the lengths).
 
     What it caches is a pure function of the key: the launch configuration (tiles, grid,
     merge, constexprs) and, per binding, the recorded launch (the compiled kernels and their
@@ -518,10 +504,5 @@ def one_shot_launcher(batch: int, max_pages: int, num_q_heads: int, num_kv_heads
     allocator on the current stream), so calls on different streams, or captured in
     different CUDA graphs, never share scratch (a one-unit launcher's 16 bytes are never
     touched, so it keeps them). Context lengths, block tables, queries and
-    caches are per call and never part of the key. ``rope_dim``: an MLA launcher
-    (``pagedattn.mla``)."""
-    return AutoLauncher(batch=batch, max_pages=max_pages, num_q_heads=num_q_heads,
-                        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-                        q_dtype=q_dtype, kv_dtype=kv_dtype, device=device,
-                        num_splits=num_splits, q_len=q_len, options=options, workspace=False,
-                        rope_dim=rope_dim)
+    caches are per call and never part of the key."""
+    return AutoLauncher(spec, workspace=False)

@@ -36,7 +36,8 @@ from pagedattn._validation import FP8_DTYPES
 from pagedattn.launch import policy_mla
 from pagedattn.launch._common import block_d
 from pagedattn.launch.policy import LaunchPlan
-from pagedattn.options import DecodeOptions, variants
+from pagedattn.options import variants
+from pagedattn.spec import LaunchSpec
 
 # sequences scanned per vector step of the device-side split planner (context_lens loads)
 BLOCK_B = 128
@@ -106,28 +107,29 @@ KernelFlags = make_dataclass(
                           "(:data:`GROUPS`)."})
 
 
-def kernel_flags(plan: LaunchPlan, options: DecodeOptions, binding: Binding = UNBOUND, *,
-                 head_dim: int, page_size: int, q_len: int, q_dtype: torch.dtype,
-                 kv_dtype: torch.dtype, interpret: bool, pdl: bool,
-                 rope_dim: int | None) -> KernelFlags:
+def kernel_flags(plan: LaunchPlan, spec: LaunchSpec, binding: Binding = UNBOUND, *,
+                 interpret: bool, pdl: bool) -> KernelFlags:
     """Every constexpr of the main kernel for a launch plan (the policy's
-    :class:`~pagedattn.launch.policy.LaunchPlan` and the launcher's facts: the shapes, the
-    dtypes, ``interpret``, ``pdl``: the per-group merge launched as a programmatic dependent,
-    which the launcher decides from the device, and MLA's ``rope_dim``, ``None``
-    when not MLA), its plan-time ``options`` (their ``window_left`` as the plan has it: no
-    window where the table fits in one) and one call's ``binding``."""
+    :class:`~pagedattn.launch.policy.LaunchPlan`), the launcher's
+    :class:`~pagedattn.spec.LaunchSpec` (the shapes, the dtypes, MLA's ``rope_dim``, and the
+    plan-time ``options``, their ``window_left`` as the plan has it: no window where the
+    table fits in one), the device facts (``interpret``; ``pdl``: the per-group merge
+    launched as a programmatic dependent, which the launcher decides from the device) and
+    one call's ``binding``."""
     cfg = plan.config
+    options, rope_dim, kv_dtype = spec.options, spec.rope_dim, spec.kv_dtype
+    head_dim, q_len = spec.head_dim, spec.q_len
     mla = rope_dim is not None
     return KernelFlags(
         # shape and tile
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=plan.block_h,
-        BLOCK_N=cfg.block_n, BLOCK_B=BLOCK_B, PAGE_SIZE=page_size, Q_LEN=q_len,
+        BLOCK_N=cfg.block_n, BLOCK_B=BLOCK_B, PAGE_SIZE=spec.page_size, Q_LEN=q_len,
         ROPE_DIM=rope_dim if mla else 0,
         BLOCK_DR=policy_mla.mla_block_dr(rope_dim) if mla else 1,
         # dtype
         DOT_DTYPE=dot_dtype(kv_dtype, interpret),
         DOT_PRECISION=dot_precision(kv_dtype, interpret),
-        Q_POW2_SCALE=kv_dtype in FP8_DTYPES and q_dtype != torch.float16,
+        Q_POW2_SCALE=kv_dtype in FP8_DTYPES and spec.q_dtype != torch.float16,
         # variant: every option's flag (pagedattn.options.Variants; the per-call ones: on
         # when the binding's call holds the option)
         VARIANTS=variants(options, binding.calls), MLA=mla,

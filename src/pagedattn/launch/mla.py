@@ -23,7 +23,7 @@ from pagedattn.launch.policy_mla import (
     mla_block_dr,
     mla_kernel_config,
 )
-from pagedattn.options import DecodeOptions
+from pagedattn.spec import LaunchSpec
 
 #: workspace rows a merge program combines
 MERGE_ROWS = 16
@@ -47,23 +47,23 @@ class MLALauncher:
     """One MLA plan's launches (see the module docstring).
 
     Args:
-        batch, max_pages: ``block_tables``' shape.
-        num_q_heads, latent_dim, rope_dim, page_size, q_len: the step's shapes.
-        q_dtype, kv_dtype: the query's and the latent cache's dtypes.
-        device: where the tensors live.
-        options: the plan-time variants (only ``logits_soft_cap`` applies to MLA).
+        spec: the step's :class:`~pagedattn.spec.LaunchSpec`: ``head_dim`` the latent's
+            dims, ``rope_dim`` the rope key's, one kv head (the latent), ``kv_dtype`` the
+            latent cache's, ``options`` the plan-time variants (only ``logits_soft_cap``
+            applies to MLA).
         num_parts: programs a head block (``None``: one per SM, :func:`mla_kernel_config`).
         config: an :class:`MLAKernelConfig` instead of the policy's (tuning).
         workspace: allocate the partials' workspace once, here (a plan), or per launch
             (``False``: a one-shot call's launcher, shared between calls).
     """
 
-    def __init__(self, *, batch: int, max_pages: int, num_q_heads: int, latent_dim: int,
-                 rope_dim: int, page_size: int, q_len: int, q_dtype: torch.dtype,
-                 kv_dtype: torch.dtype, device: torch.device, options: DecodeOptions,
-                 num_parts: int | None = None, config: MLAKernelConfig | None = None,
-                 workspace: bool = True):
+    def __init__(self, spec: LaunchSpec, *, num_parts: int | None = None,
+                 config: MLAKernelConfig | None = None, workspace: bool = True):
         interpret = is_interpreter()
+        batch, max_pages, num_q_heads = spec.batch, spec.max_pages, spec.num_q_heads
+        latent_dim, rope_dim, page_size = spec.head_dim, spec.rope_dim, spec.page_size
+        q_dtype, kv_dtype, device = spec.q_dtype, spec.kv_dtype, spec.device
+        q_len, options = spec.q_len, spec.options
         self.config = cfg = config or mla_kernel_config(
             num_heads=num_q_heads, q_len=q_len, latent_dim=latent_dim, kv_dtype=kv_dtype,
             num_sms=_num_sms(device), interpret=interpret, num_parts=num_parts)

@@ -24,6 +24,7 @@ import torch
 
 from pagedattn._validation import FP8_DTYPES, kernel_max_pages
 from pagedattn.launch._common import block_d, cdiv, next_power_of_2
+from pagedattn.spec import LaunchSpec
 
 # split rows merged per vector step by the per-head merge, at most: the most rows a sequence
 # can have (from shapes), so the usual split counts take one round (batch 1 at 32 k tokens:
@@ -248,21 +249,25 @@ class LaunchPlan:
     part_rows: int  # workspace rows of partials (split row x query token x query head)
 
 
-def plan_launch(*, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
-                head_dim: int, page_size: int, kv_dtype: torch.dtype, num_splits: int | None,
-                config: DecodeConfig | None, ragged: bool, q_len: int, window_left: int,
-                batch_invariant: bool, interpret: bool, sms: int,
+def plan_launch(spec: LaunchSpec, *, config: DecodeConfig | None, interpret: bool, sms: int,
                 device_name: str | None, owns_workspace: bool = True) -> LaunchPlan:
-    """The launch plan of an :class:`~pagedattn.launch.decode.AutoLauncher` (its keywords,
-    plus the device facts: ``interpret``, ``sms`` and ``device_name``, the GPU's name for
-    its tuned table or ``None``). ``config`` replaces :func:`choose_config` (tuning) and
-    turns off the plan's own tile adjustments. ``owns_workspace``: the launcher keeps one
-    workspace for every launch (a plan's), so a merge may be folded (``fold_merge``).
+    """The launch plan of an :class:`~pagedattn.launch.decode.AutoLauncher`: its
+    :class:`~pagedattn.spec.LaunchSpec` (MLA's with the head blocks as kv heads) and the
+    device facts (``interpret``, ``sms`` and ``device_name``, the GPU's name for its tuned
+    table or ``None``). ``config`` replaces :func:`choose_config` (tuning) and turns off the
+    plan's own tile adjustments. ``owns_workspace``: the launcher keeps one workspace for
+    every launch (a plan's), so a merge may be folded (``fold_merge``).
 
     Raises:
         ValueError: ``num_splits`` past the partial rows the kernels index in int32.
     """
-    group = num_q_heads // num_kv_heads
+    batch, num_q_heads, num_kv_heads = spec.batch, spec.num_q_heads, spec.num_kv_heads
+    head_dim, page_size, kv_dtype = spec.head_dim, spec.page_size, spec.kv_dtype
+    q_len = spec.q_len
+    num_splits, ragged = spec.num_splits, spec.ragged
+    window_left, batch_invariant = spec.options.window_left, spec.options.batch_invariant
+    max_pages = spec.max_pages
+    group = spec.group
     # int32 safety: the kernels hold positions in 32 bits, so the table they see holds at
     # most MAX_CONTEXT_LEN tokens (max_pages * page_size past 2^31 wrapped: zeros, or
     # reads outside the cache), and a window at least that wide is no window (it sees

@@ -28,7 +28,8 @@ from pagedattn.kernels.prefill import _paged_prefill_kernel
 from pagedattn.launch import _triton_compat as tc
 from pagedattn.launch._common import LOG2E, block_d, cdiv, named_strides
 from pagedattn.launch.flags import BLOCK_B, dot_dtype, dot_precision
-from pagedattn.options import DecodeOptions, variants
+from pagedattn.options import variants
+from pagedattn.spec import LaunchSpec
 
 
 @dataclass(frozen=True)
@@ -72,21 +73,21 @@ class PrefillLauncher:
     """Everything one prefill launch decides from shapes (see the module docstring).
 
     Args:
-        batch, max_pages: ``block_tables``' shape.
-        num_q_heads, num_kv_heads, head_dim, page_size: the model's attention shapes.
-        q_dtype, kv_dtype: the query's and the caches' dtypes.
-        device: where the tensors live.
+        spec: the shapes, dtypes, device and plan-time variants
+            (:class:`~pagedattn.spec.LaunchSpec`; ``batch``: the sequences after the
+            decodes).
         num_tokens: the query's rows (the grid's bound).
         max_query_len: the most new tokens a sequence brings, or ``None``.
-        options: the plan-time variants (:class:`pagedattn.options.DecodeOptions`).
         config: a :class:`PrefillConfig` instead of :func:`prefill_config` (tuning).
     """
 
-    def __init__(self, *, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
-                 head_dim: int, page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
-                 device: torch.device, num_tokens: int, max_query_len: int | None,
-                 options: DecodeOptions, config: PrefillConfig | None = None):
+    def __init__(self, spec: LaunchSpec, *, num_tokens: int, max_query_len: int | None,
+                 config: PrefillConfig | None = None):
         interpret = is_interpreter()
+        batch, max_pages, num_q_heads = spec.batch, spec.max_pages, spec.num_q_heads
+        num_kv_heads, head_dim, page_size = spec.num_kv_heads, spec.head_dim, spec.page_size
+        q_dtype, kv_dtype, device = spec.q_dtype, spec.kv_dtype, spec.device
+        options = spec.options
         group = num_q_heads // num_kv_heads
         self.config = cfg = config or prefill_config(
             head_dim=head_dim, group=group, kv_dtype=kv_dtype, max_query_len=max_query_len,
