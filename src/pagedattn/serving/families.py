@@ -12,9 +12,9 @@ the spec of a checkpoint's ``model_type`` and nothing else about its family; the
 
 The CLI's help (:func:`family_names`), the error for an unsupported ``model_type`` and
 ``docs/models.md`` (:func:`families_markdown`; ``python -m pagedattn.serving.families``
-prints it) are generated from this table, so a new family is one entry here plus one test
-entry in ``tests/serving/test_model_families.py``. This module imports nothing heavy: the CLI reads
-it to build its help.
+prints it) are generated from this table, so a new family is one entry here, one test entry
+in ``tests/serving/test_model_families.py`` and ``docs/models.md`` regenerated (DESIGN.md's
+worked example). This module imports nothing heavy: the CLI reads it to build its help.
 """
 
 from __future__ import annotations
