@@ -127,7 +127,8 @@ Runner = Callable[[], torch.Tensor]
 def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") -> Runner:
     """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call. ``variant``
     (``--ours``): ``default``; ``split``, the earlier path (the decode kernel's MLA flag);
-    ``gluon``, the MLA kernel's Hopper path; or the MLA kernel with other tiles,
+    ``gluon``, the MLA kernel's Hopper path (the default where it applies); ``plain``, the
+    plain Triton MLA kernel; or the plain kernel with other tiles,
     ``bn<tokens>s<stages>[w<warps>]`` (A/B tuning)."""
     schedule = "split" if variant == "split" else None
     plan = pagedattn.plan_mla_decode(
@@ -145,16 +146,16 @@ def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") ->
 
 def _variant_config(plan, variant: str):
     """An ``--ours`` variant as the plan's kernel config: ``gluon`` (the Hopper path, where
-    it applies) or tiles ``bn<N>s<S>[w<W>]``."""
-    if variant == "gluon":
-        return replace(plan.policy_config(), gluon=True)
+    it applies), ``plain`` (the plain Triton kernel) or its tiles ``bn<N>s<S>[w<W>]``."""
+    base = plan.policy_config()  # through the API layer (tests/package/test_layers.py)
+    if variant in ("gluon", "plain"):
+        return replace(base, gluon=variant == "gluon")
     m = re.fullmatch(r"bn(\d+)s(\d+)(?:w(\d+))?", variant)
     if m is None:
         raise ValueError(f"--ours: unknown variant {variant!r} (default, split, gluon, "
-                         "or bn<tokens>s<stages>[w<warps>])")
-    base = plan.policy_config()  # through the API layer (tests/package/test_layers.py)
+                         "plain, or bn<tokens>s<stages>[w<warps>])")
     bn, st, w = int(m[1]), int(m[2]), int(m[3]) if m[3] else base.num_warps
-    return replace(base, block_n=bn, num_stages=st, num_warps=w)
+    return replace(base, block_n=bn, num_stages=st, num_warps=w, gluon=False)
 
 
 def flashinfer_mla(shape: MLAShape, inputs: MLAInputs, sinks) -> Runner:
@@ -255,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="pagedattn alone")
     ap.add_argument("--ours", default="default",
                     help="comma list of our variants: default, split (the earlier path), "
-                         "gluon (the Hopper path), bn<tokens>s<stages>[w<warps>] (the MLA "
-                         "kernel's tiles)")
+                         "gluon (the Hopper path), plain (the plain Triton MLA kernel), "
+                         "bn<tokens>s<stages>[w<warps>] (the plain kernel's tiles)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: interpreter-sized rows, checked against the oracle, untimed")
     ap.add_argument("--json", help="write the rows here")

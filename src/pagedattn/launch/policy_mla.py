@@ -118,7 +118,11 @@ def mla_kernel_config(*, num_heads: int, q_len: int, latent_dim: int, kv_dtype: 
     latent tiles two deep and eight warps for a latent of 256 dims or more (the two
     warpgroups each hold half the output's columns), and one program per SM: ``num_sms //
     head blocks`` parts. fp32 (a reference path) takes 16 rows and 16-token tiles. The
-    interpreter runs 16-token tiles and four parts, so small tests cut sequences."""
+    interpreter runs 16-token tiles and four parts, so small tests cut sequences.
+
+    16-bit latents ask for the Gluon kernel (``gluon``), which the launcher runs where
+    :func:`gluon_applies` (Hopper, 512 + 64 dims): on an H100 it ran 1.1-1.8 x faster than the
+    plain kernel on every 16-bit row (docs/perf-notes.md step 50)."""
     fp32 = kv_dtype == torch.float32
     max_rows = 16 if fp32 or interpret else 64
     blocks = mla_head_blocks(num_heads, q_len, max_rows)
@@ -133,8 +137,9 @@ def mla_kernel_config(*, num_heads: int, q_len: int, latent_dim: int, kv_dtype: 
         block_h, block_n, stages = 64, 64, 2
         warps = 8 if block_d(latent_dim) >= 256 else 4
         parts = max(num_sms // blocks, 1)
+    gluon = not (interpret or fp32) and kv_dtype in (torch.float16, torch.bfloat16)
     return MLAKernelConfig(heads=heads, block_h=block_h, block_n=block_n, num_warps=warps,
-                           num_stages=stages, num_parts=num_parts or parts)
+                           num_stages=stages, num_parts=num_parts or parts, gluon=gluon)
 
 
 def gluon_applies(*, q_dtype: torch.dtype, kv_dtype: torch.dtype, latent_dim: int,
