@@ -406,7 +406,8 @@ def main(argv: list[str]) -> int:
     if "--new-kernels" in argv:  # racecheck's pass: the kernels with shared-memory hand-offs
         failures += _prefill_runs()
         failures += _mla_runs()
-        print("kernels launched: prefill, mla (--new-kernels)")
+        failures += _bad_metadata_runs()
+        print("kernels launched: prefill, mla, bad metadata (--new-kernels)")
         print(f"{failures} failure(s), {time.time() - t0:.1f} s")
         return failures
     if graphs_only:

@@ -187,8 +187,10 @@ def _paged_prefill_kernel(
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity).to(tl.int32)
     report = (m_blk == tl.cdiv(q_len, TOKENS) - 1) & (hg == 0)  # one program a sequence
     _report(errors_ptr, report & (seq_len != raw_len), SEQ_LENS, b, raw_len)
-    _report(errors_ptr, report & (seq_len == raw_len) & (seq_len < q_len), SEQ_LENS_SHORT, b,
-            raw_len)
+    # a sequence whose rows come from a clamped query_start_loc is short as a consequence:
+    # only the cause is reported (programs race to the word; a consequence could win)
+    _report(errors_ptr, report & (seq_len == raw_len) & (seq_len < q_len) & (qsl_bad < 0),
+            SEQ_LENS_SHORT, b, raw_len)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
