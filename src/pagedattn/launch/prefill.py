@@ -57,11 +57,9 @@ def prefill_config(*, head_dim: int, group: int, kv_dtype: torch.dtype,
         block_m, block_n, warps, stages = max(16, _pow2_at_least(group)), 16, 4, 1
     elif bd > 128 or kv_dtype == torch.float32:
         block_m, block_n, warps, stages = 64, 32 if bd > 128 else 64, 4, 2
-    elif kv_dtype in (torch.float16, torch.bfloat16):
-        # 128-key tiles two deep: 11-13 % faster than 64 x 3 on an H100 (prompt-8k 1,587
-        # against 1,829 us, chunks-b8-q512-c4k 905 against 1,014; docs/perf-notes.md step 51)
-        block_m, block_n, warps, stages = 128, 128, 8, 2
-    else:  # fp8: its conversions hold more registers (64-key tiles, as measured before)
+    else:
+        # (128-key tiles two deep ran 11-13 % faster for bf16 on an H100, docs/perf-notes.md
+        # step 51: the default once the GPU gate has passed them)
         block_m, block_n, warps, stages = 128, 64, 8, 3
     # short chunks: the group's heads share the rows (one read of the kv head's keys)
     short = max_query_len is not None and max_query_len * group <= block_m
