@@ -12,10 +12,13 @@ the latent is both key (with the rope part) and value. The kernel is MLA's own
 (``kernels/mla.py``, launched by ``launch/mla.py``): 64 query rows (heads of a block) a
 program on 64-token latent tiles, each tile read once for both dots, and balanced parts of
 the batch's tiles, one program per SM, with a small merge of the sequences they cut
-(FlashMLA's schedule). ``schedule="split"`` runs the earlier path, the production decode
-kernel with its ``MLA`` flag (``kernels/decode.py``), kept for comparison until the GPU
-measures the new kernel ahead on every row (``"persistent"``, the decode kernel's persistent
-schedule, was removed: docs/perf-notes.md step 48). Either way a plan is CUDA-graph
+(FlashMLA's schedule). On Hopper, 16-bit latents at 512 + 64 dims run the same schedule
+in Gluon (``kernels/mla_gluon.py``: the score split between the warpgroups, no spill),
+1.1-1.8x the plain kernel's speed on an H100 (docs/perf-notes.md step 50).
+``schedule="split"`` runs the earlier path, the production decode kernel with its ``MLA``
+flag (``kernels/decode.py``), kept while it still leads on a row (fp8 latents at TP8 on an
+H100; ``"persistent"``, the decode kernel's persistent schedule, was removed:
+docs/perf-notes.md step 48). Either way a plan is CUDA-graph
 safe: it reads ``block_tables`` and ``context_lens`` on the device at every run.
 """
 
