@@ -137,6 +137,8 @@ MLAK_CASES = {
     "mlak-tp1-q_len2-everything-gluon": (128, 64, 2, True, torch.bfloat16, ("sinks",),
                                          dict(logits_soft_cap=30.0)),
     "mlak-tp8-page1-gluon": (16, 1, 1, False, torch.bfloat16, (), {}),
+    "mlak-tp1-fp8-gluon": (128, 64, 1, False, torch.float8_e4m3fn, (), {}),
+    "mlak-tp8-fp8-gluon": (16, 64, 1, True, torch.float8_e5m2, (), {}),
 }
 
 #: an option that no case above switches on gets a case of its own, ``option-<name>`` (its

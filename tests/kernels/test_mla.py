@@ -403,22 +403,24 @@ def test_mla_kernel_compiles_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_q_heads, q_len, page_size", [
-    (128, 1, 64), (16, 1, 64), (16, 3, 1), (128, 2, 16)])
-def test_gluon_path(num_q_heads, q_len, page_size):
+@pytest.mark.parametrize("num_q_heads, q_len, page_size, cache", [
+    (128, 1, 64, None), (16, 1, 64, None), (16, 3, 1, None), (128, 2, 16, None),
+    (128, 1, 64, torch.float8_e4m3fn), (16, 2, 1, torch.float8_e5m2)])
+def test_gluon_path(num_q_heads, q_len, page_size, cache):
     """The Gluon path (Hopper only: the interpreter runs no Gluon) against the oracle at
-    DeepSeek's 512 + 64 dims: TP1 and TP8 heads, several query tokens, one-token pages, with
-    the workspace poisoned and a NaN-filled ``out``; soft-cap, sinks and LSE on one case."""
+    DeepSeek's 512 + 64 dims: TP1 and TP8 heads, several query tokens, one-token pages, fp8
+    latents (converted in shared memory) with a scale, with the workspace poisoned and a
+    NaN-filled ``out``; soft-cap, sinks and LSE on one case."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon path is for sm_90 (H100/H200)")
     inputs = make_mla_inputs([0, 1, 300, 4100, 65, 64], num_q_heads=num_q_heads,
                              page_size=page_size, q_len=q_len, seed=num_q_heads + q_len,
-                             device="cuda")
-    everything = q_len == 2
+                             cache_dtype=cache, device="cuda")
+    everything = q_len == 2 and cache is None
     plan = plan_mla_decode(inputs.block_tables, inputs.context_lens,
                            num_q_heads=num_q_heads, latent_dim=512, rope_dim=64,
-                           page_size=page_size, q_dtype=torch.bfloat16, q_len=q_len,
-                           logits_soft_cap=30.0 if everything else None)
+                           page_size=page_size, q_dtype=torch.bfloat16, kv_dtype=cache,
+                           q_len=q_len, logits_soft_cap=30.0 if everything else None)
     plan.kernel_config = dataclasses.replace(plan.policy_config(), gluon=True)
     launcher = plan._engine()
     assert launcher.gluon
@@ -427,5 +429,6 @@ def test_gluon_path(num_q_heads, q_len, page_size):
     part_lse.fill_(float("nan"))
     pieces.fill_(-3)
     sinks = torch.linspace(-1.0, 2.0, num_q_heads, device="cuda") if everything else None
-    _check(inputs, plan=plan, sinks=sinks, logits_soft_cap=30.0 if everything else None)
+    _check(inputs, plan=plan, sinks=sinks, logits_soft_cap=30.0 if everything else None,
+           kv_scale=None if cache is None else 0.7)
     assert "mla_schedule" in plan.last_compiled  # the Gluon path ran, not the fallback

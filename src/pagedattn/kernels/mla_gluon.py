@@ -15,8 +15,15 @@ two things plain Triton cannot express.
 
 The work split comes from :func:`pagedattn.kernels.mla._mla_schedule_kernel` (plain Triton:
 Gluon 3.6 has no ``cumsum`` for the scan): each part's ``(lo, hi, first sequence, its cost
-start)``. 16-bit latents only (fp8 stays on the plain kernel); every tile is masked (the
-mask is 16 selects a thread against 64 × 1,088 multiply-adds a tile).
+start)``. Every tile is masked (the mask is 16 selects a thread against 64 × 1,088
+multiply-adds a tile).
+
+**An fp8 latent** (``KV_DTYPE`` fp8, ``DTYPE`` the query's 16-bit dtype) lands in fp8
+stages (half the bytes a copy) and each tile is converted once, by all eight warps, into one
+16-bit buffer that both dots read (fp8 converts exactly to either 16-bit dtype): 128 columns
+at a time from shared memory to registers and back, so the conversion holds 32 elements a
+thread beside the accumulator. Shared memory: the query, two fp8 stages, the converted tile
+and ``P``, 224 KB as the 16-bit path's.
 
 Not run by Triton's interpreter: its tests need a GPU, and CI compiles it for sm_90
 (``scripts/compile_sm90.py``). API differences between Triton 3.6 and 3.9 go through
@@ -80,6 +87,20 @@ def _issue_tile(k_buf, r_buf, ckv_ptr, kpe_ptr, bt_row_ptr, stride_bt_p, n0, seq
 
 
 @gluon.jit
+def _convert_tile(k8, r8, kc, rc, DTYPE: gl.constexpr, BLOCK_D: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """One fp8 stage (``k8`` latent, ``r8`` rope rows) converted into the 16-bit tile both dots
+    read (``kc``, ``rc``): 128 latent columns at a time through registers (exact: fp8 fits
+    either 16-bit dtype)."""
+    CV: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+    CV_R: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    for c in gl.static_range(BLOCK_D // 128):
+        x = k8.slice(c * 128, 128, dim=1).load(CV)
+        kc.slice(c * 128, 128, dim=1).store(x.to(DTYPE))
+    rc.store(r8.load(CV_R).to(DTYPE))
+
+
+@gluon.jit
 def _soft_cap(s, cap):
     """Gemma 2's soft-cap on exp2-domain scores (as :func:`pagedattn.kernels.softmax._soft_cap`)."""
     x = s * (_LN2 / cap)
@@ -105,7 +126,7 @@ def _mla_decode_gluon_kernel(
     LATENT_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROPE_DIM: gl.constexpr,
     BLOCK_DR: gl.constexpr, Q_LEN: gl.constexpr, HEADS: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    OVERHEAD: gl.constexpr, DTYPE: gl.constexpr,
+    OVERHEAD: gl.constexpr, DTYPE: gl.constexpr, KV_DTYPE: gl.constexpr,
     SCALE_FROM_PTR: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr,
     HAS_LSE: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -117,6 +138,11 @@ def _mla_decode_gluon_kernel(
     # tokens), the output ([4, 2]: each warpgroup half the latent's columns)
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     LD_R: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
+    # the latent tiles' copies: the same, or 16 fp8 elements (16 bytes) a vector
+    LD_K: gl.constexpr = LD if KV_DTYPE == DTYPE else gl.BlockedLayout(
+        [1, 16], [4, 8], [num_warps, 1], [1, 0])
+    LD_KR: gl.constexpr = LD_R if KV_DTYPE == DTYPE else gl.BlockedLayout(
+        [1, 16], [8, 4], [num_warps, 1], [1, 0])
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -128,8 +154,17 @@ def _mla_decode_gluon_kernel(
     P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], DTYPE)
     q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_D], Q_SL)
     qr_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_DR], QR_SL)
-    k_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_D], K_SL)
-    r_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_DR], R_SL)
+    if KV_DTYPE == DTYPE:
+        k_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_D], K_SL)
+        r_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_DR], R_SL)
+    else:  # fp8 stages (16-byte copies of 16 elements), one converted 16-bit tile
+        K8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], KV_DTYPE)
+        R8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DR],
+                                                                   KV_DTYPE)
+        k_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_D], K8_SL)
+        r_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_DR], R8_SL)
+        kc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_D], K_SL)
+        rc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_DR], R_SL)
     p_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_N], P_SL)
 
     lo = gl.load(sched_ptr + part * 8)
@@ -184,14 +219,14 @@ def _mla_decode_gluon_kernel(
             page_bad = _issue_tile(k_smem.index(0), r_smem.index(0), ckv_ptr, kpe_ptr, bt_row,
                                    stride_bt_p, t_lo * BLOCK_N, seq_len, num_pages,
                                    stride_c_page, stride_c_tok, stride_r_page, stride_r_tok,
-                                   LD, LD_R, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DR, LATENT_DIM,
+                                   LD_K, LD_KR, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DR, LATENT_DIM,
                                    ROPE_DIM)
             commit_group()
             if t_lo + 1 < t_hi:
                 page_bad |= _issue_tile(k_smem.index(1), r_smem.index(1), ckv_ptr, kpe_ptr,
                                         bt_row, stride_bt_p, (t_lo + 1) * BLOCK_N, seq_len,
                                         num_pages, stride_c_page, stride_c_tok, stride_r_page,
-                                        stride_r_tok, LD, LD_R, PAGE_SIZE, BLOCK_N, BLOCK_D,
+                                        stride_r_tok, LD_K, LD_KR, PAGE_SIZE, BLOCK_N, BLOCK_D,
                                         BLOCK_DR, LATENT_DIM, ROPE_DIM)
             commit_group()
 
@@ -204,6 +239,11 @@ def _mla_decode_gluon_kernel(
                 k_buf = k_smem.index(stage)
                 r_buf = r_smem.index(stage)
                 wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
+                if KV_DTYPE != DTYPE:  # every thread's copies seen, then the conversion
+                    thread_barrier()
+                    _convert_tile(k_buf, r_buf, kc_smem, rc_smem, DTYPE, BLOCK_D, num_warps)
+                    k_buf = kc_smem
+                    r_buf = rc_smem
                 fence_async_shared()  # cp.async wrote it through the generic proxy; wgmma
                 thread_barrier()  # reads through the async proxy, after every thread's copies
                 s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
@@ -231,10 +271,11 @@ def _mla_decode_gluon_kernel(
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 thread_barrier()  # every warp is done with this stage and with P
                 if i + 2 < t_hi:
-                    page_bad |= _issue_tile(k_buf, r_buf, ckv_ptr, kpe_ptr, bt_row,
+                    page_bad |= _issue_tile(k_smem.index(stage), r_smem.index(stage), ckv_ptr,
+                                            kpe_ptr, bt_row,
                                             stride_bt_p, (i + 2) * BLOCK_N, seq_len,
                                             num_pages, stride_c_page, stride_c_tok,
-                                            stride_r_page, stride_r_tok, LD, LD_R, PAGE_SIZE,
+                                            stride_r_page, stride_r_tok, LD_K, LD_KR, PAGE_SIZE,
                                             BLOCK_N, BLOCK_D, BLOCK_DR, LATENT_DIM, ROPE_DIM)
                 commit_group()  # one group an iteration, empty or not
             wait_group(0)

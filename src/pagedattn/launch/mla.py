@@ -9,6 +9,7 @@ so a CUDA graph captured around it replays for any lengths within the table.
 from __future__ import annotations
 
 import torch
+import triton.language as tl
 
 from pagedattn import _errors
 from pagedattn._env import is_interpreter
@@ -31,10 +32,17 @@ MERGE_ROWS = 16
 
 def _rows_aligned(*tensors: torch.Tensor) -> bool:
     """Whether every tensor's rows are 16-byte vectors for ``cp.async`` (the Gluon kernel's
-    copies): a unit last stride, every other stride a multiple of 8 elements (16-bit) and a
-    16-byte aligned start; otherwise the plain kernel runs."""
+    copies): a unit last stride, every other stride a multiple of 16 bytes and a 16-byte
+    aligned start; otherwise the plain kernel runs."""
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s % 8 == 0 for s in t.stride()[:-1]) for t in tensors)
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+               for t in tensors)
+
+
+#: the Gluon kernel's cache dtypes (its ``KV_DTYPE``): a 16-bit latent is its dots' dtype,
+#: an fp8 one is converted in shared memory to the query's
+_GLUON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                 torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -104,7 +112,8 @@ class MLALauncher:
                 LATENT_DIM=latent_dim, BLOCK_D=bd, ROPE_DIM=rope_dim,
                 BLOCK_DR=mla_block_dr(rope_dim), Q_LEN=q_len, HEADS=cfg.heads,
                 BLOCK_H=64, BLOCK_N=64, PAGE_SIZE=page_size, OVERHEAD=cfg.overhead,
-                DTYPE=dot_dtype(kv_dtype, interpret), HAS_SOFTCAP=self.softcap is not None)
+                DTYPE=dot_dtype(dots, interpret), KV_DTYPE=_GLUON_DTYPES[kv_dtype],
+                HAS_SOFTCAP=self.softcap is not None)
 
     def _workspace(self):
         o_shape, lse_shape, pieces_shape = self.ws_shape

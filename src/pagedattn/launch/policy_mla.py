@@ -145,13 +145,14 @@ def mla_kernel_config(*, num_heads: int, q_len: int, latent_dim: int, kv_dtype: 
 def gluon_applies(*, q_dtype: torch.dtype, kv_dtype: torch.dtype, latent_dim: int,
                   rope_dim: int, device: torch.device, interpret: bool) -> bool:
     """Whether the Gluon MLA kernel can run a plan: a Hopper GPU (sm_90; the interpreter runs
-    no Gluon), a 16-bit query and latent of one dtype (fp8 stays on the plain kernel), and
-    DeepSeek-V2/V3's and Kimi K2's dims, a 512-dim latent and a 64-dim rope part (the shapes
-    it was compiled and measured at; its shared memory holds the query and two stages of
-    64 × 576, 224 KB). Strides are the launcher's check (16-byte rows)."""
-    if interpret or device.type != "cuda" or q_dtype != kv_dtype:
+    no Gluon), a 16-bit query, a latent of its dtype or fp8 (converted in shared memory to the
+    query's dtype; not yet measured, so :func:`mla_kernel_config` asks for it for 16-bit
+    latents only), and DeepSeek-V2/V3's and Kimi K2's dims, a 512-dim latent and a 64-dim
+    rope part (the shapes it was compiled and measured at; its shared memory holds the query
+    and two stages of 64 × 576, 224 KB). Strides are the launcher's check (16-byte rows)."""
+    if interpret or device.type != "cuda" or q_dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q_dtype not in (torch.float16, torch.bfloat16):
+    if kv_dtype != q_dtype and kv_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return False
     if (latent_dim, rope_dim) != (512, 64):
         return False
