@@ -362,14 +362,22 @@ class DecodePlan(PlanBase):
         ``tables``: a one-shot call's ``(block_tables, context_lens)`` for a template plan;
         the call then returns ``(result, compiled)`` (a shared template keeps no
         ``last_compiled``)."""
+        # (PlanBase's outputs, kernel_views and guard, inlined: this is the host path of
+        # every decode call, where each Python call is a measurable share)
         _errors.raise_pending(self.device)  # what an earlier launch found (no sync)
-        out, lse = self.outputs(query, out, return_lse, self._lse_shape)
+        if out is None:  # the query's shape, dtype and device (checked): no size to parse
+            out = (torch.empty_like(query, memory_format=torch.contiguous_format)
+                   if type(query) is torch.Tensor
+                   else torch.empty(self.q_shape, dtype=self.q_dtype, device=self.device))
+        lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=self.device)
+               if return_lse else None)
         if self.batch > 0 and self.num_q_heads > 0:
-            key_cache, value_cache = self.kernel_views(key_cache, value_cache)
+            if self.kv_layout != "NHD":
+                key_cache, value_cache = nhd_views(key_cache, value_cache, self.kv_layout)
             sm_scale = self._default_scale if scale is None else float(scale)
             engine = self._launchers.get(None) or self._engine()
             block_tables, context_lens = tables or (self.block_tables, self.context_lens)
-            with self.guard():
+            with on_device(self.device) if self._guarded else _NO_GUARD:
                 compiled = engine.launch(
                     query, key_cache, value_cache, block_tables, context_lens, out,
                     lse, scale=sm_scale, k_scale=k_scale, v_scale=v_scale, calls=calls)

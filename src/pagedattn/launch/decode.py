@@ -34,7 +34,7 @@ counters would need a fill).
 Launching. :meth:`AutoLauncher.kernel_args` builds both kernels' keyword arguments (a pure
 function of the call). The first launch of a binding (the tensors' dtypes, strides and
 16-byte alignment, LSE on or off, the per-call variants that are on:
-:meth:`AutoLauncher._binding_key`) goes through Triton's own ``kernel[grid](**kwargs)``; on
+see :meth:`AutoLauncher.launch`) goes through Triton's own ``kernel[grid](**kwargs)``; on
 the Tritons whose launch path was read (3.6-3.9), later launches of the binding go through its
 record (:mod:`pagedattn.launch.recorded`: the argument list with every per-call argument a
 slot, handed to Triton's C launch). Everything else Triton specializes on (constexprs,
@@ -321,15 +321,44 @@ class AutoLauncher:
         tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
         key = None
         if self._direct and not tensor_scales:
-            ptrs = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                    block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
-                    work.data_ptr())
-            key = self._binding_key(query, key_cache, value_cache, block_tables, context_lens,
-                                    out, lse, ptrs, calls, q_pe)
+            # the recorded path, inline (the host path of every call): the binding, then the
+            # record's slots in _MAIN_SLOTS' (and _MERGE_SLOTS') order; pointers of unused
+            # arguments (flags off: never read) at the workspace
+            q_ptr, k_ptr, v_ptr = query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr()
+            bt_ptr, cl_ptr, out_ptr = (block_tables.data_ptr(), context_lens.data_ptr(),
+                                       out.data_ptr())
+            ml_ptr = work.data_ptr()
+            # the binding: what Triton specializes on beyond the launcher's fixed choices (the
+            # workspace's parts are aligned with its base: their offsets are multiples of 16
+            # bytes); of the query and out, the strides the kernels take (a single-token
+            # query binds the same as 3-D [batch, heads, dim] or 4-D [batch, 1, heads, dim])
+            key = (lse is None, query.dtype, _kernel_strides(query), key_cache.dtype,
+                   key_cache.stride(), value_cache.dtype, value_cache.stride(), out.dtype,
+                   _kernel_strides(out), block_tables.dtype, block_tables.stride(),
+                   context_lens.dtype, context_lens.stride(), q_ptr % 16 == 0,
+                   k_ptr % 16 == 0, v_ptr % 16 == 0, bt_ptr % 16 == 0, cl_ptr % 16 == 0,
+                   out_ptr % 16 == 0, ml_ptr % 16 == 0,
+                   tuple((n, t.dtype, t.data_ptr() % 16 == 0) for n, t in calls.items())
+                   if calls else None,
+                   (q_pe.dtype, _kernel_strides(q_pe), q_pe.data_ptr() % 16 == 0)
+                   if self.mla else None)
             record = self._records.get(key)
             if record is not None:
-                self._launch_record(record, ptrs, key_cache.shape[0], lse, scale, k_scale,
-                                    v_scale, calls, q_pe)
+                lse_ptr = lse.data_ptr() if lse is not None else ml_ptr
+                acc_ptr, rows_ptr = ml_ptr + self._acc_offset, ml_ptr + self._rows_offset
+                values = (q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, lse_ptr, scale * LOG2E,
+                          1.0 if k_scale is None else float(k_scale),
+                          1.0 if v_scale is None else float(v_scale), ml_ptr, acc_ptr,
+                          rows_ptr, ml_ptr, ml_ptr, self._error_ptr, key_cache.shape[0])
+                if self.mla:
+                    values = (*values, q_pe.data_ptr())
+                stream = self._get_stream(self.device.index)
+                enter, leave = tc.launch_hooks()
+                record.main.run(self.grid, stream, values, calls, ml_ptr, enter, leave)
+                if record.merge is not None:
+                    record.merge.run(self.merge_grid, stream,
+                                     (cl_ptr, out_ptr, lse_ptr, ml_ptr, acc_ptr, rows_ptr),
+                                     calls, ml_ptr, enter, leave)
                 return record.compiled
         main_args, merge_args = self.kernel_args(
             query, key_cache, value_cache, block_tables, context_lens, out, lse, work,
@@ -355,45 +384,6 @@ class AutoLauncher:
                     self.merge_kernel, merge, merge_args, _MERGE_SLOTS, _MERGE_CALLS),
                 compiled)
         return compiled
-
-    def _binding_key(self, query, key_cache, value_cache, block_tables, context_lens, out,
-                     lse, ptrs, calls, q_pe) -> tuple:
-        """One call's binding: what Triton specializes on beyond the launcher's fixed
-        choices (``ptrs``: the data pointers of the query, the caches, the tables, out and
-        the workspace, whose parts are aligned with its base: their offsets are multiples of
-        16 bytes). Of the query and out, the strides the kernels take: a single-token query
-        binds the same as 3-D ``[batch, heads, dim]`` or 4-D ``[batch, 1, heads, dim]``."""
-        return (lse is None, query.dtype, _kernel_strides(query), key_cache.dtype,
-                key_cache.stride(), value_cache.dtype, value_cache.stride(), out.dtype,
-                _kernel_strides(out), block_tables.dtype, block_tables.stride(),
-                context_lens.dtype, context_lens.stride(),
-                *(p % 16 == 0 for p in ptrs),
-                tuple((n, t.dtype, t.data_ptr() % 16 == 0) for n, t in calls.items())
-                if calls else None,
-                (q_pe.dtype, _kernel_strides(q_pe), q_pe.data_ptr() % 16 == 0)
-                if self.mla else None)
-
-    def _launch_record(self, record: BindingRecord, ptrs: tuple, num_pages: int, lse, scale,
-                       k_scale, v_scale, calls, q_pe) -> None:
-        """A later launch of a recorded binding: the slots in ``_MAIN_SLOTS``' (and
-        ``_MERGE_SLOTS``') order; pointers of unused arguments (flags off: never read) at the
-        workspace."""
-        q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, ml_ptr = ptrs
-        lse_ptr = lse.data_ptr() if lse is not None else ml_ptr
-        acc_ptr, rows_ptr = ml_ptr + self._acc_offset, ml_ptr + self._rows_offset
-        values = (q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, lse_ptr, scale * LOG2E,
-                  1.0 if k_scale is None else float(k_scale),
-                  1.0 if v_scale is None else float(v_scale), ml_ptr, acc_ptr, rows_ptr,
-                  ml_ptr, ml_ptr, self._error_ptr, num_pages)
-        if self.mla:
-            values = (*values, q_pe.data_ptr())
-        stream = self._get_stream(self.device.index)
-        enter, leave = tc.launch_hooks()
-        record.main.run(self.grid, stream, values, calls, ml_ptr, enter, leave)
-        if record.merge is not None:
-            record.merge.run(self.merge_grid, stream,
-                             (cl_ptr, out_ptr, lse_ptr, ml_ptr, acc_ptr, rows_ptr), calls,
-                             ml_ptr, enter, leave)
 
     def kernel_args(self, query, key_cache, value_cache, block_tables, context_lens, out, lse,
                     work, *, scale: float, k_scale=None, v_scale=None, calls=None,
