@@ -10,6 +10,7 @@ launcher (and so Triton) is imported lazily, on a plan's first launch.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -58,7 +59,7 @@ def nhd_views(key_cache, value_cache, kv_layout):
     return key_cache, value_cache
 
 
-class PlanBase:
+class PlanBase(ABC):
     """What the decode, attention and MLA plans share (:class:`DecodePlan`,
     :class:`pagedattn.attention.AttentionPlan`, :class:`pagedattn.mla.MLADecodePlan`).
 
@@ -94,8 +95,9 @@ class PlanBase:
         self._launchers: dict = {}
         self.last_compiled: dict[str, object] = {}
 
+    @abstractmethod
     def _build_launcher(self, key):
-        raise NotImplementedError
+        """The launcher of ``key``, new (called once a key, by :meth:`_engine`)."""
 
     def _engine(self, key=None):
         """The launcher of ``key`` (built now, under the device guard, if new)."""
