@@ -109,6 +109,7 @@ def _append_kv_runs() -> int:
             ok &= bool(nk.float().isnan().reshape(48, -1)[~written.to(DEVICE)].all())
             failures += _report("append_kv", str(cache_dtype).removeprefix("torch."),
                                 {"kv_layout": layout}, ok, 0.0)
+    LAUNCHED.add("append_kv")
     return failures
 
 
@@ -301,6 +302,7 @@ def _mla_runs() -> int:
                                   rtol=1e-3))
         failures += _report("mla", f"{heads} heads", {"fp8": cache is not None, "page": page},
                             ok, err)
+    LAUNCHED.add("mla_decode")
     return failures
 
 
@@ -389,34 +391,12 @@ def _run(impl, inputs, ref_kw=None, **kw):
     return ok, err
 
 
-def main(argv: list[str]) -> int:
-    global DEVICE
-    cpu_smoke = "--cpu-smoke" in argv
-    if cpu_smoke:  # the interpreter: a check of the driver itself, one shape, no graphs
-        DEVICE = "cpu"
-    elif not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --cpu-smoke with TRITON_INTERPRET=1)")
-        return 1
+def _decode_runs() -> int:
+    """Every impl on each of ``SHAPES`` (the interpreter's smoke: the first): forced and
+    automatic splits, the LSE, a repeat from the recorded plan; ``auto`` with fp8 per-kv-head
+    scales and an HND view of a combined KV buffer."""
     failures = 0
-    t0 = time.time()
-    # CUDA graphs need PyTorch's caching allocator (capture forbids cudaMalloc): with it
-    # off (one allocation per tensor, for memcheck) the graph runs are a separate pass
-    graphs_only = "--graphs-only" in argv
-    no_caching = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1"
-    if "--new-kernels" in argv:  # racecheck's pass: the kernels with shared-memory hand-offs
-        failures += _prefill_runs()
-        failures += _mla_runs()
-        failures += _bad_metadata_runs()
-        print("kernels launched: prefill, mla, bad metadata (--new-kernels)")
-        print(f"{failures} failure(s), {time.time() - t0:.1f} s")
-        return failures
-    if graphs_only:
-        failures += _graph_runs()
-        failures += _plan_runs(graph=True)
-        print(f"kernels launched: {', '.join(sorted(LAUNCHED))} (graph replays)")
-        print(f"{failures} failure(s), {time.time() - t0:.1f} s")
-        return failures
-    for name, lens, hq, hkv, dim, page_size, dtype in SHAPES[:1] if cpu_smoke else SHAPES:
+    for name, lens, hq, hkv, dim, page_size, dtype in SHAPES[:1] if DEVICE == "cpu" else SHAPES:
         inputs = make_paged_inputs(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
                                    page_size=page_size, dtype=dtype, extra_pages=0,
                                    max_pages=max(-(-n // page_size) for n in lens) + 2,
@@ -433,7 +413,6 @@ def main(argv: list[str]) -> int:
             ok, err = _run(impl, inputs, **kw)
             failures += _report(name, impl, kw, ok, err)
 
-        # auto only: fp8 cache with per-kv-head scales, HND layout, combined KV buffer
         k_scale = torch.linspace(0.2, 0.6, hkv, device=DEVICE)
         v_scale = torch.linspace(0.5, 1.5, hkv, device=DEVICE)
         q, k, v = inputs[:3]
@@ -447,20 +426,52 @@ def main(argv: list[str]) -> int:
         hnd = (q, kv[:, 0], kv[:, 1], *inputs[3:])
         ok, err = _run("auto", hnd, ref_kw=dict(kv_layout="HND"), kv_layout="HND")
         failures += _report(name, "auto HND", "combined KV", ok, err)
-    failures += _append_kv_runs()
-    failures += _variant_runs()
-    failures += _prefill_runs()
-    if not cpu_smoke:  # DeepSeek's dims: slow in the interpreter
-        failures += _mla_runs()
-    failures += _bad_metadata_runs()
-    if not cpu_smoke:  # 136 programs a launch: too slow for the interpreter's smoke
-        failures += _plan_runs()
-    if not cpu_smoke and not no_caching:
-        failures += _graph_runs()
-        failures += _plan_runs(graph=True)
-    elif no_caching:
+    return failures
+
+
+def _graph_sections() -> int:
+    return _graph_runs() + _plan_runs(graph=True)
+
+
+# the driver's parts, in the order a whole run takes them (``--only`` picks some: the
+# sanitizers' passes run parts side by side in separate processes)
+SECTIONS = {"decode": _decode_runs, "append": _append_kv_runs, "variants": _variant_runs,
+            "prefill": _prefill_runs, "mla": _mla_runs, "bad": _bad_metadata_runs,
+            "plans": _plan_runs, "graphs": _graph_sections}
+
+
+def main(argv: list[str]) -> int:
+    global DEVICE
+    cpu_smoke = "--cpu-smoke" in argv
+    if cpu_smoke:  # the interpreter: a check of the driver itself, one shape, no graphs
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --cpu-smoke with TRITON_INTERPRET=1)")
+        return 1
+    only = list(SECTIONS)
+    if "--only" in argv:
+        pos = argv.index("--only") + 1
+        only = argv[pos].split(",") if pos < len(argv) else []
+        if not only or not set(only) <= set(SECTIONS):
+            print(f"--only: a comma-separated list of {','.join(SECTIONS)}")
+            return 2
+    if "--new-kernels" in argv:  # racecheck's pass: the kernels with shared-memory hand-offs
+        only = ["prefill", "mla", "bad"]
+    # CUDA graphs need PyTorch's caching allocator (capture forbids cudaMalloc): with it
+    # off (one allocation per tensor, for memcheck) the graph runs are a separate pass
+    if "--graphs-only" in argv:
+        only = ["graphs"]
+    if cpu_smoke:  # DeepSeek's dims and 136-program launches: too slow for the interpreter
+        only = [name for name in only if name not in ("mla", "plans", "graphs")]
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1" and "graphs" in only:
         print("graph runs skipped (PYTORCH_NO_CUDA_MEMORY_CACHING=1): run --graphs-only")
-    print(f"kernels launched: {', '.join(sorted(LAUNCHED | {'append_kv'}))}")
+        only.remove("graphs")
+    failures = 0
+    t0 = time.time()
+    for name in only:
+        failures += SECTIONS[name]()
+    print(f"sections: {','.join(only)}")
+    print(f"kernels launched: {', '.join(sorted(LAUNCHED))}")
     print(f"{failures} failure(s), {time.time() - t0:.1f} s")
     return failures
 

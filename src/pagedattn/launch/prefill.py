@@ -2,8 +2,9 @@
 
 **Policy** (:func:`prefill_config`, a pure function of shapes, dtypes and the interpreter
 flag). A long chunk is bound by the tensor cores, so the tiles are wgmma-sized: 128 query rows
-a program at eight warps (two warpgroups of 64 rows), 64-key tiles three deep through Triton's
-software pipeliner (the K/V gathers become ``cp.async``), the scale folded into ``exp2``.
+a program at eight warps (two warpgroups of 64 rows), 16-bit caches on 128-key tiles two deep
+through Triton's software pipeliner (the K/V gathers become ``cp.async``; fp8 caches on 64-key
+tiles three deep), the scale folded into ``exp2``.
 Chunks shorter than the tile pack the GQA group into the rows (``g_pack``: each program then
 reads its kv head's keys once for the whole group, as FA3's PackGQA). Head dims of 256 and
 fp32 caches (split-bf16 dots, three passes) halve the rows to stay within the registers. The
@@ -57,10 +58,12 @@ def prefill_config(*, head_dim: int, group: int, kv_dtype: torch.dtype,
         block_m, block_n, warps, stages = max(16, _pow2_at_least(group)), 16, 4, 1
     elif bd > 128 or kv_dtype == torch.float32:
         block_m, block_n, warps, stages = 64, 32 if bd > 128 else 64, 4, 2
-    else:
-        # (128-key tiles two deep ran 11-13 % faster for bf16 on an H100, docs/perf-notes.md
-        # step 51: the default once the GPU gate has passed them)
+    elif kv_dtype in FP8_DTYPES:
         block_m, block_n, warps, stages = 128, 64, 8, 3
+    else:
+        # 128-key tiles two deep: 11-13 % faster than 64 x 3 for bf16 on an H100
+        # (docs/perf-notes.md step 51)
+        block_m, block_n, warps, stages = 128, 128, 8, 2
     # short chunks: the group's heads share the rows (one read of the kv head's keys)
     short = max_query_len is not None and max_query_len * group <= block_m
     g_pack = group if (short or interpret) and group <= block_m else 1
