@@ -120,9 +120,10 @@ def mla_kernel_config(*, num_heads: int, q_len: int, latent_dim: int, kv_dtype: 
     head blocks`` parts. fp32 (a reference path) takes 16 rows and 16-token tiles. The
     interpreter runs 16-token tiles and four parts, so small tests cut sequences.
 
-    16-bit latents ask for the Gluon kernel (``gluon``), which the launcher runs where
+    16-bit and fp8 latents ask for the Gluon kernel (``gluon``), which the launcher runs where
     :func:`gluon_applies` (Hopper, 512 + 64 dims): on an H100 it ran 1.1-1.8 x faster than the
-    plain kernel on every 16-bit row (docs/perf-notes.md step 50)."""
+    plain kernel on every 16-bit row (docs/perf-notes.md step 50), and 1.67 x (TP1) and 1.72 x
+    (TP8) on fp8 rows (step 52)."""
     fp32 = kv_dtype == torch.float32
     max_rows = 16 if fp32 or interpret else 64
     blocks = mla_head_blocks(num_heads, q_len, max_rows)
@@ -137,7 +138,7 @@ def mla_kernel_config(*, num_heads: int, q_len: int, latent_dim: int, kv_dtype: 
         block_h, block_n, stages = 64, 64, 2
         warps = 8 if block_d(latent_dim) >= 256 else 4
         parts = max(num_sms // blocks, 1)
-    gluon = not (interpret or fp32) and kv_dtype in (torch.float16, torch.bfloat16)
+    gluon = not (interpret or fp32)
     return MLAKernelConfig(heads=heads, block_h=block_h, block_n=block_n, num_warps=warps,
                            num_stages=stages, num_parts=num_parts or parts, gluon=gluon)
 
@@ -146,8 +147,7 @@ def gluon_applies(*, q_dtype: torch.dtype, kv_dtype: torch.dtype, latent_dim: in
                   rope_dim: int, device: torch.device, interpret: bool) -> bool:
     """Whether the Gluon MLA kernel can run a plan: a Hopper GPU (sm_90; the interpreter runs
     no Gluon), a 16-bit query, a latent of its dtype or fp8 (converted in shared memory to the
-    query's dtype; not yet measured, so :func:`mla_kernel_config` asks for it for 16-bit
-    latents only), and DeepSeek-V2/V3's and Kimi K2's dims, a 512-dim latent and a 64-dim
+    query's dtype), and DeepSeek-V2/V3's and Kimi K2's dims, a 512-dim latent and a 64-dim
     rope part (the shapes it was compiled and measured at; its shared memory holds the query
     and two stages of 64 × 576, 224 KB). Strides are the launcher's check (16-byte rows)."""
     if interpret or device.type != "cuda" or q_dtype not in (torch.float16, torch.bfloat16):

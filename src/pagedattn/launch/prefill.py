@@ -2,9 +2,10 @@
 
 **Policy** (:func:`prefill_config`, a pure function of shapes, dtypes and the interpreter
 flag). A long chunk is bound by the tensor cores, so the tiles are wgmma-sized: 128 query rows
-a program at eight warps (two warpgroups of 64 rows), 16-bit caches on 128-key tiles two deep
-through Triton's software pipeliner (the K/V gathers become ``cp.async``; fp8 caches on 64-key
-tiles three deep), the scale folded into ``exp2``.
+a program at eight warps (two warpgroups of 64 rows), 16-bit caches in pages of 16 tokens or
+more on 128-key tiles two deep through Triton's software pipeliner (the K/V gathers become
+``cp.async``; fp8 caches and smaller pages on 64-key tiles three deep), the scale folded into
+``exp2``.
 Chunks shorter than the tile pack the GQA group into the rows (``g_pack``: each program then
 reads its kv head's keys once for the whole group, as FA3's PackGQA). Head dims of 256 and
 fp32 caches (split-bf16 dots, three passes) halve the rows to stay within the registers. The
@@ -49,7 +50,7 @@ class PrefillConfig:
         return self.block_m // self.g_pack
 
 
-def prefill_config(*, head_dim: int, group: int, kv_dtype: torch.dtype,
+def prefill_config(*, head_dim: int, group: int, kv_dtype: torch.dtype, page_size: int,
                    max_query_len: int | None, interpret: bool) -> PrefillConfig:
     """The tiles for one model's shapes (see the module docstring). ``max_query_len``: the
     longest chunk a step brings, when the caller knows it (``None``: assume long)."""
@@ -58,11 +59,11 @@ def prefill_config(*, head_dim: int, group: int, kv_dtype: torch.dtype,
         block_m, block_n, warps, stages = max(16, _pow2_at_least(group)), 16, 4, 1
     elif bd > 128 or kv_dtype == torch.float32:
         block_m, block_n, warps, stages = 64, 32 if bd > 128 else 64, 4, 2
-    elif kv_dtype in FP8_DTYPES:
+    elif kv_dtype in FP8_DTYPES or page_size < 16:
         block_m, block_n, warps, stages = 128, 64, 8, 3
     else:
-        # 128-key tiles two deep: 11-13 % faster than 64 x 3 for bf16 on an H100
-        # (docs/perf-notes.md step 51)
+        # 128-key tiles two deep: 10-15 % faster than 64 x 3 for bf16 on pages of 16 and 64
+        # on an H100; 21 % slower on pages of 1 (docs/perf-notes.md step 51)
         block_m, block_n, warps, stages = 128, 128, 8, 2
     # short chunks: the group's heads share the rows (one read of the kv head's keys)
     short = max_query_len is not None and max_query_len * group <= block_m
@@ -95,8 +96,8 @@ class PrefillLauncher:
         options = spec.options
         group = num_q_heads // num_kv_heads
         self.config = cfg = config or prefill_config(
-            head_dim=head_dim, group=group, kv_dtype=kv_dtype, max_query_len=max_query_len,
-            interpret=interpret)
+            head_dim=head_dim, group=group, kv_dtype=kv_dtype, page_size=page_size,
+            max_query_len=max_query_len, interpret=interpret)
         self.batch, self.num_q_heads, self.group = batch, num_q_heads, group
         self.head_dim, self.page_size, self.device = head_dim, page_size, device
         self.max_pages = kernel_max_pages(max_pages, page_size)
