@@ -92,6 +92,13 @@ CASES = {
     "prefill-fp8": (dict(num_tokens=512), (), torch.bfloat16, torch.float8_e4m3fn, 8, 8),
     "prefill-everything": (dict(num_tokens=512, window_left=100, logits_soft_cap=5.0),
                            ("sinks", "alibi_slopes"), torch.bfloat16, None, 8, 8),
+    # the Gluon prefill kernel (kernels/prefill_gluon.py, opt-in) and its schedule kernel:
+    # 128-key tiles two deep, 64-key tiles three deep, head dim 64
+    "prefill-bf16-gluon": (dict(num_tokens=512, gluon=True), (), torch.bfloat16, None, 8, 8),
+    "prefill-n64s3-gluon": (dict(num_tokens=512, gluon=True, block_n=64, num_stages=3), (),
+                            torch.float16, None, 8, 8),
+    "prefill-hd64-gluon": (dict(num_tokens=512, gluon=True, head_dim=64), (), torch.bfloat16,
+                           None, 8, 8),
 }
 
 #: absorbed MLA (pagedattn.mla, the kernel's MLA flag): name -> (query heads, latent and rope
@@ -208,14 +215,30 @@ def case_launcher(name: str):
 def prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads, num_tokens,
                           with_lse):
     """A prefill case's :class:`~pagedattn.launch.prefill.PrefillLauncher` (the GPU's tiles
-    for long chunks), as :func:`case_launcher`."""
-    launcher = LP.PrefillLauncher(
-        LaunchSpec(batch=batch, max_pages=64, num_q_heads=32, num_kv_heads=kv_heads,
-                   head_dim=128, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
-                   device=torch.device("cpu"), options=plan_options(options)),
-        num_tokens=num_tokens, max_query_len=None)
-    query = torch.zeros(num_tokens, 32, 128, dtype=dtype)
-    cache = torch.zeros(batch * 8, 16, kv_heads, 128, dtype=kv_dtype)
+    for long chunks), as :func:`case_launcher`; ``gluon`` (and tiles) in ``options``: the
+    Gluon kernel's (``gluon_applies`` says no on a CPU device: forced here)."""
+    options = dict(options)
+    gluon = options.pop("gluon", False)
+    head_dim = options.pop("head_dim", 128)
+    tiles = {k: options.pop(k) for k in ("block_n", "num_stages") if k in options}
+    config = None
+    if gluon:
+        config = replace(LP.prefill_config(head_dim=head_dim, group=32 // kv_heads,
+                                           kv_dtype=kv_dtype, page_size=16,
+                                           max_query_len=None, interpret=False),
+                         gluon=True, **tiles)
+    real_applies = LP.gluon_applies
+    LP.gluon_applies = lambda *a, **kw: gluon  # a CPU device: the policy would say no
+    try:
+        launcher = LP.PrefillLauncher(
+            LaunchSpec(batch=batch, max_pages=64, num_q_heads=32, num_kv_heads=kv_heads,
+                       head_dim=head_dim, page_size=16, q_dtype=dtype, kv_dtype=kv_dtype,
+                       device=torch.device("cpu"), options=plan_options(options)),
+            num_tokens=num_tokens, max_query_len=None, config=config)
+    finally:
+        LP.gluon_applies = real_applies
+    query = torch.zeros(num_tokens, 32, head_dim, dtype=dtype)
+    cache = torch.zeros(batch * 8, 16, kv_heads, head_dim, dtype=kv_dtype)
     tables = torch.zeros(batch, 64, dtype=torch.int32)
     lens = torch.zeros(batch, dtype=torch.int32)
     qsl = torch.zeros(batch + 1, dtype=torch.int32)
@@ -462,10 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     LM._mla_decode_kernel = _Compile(LM._mla_decode_kernel)
     LM._mla_merge_kernel = _Compile(LM._mla_merge_kernel)
     LM._mla_schedule_kernel = _Compile(LM._mla_schedule_kernel)
+    LP._prefill_schedule_kernel = _Compile(LP._prefill_schedule_kernel)
     if any(case.endswith("-gluon") for case in cases):
         import pagedattn.kernels.mla_gluon as KG  # noqa: PLC0415 (Gluon: imported on use)
+        import pagedattn.kernels.prefill_gluon as KPG  # noqa: PLC0415
 
         KG._mla_decode_gluon_kernel = _Compile(KG._mla_decode_gluon_kernel)
+        KPG._paged_prefill_gluon_kernel = _Compile(KPG._paged_prefill_gluon_kernel)
     print(f"triton {tc.triton.__version__}, ptxas {PTXAS}, nvdisasm {NVDISASM}", flush=True)
     for case in cases:
         compiled = compile_case(case)

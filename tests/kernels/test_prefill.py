@@ -310,6 +310,65 @@ def test_prefill_kernels_compile_for_sm90():
         assert loop is None or int(loop.group(1)) <= sm90_bound(case, "loop spills", 0), line
 
 
+def test_gluon_prefill_kernel_compiles_for_sm90():
+    """The Gluon prefill kernel (``kernels/prefill_gluon.py``, warp-specialized) compiles for
+    sm_90 with its schedule kernel: 128- and 64-key tiles, head dims 128 and 64; wgmma, within
+    227 KB of shared memory, three warpgroups (``.reqntid 384``: a producer and two
+    consumers), nothing spilled in the consumers' key loop (Triton 3.6's bound)."""
+    import re
+
+    cases = ("prefill-bf16-gluon", "prefill-n64s3-gluon", "prefill-hd64-gluon")
+    lines = compiled_sm90(cases)
+    assert set(lines) == set(cases)
+    for case, line in lines.items():
+        assert "_paged_prefill_gluon_kernel" in line and "wgmma" in line, line
+        assert int(re.search(r"(\d+) bytes of shared memory", line).group(1)) <= 227 * 1024
+        loop = re.search(r"(\d+) spill instructions in the token loop", line)
+        assert loop is None or int(loop.group(1)) <= sm90_bound(case, "loop spills", 0), line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,page_size,tiles", [
+    (torch.bfloat16, 128, 16, None), (torch.float16, 128, 1, (64, 3)),
+    (torch.bfloat16, 64, 64, (128, 3)), (torch.bfloat16, 128, 5, (64, 2))])
+def test_gluon_prefill_path(monkeypatch, dtype, head_dim, page_size, tiles):
+    """The Gluon prefill kernel (Hopper only) against the oracle, with ``out`` NaN-poisoned:
+    long chunks over cached prefixes, a chunk shorter than a block, a sequence with no new
+    token, GQA 4, every tile config it takes, the LSE; a length past the table reports
+    ``seq_lens`` (the schedule kernel's report)."""
+    import dataclasses
+
+    import pagedattn.launch.prefill as LP
+    from pagedattn import check_errors
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon path is for sm_90 (H100/H200)")
+    base = LP.prefill_config
+    extra = {} if tiles is None else dict(block_n=tiles[0], num_stages=tiles[1])
+    monkeypatch.setattr(LP, "prefill_config", lambda *a, **k: dataclasses.replace(
+        base(*a, **k), gluon=True, **extra))
+    seq_lens, q_lens = [700, 300, 0, 1100, 9], [300, 300, 0, 200, 9]
+    inputs, query, qsl = _batch(seq_lens, q_lens, "cuda", dtype=dtype, seed=head_dim,
+                                num_q_heads=16, num_kv_heads=4, head_dim=head_dim,
+                                page_size=page_size)
+    plan = plan_attention(inputs.block_tables, inputs.context_lens, qsl, num_q_heads=16,
+                          num_kv_heads=4, head_dim=head_dim, page_size=page_size,
+                          q_dtype=dtype)
+    out = torch.full_like(query, float("nan"))
+    res = plan.run(query, *inputs[1:3], out=out, return_lse=True)
+    launcher = plan._engine(query.shape[0])
+    assert launcher.gluon and "paged_prefill_gluon" in launcher.last_compiled.name
+    ref = paged_attention_reference(query, *inputs[1:], qsl)
+    n = int(qsl[-1])
+    assert rel_l2_error(out[:n], ref.out[:n]) <= tolerance_for(dtype)
+    assert torch.isnan(out[n:]).all()
+    check_lse(res.lse[:n], ref.lse[:n], rtol=1e-4, atol=1e-3)
+    inputs.context_lens[3] = 1_000_000  # the plan reads it at the next run
+    plan.run(query, *inputs[1:3], out=out)
+    with pytest.raises(ValueError, match=r"^seq_lens\[3\]"):
+        check_errors("cuda")
+
+
 def test_the_prefill_bench_checks_its_rows_on_the_cpu():
     """``scripts/bench_prefill.py --dry-run``: its rows, interpreter-sized, checked against
     the oracle (exit 0, an error per row); a bad ``--rows`` exits 2."""

@@ -94,6 +94,41 @@ def _prefill_block(query_start_loc_ptr, r, batch, first_row, num_tokens,
     return b, lo + m * TOKENS, q_len, m, bad
 
 
+@triton.jit(do_not_specialize=["batch", "first_row", "num_tokens", "num_pages", "max_pages"])
+def _prefill_schedule_kernel(query_start_loc_ptr, seq_lens_ptr, sched_ptr, errors_ptr,
+                             batch, first_row, num_tokens, num_pages, max_pages, stride_sl,
+                             TOKENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                             BLOCK_B: tl.constexpr):
+    """The Gluon prefill kernel's schedule (:mod:`pagedattn.kernels.prefill_gluon`; Gluon 3.6
+    has no ``cumsum``): block row ``r`` (a program each) as eight int32 at ``sched_ptr + 8 r``:
+    its sequence (``-1``: past the batch's blocks), first query row, rows, first token's
+    position, ``kv_end`` (keys ``[0, kv_end)`` are visible to some row) and whether the
+    sequence's length was taken as given (so a clamped page id is worth a report). The
+    metadata is clamped and reported as the plain kernel does it."""
+    r = tl.program_id(0)
+    b, row0, q_len, m_blk, qsl_bad = _prefill_block(query_start_loc_ptr, r, batch, first_row,
+                                                    num_tokens, TOKENS, BLOCK_B)
+    _report(errors_ptr, (r == 0) & (qsl_bad >= 0), QUERY_START_LOC, qsl_bad, qsl_bad)
+    valid = (b < batch) & (m_blk >= 0)
+    capacity = max_pages * PAGE_SIZE * (num_pages > 0)  # no page: every length clamps to 0
+    raw_len = tl.load(seq_lens_ptr + b * stride_sl, mask=valid, other=0)
+    seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity).to(tl.int32)
+    report = valid & (m_blk == tl.cdiv(q_len, TOKENS) - 1)  # one program a sequence
+    _report(errors_ptr, report & (seq_len != raw_len), SEQ_LENS, b, raw_len)
+    _report(errors_ptr, report & (seq_len == raw_len) & (seq_len < q_len) & (qsl_bad < 0),
+            SEQ_LENS_SHORT, b, raw_len)
+    rows_here = tl.minimum(q_len - m_blk * TOKENS, TOKENS)
+    p0 = seq_len - q_len + m_blk * TOKENS
+    kv_end = tl.maximum(tl.minimum(p0 + rows_here, seq_len), 0)
+    out = sched_ptr + r * 8
+    tl.store(out, tl.where(valid, b, -1))
+    tl.store(out + 1, tl.where(valid, row0, first_row))
+    tl.store(out + 2, tl.where(valid, rows_here, 0))
+    tl.store(out + 3, tl.where(valid, p0, 0))
+    tl.store(out + 4, tl.where(valid, kv_end, 0))
+    tl.store(out + 5, (valid & (seq_len == raw_len)).to(tl.int32))
+
+
 @triton.jit
 def _prefill_tiles(acc, m_i, l_i, q, qk_scale, alibi2, pos, lo, hi, kv_lo, kv_end, window_left,
                    softcap, key_cache_ptr, value_cache_ptr, bt_row_ptr, stride_bt_p,

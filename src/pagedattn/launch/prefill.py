@@ -26,7 +26,7 @@ import torch
 from pagedattn import _errors
 from pagedattn._env import is_interpreter
 from pagedattn._validation import FP8_DTYPES, kernel_max_pages
-from pagedattn.kernels.prefill import _paged_prefill_kernel
+from pagedattn.kernels.prefill import _paged_prefill_kernel, _prefill_schedule_kernel
 from pagedattn.launch import _triton_compat as tc
 from pagedattn.launch._common import LOG2E, block_d, cdiv, named_strides
 from pagedattn.launch.flags import BLOCK_B, dot_dtype, dot_precision
@@ -43,6 +43,10 @@ class PrefillConfig:
     g_pack: int  # query heads packed into the rows: 1, or the GQA group
     num_warps: int
     num_stages: int
+    #: the Gluon kernel (kernels/prefill_gluon.py: a producer warpgroup, two consumer
+    #: warpgroups, P in registers) where it applies (:func:`gluon_applies`), else the plain
+    #: one; opt-in until a GPU has run it (docs/perf-notes.md step 54)
+    gluon: bool = False
 
     @property
     def tokens(self) -> int:
@@ -69,6 +73,23 @@ def prefill_config(*, head_dim: int, group: int, kv_dtype: torch.dtype, page_siz
     short = max_query_len is not None and max_query_len * group <= block_m
     g_pack = group if (short or interpret) and group <= block_m else 1
     return PrefillConfig(block_m, block_n, g_pack, warps, stages)
+
+
+def gluon_applies(config: PrefillConfig, *, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                  head_dim: int, device: torch.device, options, interpret: bool) -> bool:
+    """Whether the Gluon prefill kernel can run a plan: a Hopper GPU (sm_90; the interpreter
+    runs no Gluon), a 16-bit query and a cache of its dtype, a head dim of 64 or 128, 128
+    rows of one head a program (``g_pack`` 1) on 64- or 128-key tiles, and no plan-time
+    variant (window, soft-cap; per-call sinks or ALiBi fall back at the launch)."""
+    if interpret or device.type != "cuda" or q_dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if kv_dtype != q_dtype or head_dim not in (64, 128) or any(variants(options)):
+        return False
+    if (config.block_m, config.g_pack, config.num_warps) != (128, 1, 8):
+        return False
+    if config.block_n not in (64, 128) or config.num_stages not in (2, 3):
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _pow2_at_least(n: int) -> int:
@@ -116,6 +137,12 @@ class PrefillLauncher:
             DOT_DTYPE=dot_dtype(kv_dtype, interpret),
             DOT_PRECISION=dot_precision(kv_dtype, interpret),
             Q_POW2_SCALE=fp8 and q_dtype != torch.float16)
+        self.gluon = bool(cfg.gluon) and gluon_applies(
+            cfg, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, device=device,
+            options=options, interpret=interpret)
+        # the Gluon kernel's schedule: eight int32 a block row (written at every launch)
+        self.schedule = torch.empty(self.grid[0] * 8, dtype=torch.int32, device=device) \
+            if self.gluon else None
         self.last_compiled = None
 
     def launch(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -135,6 +162,11 @@ class PrefillLauncher:
         word = _errors.error_word(self.device)
         dummy = out  # an unused pointer (its flag is off): never read
         cfg = self.config
+        if self.gluon and not calls and _gluon_strides_ok(query, key_cache, value_cache, out):
+            return self._launch_gluon(query, key_cache, value_cache, block_tables, seq_lens,
+                                      query_start_loc, out, lse, word, scale=scale,
+                                      k_scale=k_scale, v_scale=v_scale, k_t=k_t, v_t=v_t,
+                                      tensor_scales=tensor_scales, first_row=first_row)
         compiled = _paged_prefill_kernel[self.grid](
             query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
             block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
@@ -162,3 +194,50 @@ class PrefillLauncher:
         self.last_compiled = compiled
         return {"paged_prefill": compiled}
 
+    def _launch_gluon(self, query, key_cache, value_cache, block_tables, seq_lens,
+                      query_start_loc, out, lse, word, *, scale, k_scale, v_scale, k_t, v_t,
+                      tensor_scales, first_row):
+        """The schedule kernel, then the Gluon kernel (:mod:`pagedattn.kernels.prefill_gluon`)."""
+        from pagedattn.kernels.prefill_gluon import _paged_prefill_gluon_kernel  # noqa: PLC0415
+
+        cfg = self.config
+        schedule = _prefill_schedule_kernel[(self.grid[0],)](
+            query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, sched_ptr=self.schedule,
+            errors_ptr=word, batch=block_tables.shape[0], first_row=first_row,
+            num_tokens=query.shape[0], num_pages=key_cache.shape[0], max_pages=self.max_pages,
+            stride_sl=seq_lens.stride(0), TOKENS=cfg.tokens, PAGE_SIZE=self.page_size,
+            BLOCK_B=BLOCK_B, num_warps=1)
+        dummy = out  # an unused pointer (its flag is off): never read
+        main = _paged_prefill_gluon_kernel[self.grid[:2]](
+            query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+            block_tables_ptr=block_tables, out_ptr=out,
+            lse_ptr=lse if lse is not None else dummy, sched_ptr=self.schedule,
+            errors_ptr=word, k_scale_ptr=k_t if tensor_scales else dummy,
+            v_scale_ptr=v_t if tensor_scales else dummy,
+            stride_k_scale=k_t.stride(0) if tensor_scales and k_t.dim() == 1 else 0,
+            stride_v_scale=v_t.stride(0) if tensor_scales and v_t.dim() == 1 else 0,
+            k_scale_val=1.0 if tensor_scales or k_scale is None else float(k_scale),
+            v_scale_val=1.0 if tensor_scales or v_scale is None else float(v_scale),
+            scale_log2=scale * LOG2E, num_pages=key_cache.shape[0], group=self.group,
+            stride_q_t=query.stride(0), stride_q_h=query.stride(1),
+            stride_k_page=key_cache.stride(0), stride_k_tok=key_cache.stride(1),
+            stride_k_head=key_cache.stride(2), stride_v_page=value_cache.stride(0),
+            stride_v_tok=value_cache.stride(1), stride_v_head=value_cache.stride(2),
+            stride_bt_b=block_tables.stride(0), stride_bt_p=block_tables.stride(1),
+            stride_o_t=out.stride(0), stride_o_h=out.stride(1),
+            HEAD_DIM=self.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            PAGE_SIZE=self.page_size, STAGES=cfg.num_stages,
+            DTYPE=self.constexprs["DOT_DTYPE"], SCALE_FROM_PTR=tensor_scales,
+            HAS_LSE=lse is not None, num_warps=8)
+        self.last_compiled = main
+        return {"prefill_schedule": schedule, "paged_prefill_gluon": main}
+
+
+def _gluon_strides_ok(query, key_cache, value_cache, out) -> bool:
+    """The Gluon kernel's copies are 16-byte vectors along the head dim, which Triton proves
+    from its specialization (a stride divisible by 16 elements): unit strides there, the
+    others divisible by 16, 16-byte aligned bases (else the plain kernel runs)."""
+    for t in (query, key_cache, value_cache, out):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st % 16 for st in t.stride()[:-1]):
+            return False
+    return True

@@ -1,0 +1,271 @@
+"""The paged prefill kernel's Hopper path in Gluon (``triton.experimental.gluon``): the same
+rows, keys and loops as :mod:`pagedattn.kernels.prefill`, with FlashAttention-3's structure,
+which plain Triton cannot express.
+
+* **Warp specialization.** A producer warpgroup (four warps, 56 registers a thread) gathers
+  the query once and every K and V tile through the block table with ``cp.async`` into
+  shared memory; the two consumer warpgroups (eight warps, the registers the producer gave
+  up: 224 a thread) only compute. They hand the stages over through mbarriers, as FA3's
+  paged path without TMA does: the producer issues tile ``j``, waits for tile ``j - 1``'s
+  copies (``cp.async.wait_group``), fences them for the tensor cores' proxy and arrives on
+  that stage's ``kv_ready``; the consumers arrive on ``kv_empty`` when their dots have read
+  a stage. Nothing else synchronizes the two sides, so tile ``j + 1``'s copies run under
+  tile ``j``'s dots.
+* **P stays in registers.** The probabilities are the second dot's A operand straight from
+  the score's registers (wgmma's register-A form), not a trip through shared memory.
+
+**Rows.** A program owns 128 query rows of one sequence and one query head (``G_PACK = 1``:
+long chunks; short chunks that pack the GQA group stay on the plain kernel). Block row ``r``'s
+sequence, first row, row count and first token's position come from
+:func:`pagedattn.kernels.prefill._prefill_schedule_kernel` (plain Triton, one launch before:
+Gluon 3.6 has no ``cumsum`` for the scan of ``query_start_loc``), which also reports clamped
+metadata. **Keys**: tiles ``[0, kv_end)``; those below the block's first token (rounded down
+to a tile) unmasked, the diagonal ones masked per row; a key past ``kv_end`` reads row
+``kv_end - 1`` (never a page past the sequence's); page ids clamped to ``[0, num_pages)``
+and reported. No variant (window, soft-cap, sinks, ALiBi): those plans run the plain kernel.
+
+Shared memory: the query (128 × D) and ``STAGES`` stages of K and V (``BLOCK_N`` × D each):
+160 KB at D = 128 with 128-key tiles two deep.
+
+Not run by Triton's interpreter: its tests need a GPU, and CI compiles it for sm_90
+(``scripts/compile_sm90.py``). API differences between Triton 3.6 and 3.9 go through
+:mod:`pagedattn.kernels._gluon_compat`.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from pagedattn.kernels._gluon_compat import (
+    async_copy_global_to_shared,
+    commit_group,
+    fence_async_shared,
+    mbarrier,
+    thread_barrier,
+    wait_group,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+_LN2 = gl.constexpr(0.6931471805599453)
+_ROWS_A_COPY = gl.constexpr(32)  # the producer's copies go 32 rows at a time (its registers)
+
+
+@gluon.jit
+def _copy_rows(buf, bad, base_ptr, bt_row_ptr, stride_bt_p, n0, kv_end, num_pages,
+               stride_page, stride_tok, head_off, PAGE_SIZE: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LD: gl.constexpr):
+    """``cp.async`` the rows of tokens ``n0 .. n0 + BLOCK_N`` of one kv head into ``buf``
+    (``[BLOCK_N, HEAD_DIM]``), 32 rows at a time; a token at or past ``kv_end`` reads row
+    ``kv_end - 1``, a page id outside ``[0, num_pages)`` page 0. ``bad`` (``[32]``, per
+    thread, no reduction here: a cross-warp one would take a barrier) ORs in the clamped
+    ids."""
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
+    for r0 in gl.static_range(0, BLOCK_N, _ROWS_A_COPY):
+        toks = n0 + r0 + gl.arange(0, _ROWS_A_COPY, layout=gl.SliceLayout(1, LD))
+        toks = gl.minimum(toks, kv_end - 1)
+        raw = gl.load(bt_row_ptr + (toks // PAGE_SIZE) * stride_bt_p).to(gl.int64)
+        out = (raw < 0) | (raw >= num_pages)
+        page = gl.where(out, 0, raw)
+        off = page * stride_page + (toks % PAGE_SIZE).to(gl.int64) * stride_tok + head_off
+        async_copy_global_to_shared(buf.slice(r0, _ROWS_A_COPY, dim=0),
+                                    base_ptr + off[:, None] + cols[None, :])
+        bad = bad | out
+    return bad
+
+
+@gluon.jit
+def _landed(bar):
+    """Every producer thread's copies before its last ``commit_group`` but one have landed
+    (the caller waited): fence them for the async proxy (wgmma reads there), then one
+    arrival on ``bar`` once all 128 threads have."""
+    fence_async_shared()
+    thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _producer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
+              query_ptr, key_cache_ptr, value_cache_ptr, bt_row_ptr, errors_ptr,
+              row0, rows_here, head, kv_head, kv_end, n_tiles, b, report_pages, num_pages,
+              stride_q_t, stride_q_h, stride_k_page, stride_k_tok, stride_k_head,
+              stride_v_page, stride_v_tok, stride_v_head, stride_bt_p,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warpgroup: the query, then each tile's keys and values into the stage
+    ``j % STAGES`` once the consumers have released it, one tile ahead of the arrivals;
+    reports a clamped page id."""
+    # 16-byte vectors along the head dim: HEAD_DIM // 8 threads a row
+    TPR: gl.constexpr = HEAD_DIM // 8
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
+    every_col = gl.full([1, HEAD_DIM], 1, gl.int1, layout=LD)
+    for r0 in gl.static_range(0, BLOCK_M, _ROWS_A_COPY):
+        i = r0 + gl.arange(0, _ROWS_A_COPY, layout=gl.SliceLayout(1, LD))
+        rows = row0.to(gl.int64) + gl.minimum(i, gl.maximum(rows_here - 1, 0))
+        ptrs = query_ptr + rows[:, None] * stride_q_t + head * stride_q_h + cols[None, :]
+        async_copy_global_to_shared(q_smem.slice(r0, _ROWS_A_COPY, dim=0), ptrs,
+                                    mask=(i < rows_here)[:, None] & every_col)
+    commit_group()
+    k_off = kv_head.to(gl.int64) * stride_k_head
+    v_off = kv_head.to(gl.int64) * stride_v_head
+    bad = gl.zeros([_ROWS_A_COPY], gl.int1, layout=gl.SliceLayout(1, LD))
+    for j in range(n_tiles):
+        s = j % STAGES
+        # the consumers released this stage's previous tile (the first round: nothing to wait)
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) + 1) % 2, pred=j >= STAGES)
+        bad = _copy_rows(k_smem.index(s), bad, key_cache_ptr, bt_row_ptr, stride_bt_p,
+                         j * BLOCK_N, kv_end, num_pages, stride_k_page, stride_k_tok, k_off,
+                         PAGE_SIZE, BLOCK_N, HEAD_DIM, LD)
+        bad = _copy_rows(v_smem.index(s), bad, value_cache_ptr, bt_row_ptr, stride_bt_p,
+                         j * BLOCK_N, kv_end, num_pages, stride_v_page, stride_v_tok, v_off,
+                         PAGE_SIZE, BLOCK_N, HEAD_DIM, LD)
+        commit_group()
+        wait_group(1)  # the group before this tile's: the query (j = 0) or tile j - 1
+        if j == 0:
+            _landed(q_ready)
+        else:
+            _landed(kv_ready.index((j - 1) % STAGES))
+    wait_group(0)
+    if n_tiles == 0:
+        _landed(q_ready)
+    else:
+        _landed(kv_ready.index((n_tiles - 1) % STAGES))
+    if (gl.max(bad.to(gl.int32), axis=0) > 0) & report_pages:  # BLOCK_TABLES (5), unless
+        # a report of a lower code is pending
+        word = (b.to(gl.int64) & 0xFFFFFF) * 4294967296 + 360287974484606975
+        pending = gl.load(errors_ptr, volatile=True)
+        if (pending == 0) | ((pending >> 56) > 5):
+            gl.store(errors_ptr, word)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
+              out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles, full_tiles,
+              qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, DTYPE: gl.constexpr, HAS_LSE: gl.constexpr):
+    """The two consumer warpgroups (64 rows each): ``S = Q·Kᵀ``, the online softmax in the
+    exp2 domain (unmasked below the diagonal), ``O += P·V`` with ``P`` from registers; the
+    normalized output and the LSE."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                  instr_shape=[16, HEAD_DIM, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    m_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    pos = p0 + m_s  # each row's position: it sees keys <= pos
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=O_L)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
+    mbarrier.wait(q_ready, 0)
+    for j in range(n_tiles):
+        s = j % STAGES
+        phase = (j // STAGES) % 2
+        mbarrier.wait(kv_ready.index(s), phase)
+        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+        sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), sc, use_acc=False,
+                           is_async=True)
+        sc = warpgroup_mma_wait(0, deps=(sc,))
+        sc = sc * qk_scale
+        if j < full_tiles:  # every row sees every key: finite scores
+            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(sc - m_new[:, None])
+        else:  # the diagonal: each row its keys <= pos, below kv_end
+            tok = j * BLOCK_N + n_s
+            seen = (tok[None, :] <= pos[:, None]) & (tok < kv_end)[None, :]
+            sc = gl.where(seen, sc, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+            alpha = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_new))
+            p = gl.where(sc == float("-inf"), 0.0,
+                         gl.exp2(gl.minimum(sc - m_new[:, None], 0.0)))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        p_op = gl.convert_layout(p.to(DTYPE), P_L)
+        acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        thread_barrier()  # both warpgroups' dots have read the stage
+        mbarrier.arrive(kv_empty.index(s), count=1)
+
+    m_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+    d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L))
+    inv = gl.where(l_i > 0, v_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
+    o = acc * gl.convert_layout(inv, gl.SliceLayout(1, O_L))[:, None]
+    rows_o = row0.to(gl.int64) + m_o
+    o_ptrs = out_ptr + rows_o[:, None] * stride_o_t + head * stride_o_h + d_o[None, :]
+    gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(m_o < rows_here)[:, None])
+    if HAS_LSE:
+        lse = gl.where(l_i > 0, (m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0))) * _LN2,
+                       float("-inf"))
+        rows_s = row0.to(gl.int64) + m_s
+        gl.store(lse_ptr + rows_s * num_q_heads + head, lse, mask=m_s < rows_here)
+
+
+@gluon.jit(do_not_specialize=["num_pages", "stride_bt_b"])
+def _paged_prefill_gluon_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, out_ptr, lse_ptr, sched_ptr,
+    errors_ptr, k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,
+    k_scale_val, v_scale_val, scale_log2, num_pages, group,
+    stride_q_t, stride_q_h,
+    stride_k_page, stride_k_tok, stride_k_head,
+    stride_v_page, stride_v_tok, stride_v_head,
+    stride_bt_b, stride_bt_p, stride_o_t, stride_o_h,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr,
+    SCALE_FROM_PTR: gl.constexpr, HAS_LSE: gl.constexpr, num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == 8, "two consumer warpgroups")
+    gl.static_assert(BLOCK_M == 128, "64 rows a consumer warpgroup")
+    r = gl.program_id(0)
+    head = gl.program_id(1)
+    num_q_heads = gl.num_programs(1)
+    kv_head = head // group
+    # the block row's schedule (_prefill_schedule_kernel): b (-1: none), first row, rows,
+    # first token's position, kv_end, whether its length was not clamped
+    b = gl.load(sched_ptr + r * 8)
+    row0 = gl.load(sched_ptr + r * 8 + 1)
+    rows_here = gl.load(sched_ptr + r * 8 + 2)
+    p0 = gl.load(sched_ptr + r * 8 + 3)
+    kv_end = gl.load(sched_ptr + r * 8 + 4)
+    report_pages = gl.load(sched_ptr + r * 8 + 5) != 0
+    valid = b >= 0
+    n_tiles = gl.where(valid, gl.cdiv(kv_end, BLOCK_N), 0)
+    full_tiles = gl.maximum(p0 + 1, 0) // BLOCK_N  # tiles wholly at or below p0: unmasked
+    rows_here = gl.where(valid, rows_here, 0)
+    if SCALE_FROM_PTR:
+        k_scale = gl.load(k_scale_ptr + kv_head * stride_k_scale).to(gl.float32)
+        v_scale = gl.load(v_scale_ptr + kv_head * stride_v_scale).to(gl.float32)
+    else:
+        k_scale = k_scale_val
+        v_scale = v_scale_val
+    qk_scale = scale_log2 * k_scale
+    bt_row = block_tables_ptr + gl.maximum(b, 0).to(gl.int64) * stride_bt_b
+
+    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], DTYPE)
+    KV_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], DTYPE)
+    q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, HEAD_DIM], Q_SL)
+    k_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_DIM], KV_SL)
+    v_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_DIM], KV_SL)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # one arrival each: a partition's first thread, after its partition's barrier
+    mbarrier.init(q_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=1)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
+                     out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles, full_tiles,
+                     qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h,
+                     HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DTYPE, HAS_LSE)),
+        (_producer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
+                     query_ptr, key_cache_ptr, value_cache_ptr, bt_row, errors_ptr,
+                     row0, rows_here, head, kv_head, kv_end, n_tiles, b, report_pages,
+                     num_pages, stride_q_t, stride_q_h, stride_k_page, stride_k_tok,
+                     stride_k_head, stride_v_page, stride_v_tok, stride_v_head, stride_bt_p,
+                     HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES)),
+    ], [4], [56])
