@@ -25,7 +25,7 @@
 #   serving   `pagedattn bench-model` on a GGUF -> $OUT/results/serving-$GPU.{md,json}
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck over scripts/sanitize_driver.py,
 #             and memcheck over its CUDA-graph replays -> $OUT/sanitize-*.log, sanitizer-summary.md
-#             (docs/results/sanitize-h200.log holds the logs one after the other)
+#             (docs/results/gpu-correctness-<gpu>.md records each pass and the commit)
 #   profile   ncu, auto beside the floor and FA3 on $NCU_SHAPES (scripts/ncu_side_by_side.py)
 #   dropin    the FA drop-in per call, eager, beside FA3 in three calling patterns (the same
 #             tensors, fresh views, fresh tensors; scripts/fa_dropin_per_call.py)

@@ -486,9 +486,13 @@ def page(results: Path, gpu: str) -> str:
                     "(see the note at the top).", ""] if path.name in older else []
             out += ["", f"## {title}", "", *note, f"`{path.name}`" + intro.format(
                 roofline=_fa3_roofline(path) if table is _fa3_table else ""), "", *table(path)]
+    pages = [f"`{name}`" for name in (f"gpu-tests-{gpu}.md", f"sanitizer-{gpu}.md",
+                                       f"serving-{gpu}.md") if (results / name).exists()]
     out += ["", "## GPU tests, sanitizers, serving", "",
-            f"`gpu-tests-{gpu}.md`, `sanitizer-{gpu}.md`, `serving-{gpu}.md`: each names the "
-            "commit it measured."]
+            f"{', '.join(pages) or 'None on this GPU'}: each names the commit it measured. "
+            "The correctness gate and the sanitizers over every kernel family: "
+            + (", ".join(f"`{p.name}`" for p in sorted(results.glob("gpu-correctness-*.md")))
+               or "none yet") + "."]
     return "\n".join(out) + "\n"
 
 
