@@ -184,7 +184,7 @@ san() {  # san NAME LOG CMD...: one sanitizer pass, its time and errors into the
 
 # the driver's parts that each sanitizer pass runs side by side, a process each (one pass
 # over the whole driver outran 100 s under memcheck: the instrumented module loads are CPU-bound)
-SAN_PARTS=${SAN_PARTS:-"decode append,variants,prefill mla,bad,plans"}
+SAN_PARTS=${SAN_PARTS:-"decode append,variants,prefill gluon mla,bad,plans"}
 san_parts() {  # san_parts NAME TOOL-ARGS...: one sanitizer over every part, in parallel
   local name=$1 part i=0; shift
   for part in $SAN_PARTS; do

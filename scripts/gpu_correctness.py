@@ -44,7 +44,8 @@ import torch
 import pagedattn
 from pagedattn.testing import make_mla_inputs, make_paged_inputs, rel_l2_error, tolerance_for
 
-FAMILIES = ("decode", "one-shot", "prefill", "mixed", "mla", "append", "merge", "stages")
+FAMILIES = ("decode", "one-shot", "prefill", "mixed", "prefill-gluon", "mla", "append", "merge",
+            "stages")
 DTYPES = {"fp32": (torch.float32, None), "fp16": (torch.float16, None),
           "bf16": (torch.bfloat16, None), "e4m3": (torch.bfloat16, torch.float8_e4m3fn),
           "e5m2": (torch.float16, torch.float8_e5m2)}
@@ -169,6 +170,52 @@ def _prefill(mixed=False):
             yield (dt, layout, page, hd, f"window{window}"), ok, err
 
 
+def _prefill_gluon():
+    """The Gluon prefill kernel (``kernels/prefill_gluon.py``, opt-in: forced here through the
+    policy) on the cases it takes: bf16 and fp16 caches of the query's dtype, every layout and
+    page size, head dims 64 and 128, long chunks and short ones, its tile configs; on a GPU
+    where it does not apply (not sm_90) or in the interpreter, the plain kernel runs and the
+    case says so."""
+    import dataclasses
+
+    import pagedattn.launch.prefill as LP
+
+    seq_lens, q_lens = [400, 300, 0, 1100, 9, 129], [300, 300, 0, 200, 9, 129]
+    base = LP.prefill_config
+    grid = [c for c in _grid(dtypes=("bf16", "fp16")) if c[3] != 256]
+    for (dt, layout, page, hd), tiles in itertools.product(grid, ((128, 2), (64, 3))):
+        LP.prefill_config = lambda *a, t=tiles, **k: dataclasses.replace(
+            base(*a, **k), gluon=True, block_n=t[0], num_stages=t[1])
+        try:
+            inputs, kv_layout, scales = _inputs(seq_lens, dt, layout, page, hd, seed=page)
+            dtype = inputs.query.dtype
+            lens = q_lens
+            if SMOKE:
+                lens = [min(q, n_) for q, n_ in zip(q_lens, [min(x, 13) for x in seq_lens],
+                                                    strict=True)]
+            n = sum(lens)
+            g = torch.Generator().manual_seed(hd + page)
+            query = torch.randn(n + 2, 8, hd, generator=g).to(dtype).to(_device())
+            qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                               dtype=torch.int32, device=_device())
+            out = torch.full_like(query, float("nan"))
+            plan = pagedattn.plan_attention(
+                inputs.block_tables, inputs.context_lens, qsl, num_q_heads=8, num_kv_heads=2,
+                head_dim=hd, page_size=page, q_dtype=dtype, kv_layout=kv_layout)
+            res = plan.run(query, *inputs[1:3], out=out, return_lse=True, **scales)
+            _sync()
+            path = "gluon" if plan._engine(query.shape[0]).gluon else "plain"
+        finally:
+            LP.prefill_config = base
+        ref = pagedattn.paged_attention_reference(query, *inputs[1:], qsl,
+                                                  kv_layout=kv_layout, **scales)
+        ok, err = _check("prefill", out[:n], ref.out[:n], res.lse[:n], ref.lse[:n], dtype)
+        ok &= bool(torch.isnan(out[n:]).all())  # padding rows untouched
+        hopper = not SMOKE and torch.cuda.get_device_capability()[0] == 9
+        ok &= path == "gluon" or not hopper  # on sm_90 the Gluon kernel must have run
+        yield (dt, layout, page, hd, f"n{tiles[0]}s{tiles[1]}", path), ok, err
+
+
 def _mla():
     for (dt, _, page, _), (heads, q_len) in itertools.product(
             _grid(dtypes=("bf16", "fp16", "e4m3"), layouts=("NHD",)),
@@ -263,7 +310,8 @@ def _stages():
 
 
 RUNS = {"decode": lambda: _decode(), "one-shot": lambda: _decode(one_shot=True),
-        "prefill": lambda: _prefill(), "mixed": lambda: _prefill(mixed=True), "mla": _mla,
+        "prefill": lambda: _prefill(), "mixed": lambda: _prefill(mixed=True),
+        "prefill-gluon": _prefill_gluon, "mla": _mla,
         "append": _append, "merge": _merge, "stages": _stages}
 
 

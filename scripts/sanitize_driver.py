@@ -11,7 +11,8 @@ library on boundary shapes.
         --new-kernels      # the prefill and MLA kernels only (racecheck is slow)
 
 What runs: every impl through the public API on each shape; the prefill kernel and a mixed
-step (decodes through the decode plan); ``mla_decode``; metadata past the tables with the
+step (decodes through the decode plan); the Gluon prefill kernel, forced on (opt-in; sm_90);
+``mla_decode``; metadata past the tables with the
 value checks off (each run must clamp, stay in bounds and report); ``split_kv_v4`` and ``auto`` with
 forced splits (so the merge kernels run: ``auto``'s per-head merge on small batches, its
 per-group merge on the ``b17-hkv8`` shape, whose batch x kv heads fills the H200's 132 SMs);
@@ -279,6 +280,62 @@ def _prefill_runs() -> int:
     return failures
 
 
+def _gluon_prefill_runs() -> int:
+    """The Gluon prefill kernel (opt-in: forced through the policy; sm_90 only, else the
+    plain kernel runs and the check says which): bf16 NHD pages of 16 on 128-key tiles, fp16
+    HND pages of 1 on 64-key tiles three deep, head dim 64, the LSE, a chunk over a cached
+    prefix, an empty sequence and padding rows; then a length past the table (reported)."""
+    import dataclasses
+
+    import pagedattn.launch.prefill as LP
+
+    failures = 0
+    base = LP.prefill_config
+    seq_lens, q_lens = [200, 0, 150, 9], [130, 0, 150, 9]
+    for dtype, layout, page, tiles in ((torch.bfloat16, "NHD", 16, (128, 2)),
+                                       (torch.float16, "HND", 1, (64, 3))):
+        LP.prefill_config = lambda *a, t=tiles, **k: dataclasses.replace(
+            base(*a, **k), gluon=True, block_n=t[0], num_stages=t[1])
+        try:
+            inputs = make_paged_inputs(seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                                       page_size=page, dtype=dtype, kv_layout=layout,
+                                       seed=page, device=DEVICE)
+            n = sum(q_lens)
+            g = torch.Generator().manual_seed(n)
+            query = torch.randn(n + 3, 8, 64, generator=g).to(dtype).to(DEVICE)
+            qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                               dtype=torch.int32, device=DEVICE)
+            plan = pagedattn.plan_attention(inputs.block_tables, inputs.context_lens, qsl,
+                                            num_q_heads=8, num_kv_heads=2, head_dim=64,
+                                            page_size=page, q_dtype=dtype, kv_layout=layout)
+            out = torch.full_like(query, float("nan"))
+            res = plan.run(query, *inputs[1:3], out=out, return_lse=True)
+            _sync()
+            path = "gluon" if plan._engine(query.shape[0]).gluon else "plain"
+        finally:
+            LP.prefill_config = base
+        ref = pagedattn.paged_attention_reference(query, *inputs[1:], qsl, kv_layout=layout)
+        err = rel_l2_error(out[:n], ref.out[:n])
+        ok = err <= tolerance_for(dtype) and bool(torch.isnan(out[n:]).all())
+        want = ref.lse[:n].cpu()
+        finite = torch.isfinite(want)
+        ok &= bool(torch.allclose(res.lse[:n].double().cpu()[finite], want[finite],
+                                  atol=1e-3, rtol=1e-3))
+        failures += _report("prefill gluon", f"{str(dtype)[6:]} {layout}",
+                            {"page": page, "tiles": tiles, "path": path}, ok, err)
+        inputs.context_lens[0] = 1_000_000  # past the table: clamped, reported
+        plan.run(query, *inputs[1:3], out=out, validate=False)
+        _sync()
+        try:
+            pagedattn.check_errors(DEVICE)
+            ok, why = False, "not reported"
+        except ValueError as e:
+            ok, why = str(e).startswith("seq_lens[0]"), str(e)[:60]
+        failures += _report("prefill gluon", "seq_lens", why, ok, 0.0)
+    LAUNCHED.add("paged_prefill_gluon")
+    return failures
+
+
 def _mla_runs() -> int:
     """``mla_decode`` at DeepSeek's dims (512 + 64), 16 and 128 heads, bf16 and fp8, pages of
     64 and 1, empty and one-token sequences."""
@@ -436,7 +493,8 @@ def _graph_sections() -> int:
 # the driver's parts, in the order a whole run takes them (``--only`` picks some: the
 # sanitizers' passes run parts side by side in separate processes)
 SECTIONS = {"decode": _decode_runs, "append": _append_kv_runs, "variants": _variant_runs,
-            "prefill": _prefill_runs, "mla": _mla_runs, "bad": _bad_metadata_runs,
+            "prefill": _prefill_runs, "gluon": _gluon_prefill_runs, "mla": _mla_runs,
+            "bad": _bad_metadata_runs,
             "plans": _plan_runs, "graphs": _graph_sections}
 
 
@@ -456,7 +514,7 @@ def main(argv: list[str]) -> int:
             print(f"--only: a comma-separated list of {','.join(SECTIONS)}")
             return 2
     if "--new-kernels" in argv:  # racecheck's pass: the kernels with shared-memory hand-offs
-        only = ["prefill", "mla", "bad"]
+        only = ["prefill", "gluon", "mla", "bad"]
     # CUDA graphs need PyTorch's caching allocator (capture forbids cudaMalloc): with it
     # off (one allocation per tensor, for memcheck) the graph runs are a separate pass
     if "--graphs-only" in argv:
