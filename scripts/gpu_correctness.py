@@ -182,7 +182,10 @@ def _prefill_gluon():
 
     seq_lens, q_lens = [400, 300, 0, 1100, 9, 129], [300, 300, 0, 200, 9, 129]
     base = LP.prefill_config
-    grid = [c for c in _grid(dtypes=("bf16", "fp16")) if c[3] != 256]
+    grid = [(dt, LAYOUTS[i % len(LAYOUTS)], page, hd) for i, (page, hd, dt) in enumerate(
+        itertools.product(PAGES, (64, 128), ("bf16", "fp16")))]  # every page size x head dim
+    if SMOKE:
+        grid = _grid(dtypes=("bf16", "fp16"))
     for (dt, layout, page, hd), tiles in itertools.product(grid, ((128, 2), (64, 3))):
         LP.prefill_config = lambda *a, t=tiles, **k: dataclasses.replace(
             base(*a, **k), gluon=True, block_n=t[0], num_stages=t[1])
