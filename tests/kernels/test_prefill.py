@@ -310,6 +310,63 @@ def test_prefill_kernels_compile_for_sm90():
         assert loop is None or int(loop.group(1)) <= sm90_bound(case, "loop spills", 0), line
 
 
+@pytest.mark.parametrize("tokens", [4, 128])
+def test_gluon_schedule_kernel(device, tokens):
+    """The Gluon prefill kernel's schedule (``_prefill_schedule_kernel``, plain Triton: it runs
+    in the interpreter) against the block rows computed here: each sequence's blocks longest
+    first (its last block at its lowest row), the block's first row, row count, first token's
+    position, ``kv_end`` and the no-clamp flag; rows past the batch's blocks say ``-1``; a
+    length past the table is clamped, flagged and reported as ``seq_lens``; decodes before
+    ``first_row`` are skipped."""
+    from pagedattn import check_errors
+    from pagedattn._errors import error_word
+    from pagedattn.kernels.prefill import _prefill_schedule_kernel
+
+    first_row, page, max_pages = 2, 4, 30
+    seq_lens = [20, 9, 0, 7, 100]
+    q_lens = [13, 9, 0, 3, 5]
+    qsl = torch.tensor([first_row, *(first_row + torch.tensor(q_lens).cumsum(0)).tolist()],
+                       dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    num_tokens = first_row + sum(q_lens) + 3  # padding rows
+    rows = num_tokens
+    sched = torch.full((rows * 8,), -7, dtype=torch.int32, device=device)
+    _prefill_schedule_kernel[(rows,)](
+        query_start_loc_ptr=qsl, seq_lens_ptr=lens, sched_ptr=sched,
+        errors_ptr=error_word(torch.device(device)), batch=len(seq_lens), first_row=first_row,
+        num_tokens=num_tokens, num_pages=64, max_pages=max_pages, stride_sl=1,
+        TOKENS=tokens, PAGE_SIZE=page, BLOCK_B=4, num_warps=1)
+    capacity = max_pages * page
+    want = []
+    start = first_row
+    for b, (n, q) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        blocks = -(-q // tokens)
+        seq = min(n, capacity)
+        for m in reversed(range(blocks)):  # longest first
+            here = min(q - m * tokens, tokens)
+            p0 = seq - q + m * tokens
+            want.append([b, start + m * tokens, here, p0, max(min(p0 + here, seq), 0),
+                         int(seq == n)])
+        start += q
+    want += [[-1, first_row, 0, 0, 0, 0]] * (rows - len(want))
+    got = sched.view(rows, 8)[:, :6].cpu().tolist()
+    assert got == want
+    lens[4] = capacity + 1  # past the table: clamped to it, flagged, reported
+    _prefill_schedule_kernel[(rows,)](
+        query_start_loc_ptr=qsl, seq_lens_ptr=lens, sched_ptr=sched,
+        errors_ptr=error_word(torch.device(device)), batch=len(seq_lens), first_row=first_row,
+        num_tokens=num_tokens, num_pages=64, max_pages=max_pages, stride_sl=1,
+        TOKENS=tokens, PAGE_SIZE=page, BLOCK_B=4, num_warps=1)
+    last = [row for row in sched.view(rows, 8)[:, :6].cpu().tolist() if row[0] == 4]
+    start4 = first_row + sum(q_lens[:4])
+    assert last == [[4, start4 + m * tokens, min(5 - m * tokens, tokens),
+                     capacity - 5 + m * tokens, capacity - 5 + m * tokens + min(5 - m * tokens,
+                                                                                   tokens), 0]
+                    for m in reversed(range(-(-5 // tokens)))]
+    with pytest.raises(ValueError, match=r"^seq_lens\[4\]"):
+        check_errors(device)
+
+
 def test_gluon_prefill_kernel_compiles_for_sm90():
     """The Gluon prefill kernel (``kernels/prefill_gluon.py``, warp-specialized) compiles for
     sm_90 with its schedule kernel: 128- and 64-key tiles, head dims 128 and 64; wgmma, within
