@@ -99,6 +99,8 @@ CASES = {
                             torch.float16, None, 8, 8),
     "prefill-hd64-gluon": (dict(num_tokens=512, gluon=True, head_dim=64), (), torch.bfloat16,
                            None, 8, 8),
+    "prefill-overlap-gluon": (dict(num_tokens=512, gluon=True, overlap=True, block_n=64,
+                                   num_stages=2), (), torch.bfloat16, None, 8, 8),
 }
 
 #: absorbed MLA (pagedattn.mla, the kernel's MLA flag): name -> (query heads, latent and rope
@@ -220,7 +222,7 @@ def prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads, n
     options = dict(options)
     gluon = options.pop("gluon", False)
     head_dim = options.pop("head_dim", 128)
-    tiles = {k: options.pop(k) for k in ("block_n", "num_stages") if k in options}
+    tiles = {k: options.pop(k) for k in ("block_n", "num_stages", "overlap") if k in options}
     config = None
     if gluon:
         config = replace(LP.prefill_config(head_dim=head_dim, group=32 // kv_heads,

@@ -369,12 +369,14 @@ def test_gluon_schedule_kernel(device, tokens):
 
 def test_gluon_prefill_kernel_compiles_for_sm90():
     """The Gluon prefill kernel (``kernels/prefill_gluon.py``, warp-specialized) compiles for
-    sm_90 with its schedule kernel: 128- and 64-key tiles, head dims 128 and 64; wgmma, within
+    sm_90 with its schedule kernel: 128- and 64-key tiles, head dims 128 and 64, the
+    consumers' overlap of the next tile's scores with the softmax; wgmma, within
     227 KB of shared memory, three warpgroups (``.reqntid 384``: a producer and two
     consumers), nothing spilled in the consumers' key loop (Triton 3.6's bound)."""
     import re
 
-    cases = ("prefill-bf16-gluon", "prefill-n64s3-gluon", "prefill-hd64-gluon")
+    cases = ("prefill-bf16-gluon", "prefill-n64s3-gluon", "prefill-hd64-gluon",
+             "prefill-overlap-gluon")
     lines = compiled_sm90(cases)
     assert set(lines) == set(cases)
     for case, line in lines.items():
@@ -386,12 +388,14 @@ def test_gluon_prefill_kernel_compiles_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_dim,page_size,tiles", [
-    (torch.bfloat16, 128, 16, None), (torch.float16, 128, 1, (64, 3)),
-    (torch.bfloat16, 64, 64, (128, 3)), (torch.bfloat16, 128, 5, (64, 2))])
+    (torch.bfloat16, 128, 16, None), (torch.float16, 128, 1, (64, 3, False)),
+    (torch.bfloat16, 64, 64, (128, 3, False)), (torch.bfloat16, 128, 5, (64, 2, True)),
+    (torch.float16, 128, 16, (128, 2, True))])
 def test_gluon_prefill_path(monkeypatch, dtype, head_dim, page_size, tiles):
     """The Gluon prefill kernel (Hopper only) against the oracle, with ``out`` NaN-poisoned:
     long chunks over cached prefixes, a chunk shorter than a block, a sequence with no new
-    token, GQA 4, every tile config it takes, the LSE; a length past the table reports
+    token, GQA 4, every tile config it takes and the consumers' overlap, the LSE; a length
+    past the table reports
     ``seq_lens`` (the schedule kernel's report)."""
     import dataclasses
 
@@ -401,7 +405,8 @@ def test_gluon_prefill_path(monkeypatch, dtype, head_dim, page_size, tiles):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon path is for sm_90 (H100/H200)")
     base = LP.prefill_config
-    extra = {} if tiles is None else dict(block_n=tiles[0], num_stages=tiles[1])
+    extra = {} if tiles is None else dict(block_n=tiles[0], num_stages=tiles[1],
+                                          overlap=tiles[2])
     monkeypatch.setattr(LP, "prefill_config", lambda *a, **k: dataclasses.replace(
         base(*a, **k), gluon=True, **extra))
     seq_lens, q_lens = [700, 300, 0, 1100, 9], [300, 300, 0, 200, 9]

@@ -139,14 +139,38 @@ def _producer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
 
 
 @gluon.jit
+def _softmax_tile(sc, m_i, l_i, j, full_tiles, pos, tok0, kv_end, qk_scale):
+    """One tile's online-softmax step in the exp2 domain: ``(p, alpha, m, l)``. Tiles below
+    ``full_tiles`` are seen whole by every row (finite scores, no mask); the diagonal ones
+    keep each row's keys ``<= pos`` below ``kv_end`` (``tok0``: the tile's token offsets)."""
+    sc = sc * qk_scale
+    if j < full_tiles:
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(sc - m_new[:, None])
+    else:
+        tok = j * tok0.shape[0] + tok0
+        seen = (tok[None, :] <= pos[:, None]) & (tok < kv_end)[None, :]
+        sc = gl.where(seen, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        alpha = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_new))
+        p = gl.where(sc == float("-inf"), 0.0, gl.exp2(gl.minimum(sc - m_new[:, None], 0.0)))
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
               out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles, full_tiles,
               qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, DTYPE: gl.constexpr, HAS_LSE: gl.constexpr):
+              STAGES: gl.constexpr, DTYPE: gl.constexpr, HAS_LSE: gl.constexpr,
+              OVERLAP: gl.constexpr):
     """The two consumer warpgroups (64 rows each): ``S = Q·Kᵀ``, the online softmax in the
     exp2 domain (unmasked below the diagonal), ``O += P·V`` with ``P`` from registers; the
-    normalized output and the LSE."""
+    normalized output and the LSE. ``OVERLAP`` (FA3's intra-warpgroup overlap): tile
+    ``j + 1``'s ``Q·Kᵀ`` is issued before tile ``j``'s softmax, so the tensor cores work
+    while the softmax runs (one score tile more in registers; the last iteration recomputes
+    its own tile's scores rather than branch)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -158,36 +182,46 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=O_L)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
+    zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
     mbarrier.wait(q_ready, 0)
-    for j in range(n_tiles):
-        s = j % STAGES
-        phase = (j // STAGES) % 2
-        mbarrier.wait(kv_ready.index(s), phase)
-        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
-        sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), sc, use_acc=False,
-                           is_async=True)
-        sc = warpgroup_mma_wait(0, deps=(sc,))
-        sc = sc * qk_scale
-        if j < full_tiles:  # every row sees every key: finite scores
-            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(sc - m_new[:, None])
-        else:  # the diagonal: each row its keys <= pos, below kv_end
-            tok = j * BLOCK_N + n_s
-            seen = (tok[None, :] <= pos[:, None]) & (tok < kv_end)[None, :]
-            sc = gl.where(seen, sc, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-            alpha = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_new))
-            p = gl.where(sc == float("-inf"), 0.0,
-                         gl.exp2(gl.minimum(sc - m_new[:, None], 0.0)))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        p_op = gl.convert_layout(p.to(DTYPE), P_L)
-        acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        thread_barrier()  # both warpgroups' dots have read the stage
-        mbarrier.arrive(kv_empty.index(s), count=1)
+    if OVERLAP:
+        sc = zeros_s
+        if n_tiles > 0:  # tile 0's scores before the loop
+            mbarrier.wait(kv_ready.index(0), 0)
+            sc = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zeros_s,
+                               use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+        last = gl.maximum(n_tiles - 1, 0)
+        for j in range(n_tiles):
+            s = j % STAGES
+            nxt = gl.minimum(j + 1, last)  # the last iteration: its own tile again
+            mbarrier.wait(kv_ready.index(nxt % STAGES), (nxt // STAGES) % 2)
+            sn = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zeros_s,
+                               use_acc=False, is_async=True)
+            p, alpha, m_i, l_i = _softmax_tile(sc, m_i, l_i, j, full_tiles, pos, n_s, kv_end,
+                                               qk_scale)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            p_op = gl.convert_layout(p.to(DTYPE), P_L)
+            acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+            sn, acc = warpgroup_mma_wait(0, deps=(sn, acc))
+            thread_barrier()  # both warpgroups' dots have read the stage
+            mbarrier.arrive(kv_empty.index(s), count=1)
+            sc = sn
+    else:
+        for j in range(n_tiles):
+            s = j % STAGES
+            mbarrier.wait(kv_ready.index(s), (j // STAGES) % 2)
+            sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zeros_s,
+                               use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+            p, alpha, m_i, l_i = _softmax_tile(sc, m_i, l_i, j, full_tiles, pos, n_s, kv_end,
+                                               qk_scale)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            p_op = gl.convert_layout(p.to(DTYPE), P_L)
+            acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            thread_barrier()  # both warpgroups' dots have read the stage
+            mbarrier.arrive(kv_empty.index(s), count=1)
 
     m_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L))
@@ -214,7 +248,8 @@ def _paged_prefill_gluon_kernel(
     stride_bt_b, stride_bt_p, stride_o_t, stride_o_h,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr,
-    SCALE_FROM_PTR: gl.constexpr, HAS_LSE: gl.constexpr, num_warps: gl.constexpr,
+    SCALE_FROM_PTR: gl.constexpr, HAS_LSE: gl.constexpr, OVERLAP: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 8, "two consumer warpgroups")
     gl.static_assert(BLOCK_M == 128, "64 rows a consumer warpgroup")
@@ -261,7 +296,7 @@ def _paged_prefill_gluon_kernel(
         (_consumer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
                      out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles, full_tiles,
                      qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DTYPE, HAS_LSE)),
+                     HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DTYPE, HAS_LSE, OVERLAP)),
         (_producer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
                      query_ptr, key_cache_ptr, value_cache_ptr, bt_row, errors_ptr,
                      row0, rows_here, head, kv_head, kv_end, n_tiles, b, report_pages,

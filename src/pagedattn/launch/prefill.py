@@ -47,6 +47,9 @@ class PrefillConfig:
     #: warpgroups, P in registers) where it applies (:func:`gluon_applies`), else the plain
     #: one; opt-in until a GPU has run it (docs/perf-notes.md step 54)
     gluon: bool = False
+    #: the Gluon kernel's consumers issue tile j + 1's scores before tile j's softmax
+    #: (FA3's intra-warpgroup overlap; one score tile more in registers: 64-key tiles)
+    overlap: bool = False
 
     @property
     def tokens(self) -> int:
@@ -228,7 +231,7 @@ class PrefillLauncher:
             HEAD_DIM=self.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PAGE_SIZE=self.page_size, STAGES=cfg.num_stages,
             DTYPE=self.constexprs["DOT_DTYPE"], SCALE_FROM_PTR=tensor_scales,
-            HAS_LSE=lse is not None, num_warps=8)
+            HAS_LSE=lse is not None, OVERLAP=bool(cfg.overlap), num_warps=8)
         self.last_compiled = main
         return {"prefill_schedule": schedule, "paged_prefill_gluon": main}
 
