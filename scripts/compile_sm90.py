@@ -103,32 +103,6 @@ CASES = {
                                    num_stages=2), (), torch.bfloat16, None, 8, 8),
 }
 
-#: absorbed MLA (pagedattn.mla, the kernel's MLA flag): name -> (query heads, latent and rope
-#: dims, page size, batch, table width, q_len, LSE, dtype, cache dtype, one-shot,
-#: per-call options, plan-time options); DeepSeek-V3's 512 + 64 dims at the issue's shapes
-#: (TP1: 128 heads, two blocks of 64; TP8: 16 heads), the table of a 4k context
-MLA_CASES = {
-    "mla-tp1-bf16": (128, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None, False, (), {}),
-    "mla-tp1-bf16-lse": (128, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, False, (), {}),
-    "mla-tp8-bf16": (16, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, None, False, (), {}),
-    "mla-tp1-fp8": (128, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, torch.float8_e4m3fn,
-                    False, (), {}),
-    "mla-tp8-fp8": (16, 512, 64, 64, 64, 64, 1, False, torch.bfloat16, torch.float8_e4m3fn,
-                    False, (), {}),
-    # multi-token prediction: q_len 2 at 128 heads is two tokens x 32 heads a tile (4 blocks)
-    "mla-tp1-q_len2": (128, 512, 64, 64, 64, 64, 2, False, torch.bfloat16, None, False, (), {}),
-    "mla-tp8-q_len4": (16, 512, 64, 64, 64, 64, 4, False, torch.bfloat16, None, False, (), {}),
-    # a one-shot call: a fresh workspace, so the merge kernel instead of the folded merge
-    "mla-tp1-one-shot": (128, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, True, (), {}),
-    # the variants the kernel carries for free: soft-cap and sinks
-    "mla-tp8-softcap-sinks": (16, 512, 64, 64, 64, 64, 1, True, torch.bfloat16, None, False,
-                              ("sinks",), dict(logits_soft_cap=30.0)),
-    # one long sequence: its split rows merged per query head (the pairs do not fill the SMs)
-    "mla-tp1-b1-c32k": (128, 512, 64, 64, 1, 512, 1, False, torch.bfloat16, None, False, (), {}),
-    # SGLang's one-token pages
-    "mla-tp8-page1": (16, 512, 64, 1, 64, 4096, 1, False, torch.bfloat16, None, False, (), {}),
-}
-
 #: the MLA kernel (kernels/mla.py, launch/mla.py; pagedattn.mla's default) and its Gluon
 #: path (kernels/mla_gluon.py, "-gluon": with the schedule kernel): name -> (query heads,
 #: page size, q_len, LSE, cache dtype, per-call options, plan-time options), at
@@ -183,8 +157,6 @@ class _Compile:
 def case_launcher(name: str):
     """One case's :class:`~pagedattn.launch.decode.AutoLauncher` (CPU device) and a function
     that launches it on zero tensors made once (the same addresses at every launch)."""
-    if name in MLA_CASES:
-        return mla_case_launcher(name)
     if name in MLAK_CASES:
         return mlak_case_launcher(name)
     options, per_call, dtype, kv_dtype, batch, kv_heads = CASES[name]
@@ -248,32 +220,6 @@ def prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads, n
     out, lse = torch.empty_like(query), torch.empty(query.shape[:-1]) if with_lse else None
     return launcher, lambda: launcher.launch(query, cache, cache, tables, lens, qsl, out, lse,
                                              scale=0.1, calls=tensors)
-
-
-def mla_case_launcher(name: str):
-    """One MLA case's (:data:`MLA_CASES`) launcher, as :func:`case_launcher`: the main
-    kernel with ``MLA`` on (and its merge kernel where the plan launches one)."""
-    (heads, latent, rope, page_size, batch, max_pages, q_len, with_lse, dtype, kv_dtype,
-     one_shot, per_call, options) = MLA_CASES[name]
-    kv_dtype = kv_dtype or dtype
-    launcher = L.AutoLauncher(
-        LaunchSpec(batch=batch, max_pages=max_pages, num_q_heads=heads, num_kv_heads=1,
-                   head_dim=latent, page_size=page_size, q_dtype=dtype, kv_dtype=kv_dtype,
-                   device=torch.device("cpu"), q_len=q_len, options=plan_options(options),
-                   rope_dim=rope),
-        workspace=not one_shot)
-    lead = (batch, heads) if q_len == 1 else (batch, q_len, heads)
-    q_nope = torch.zeros(*lead, latent, dtype=dtype)
-    q_pe = torch.zeros(*lead, rope, dtype=dtype)
-    pages = batch * max_pages
-    cache = torch.zeros(pages, page_size, latent + rope, dtype=kv_dtype)  # one combined buffer
-    tables = torch.zeros(batch, max_pages, dtype=torch.int32)
-    lens = torch.zeros(batch, dtype=torch.int32)
-    out, lse = torch.empty_like(q_nope), torch.empty(lead) if with_lse else None
-    tensors = {k: torch.zeros(heads) for k in per_call}
-    return launcher, lambda: launcher.launch(q_nope, cache[..., :latent], cache[..., latent:],
-                                             tables, lens, out, lse, scale=0.1, calls=tensors,
-                                             q_pe=q_pe)
 
 
 def mlak_case_launcher(name: str):
@@ -445,7 +391,7 @@ def _resources_text(res: tuple[int, int, int] | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=",".join([*CASES, *MLA_CASES, *MLAK_CASES]),
+    p.add_argument("--cases", default=",".join([*CASES, *MLAK_CASES]),
                    help="comma list (default: all)")
     p.add_argument("--ptx-dir", help="write each compiled kernel's PTX here")
     p.add_argument("--compare", metavar="DIR",
@@ -457,11 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cases = [c for word in args.cases.split(",")
              for c in (NEW_OPTION_CASES if word == "new-options" else [word])]
-    unknown = [c for c in cases if c not in CASES and c not in MLA_CASES
-               and c not in MLAK_CASES]
+    unknown = [c for c in cases if c not in CASES and c not in MLAK_CASES]
     if unknown or (args.bindings and (args.ptx_dir or args.compare)):
         print("compile_sm90: error: " + (
-            f"unknown case {unknown[0]!r} (see CASES, MLA_CASES, MLAK_CASES)" if unknown
+            f"unknown case {unknown[0]!r} (see CASES, MLAK_CASES)" if unknown
             else "--bindings compiles nothing: no --ptx-dir or --compare"), file=sys.stderr)
         return 2
     if args.bindings:

@@ -18,7 +18,7 @@ from pagedattn import _validation as V
 MIN_LATENT_DIM, MAX_LATENT_DIM = 16, 512
 MIN_ROPE_DIM, MAX_ROPE_DIM = 0, 256
 #: query tokens per sequence (speculative decoding): the tile's rows are q_len x heads, at
-#: most 64 (launch.policy_mla.MLA_MAX_ROWS), so 64 tokens of one head at the most
+#: most 64 (launch.policy_mla.mla_kernel_config), so 64 tokens of one head at the most
 MAX_Q_LEN = 64
 _FLOATS = "float32, float16 or bfloat16"
 _CACHES = _FLOATS + ", float8_e4m3fn or float8_e5m2"

@@ -12,14 +12,13 @@ the latent is both key (with the rope part) and value. The kernel is MLA's own
 (``kernels/mla.py``, launched by ``launch/mla.py``): 64 query rows (heads of a block) a
 program on 64-token latent tiles, each tile read once for both dots, and balanced parts of
 the batch's tiles, one program per SM, with a small merge of the sequences they cut
-(FlashMLA's schedule). On Hopper, 16-bit latents at 512 + 64 dims run the same schedule
-in Gluon (``kernels/mla_gluon.py``: the score split between the warpgroups, no spill),
-1.1-1.8x the plain kernel's speed on an H100 (docs/perf-notes.md step 50).
-``schedule="split"`` runs the earlier path, the production decode kernel with its ``MLA``
-flag (``kernels/decode.py``), kept while it still leads on a row (fp8 latents at TP8 on an
-H100; ``"persistent"``, the decode kernel's persistent schedule, was removed:
-docs/perf-notes.md step 48). Either way a plan is CUDA-graph
-safe: it reads ``block_tables`` and ``context_lens`` on the device at every run.
+(FlashMLA's schedule). On Hopper, 16-bit and fp8 latents at 512 + 64 dims run the same
+schedule in Gluon (``kernels/mla_gluon.py``: the score split between the warpgroups, no
+spill), 1.1-1.8x the plain kernel's speed on an H100 (docs/perf-notes.md steps 50 and 52).
+The earlier path, ``schedule="split"`` and its ``num_splits`` (the production decode kernel
+with an ``MLA`` flag), was removed after an H100 measured the Gluon kernel ahead of it on
+every row but one (docs/perf-notes.md step 52). A plan is CUDA-graph safe: it reads
+``block_tables`` and ``context_lens`` on the device at every run.
 """
 
 from __future__ import annotations
@@ -35,18 +34,6 @@ from pagedattn.plan import DecodeOutput, PlanBase
 from pagedattn.spec import LaunchSpec
 
 
-def _auto_launcher_class():
-    from pagedattn.launch.decode import AutoLauncher
-
-    return AutoLauncher
-
-
-def _one_shot_launcher():
-    from pagedattn.launch.decode import one_shot_launcher
-
-    return one_shot_launcher
-
-
 def _mla_launcher_class():
     from pagedattn.launch.mla import MLALauncher
 
@@ -55,29 +42,25 @@ def _mla_launcher_class():
 
 class MLADecodePlan(PlanBase):
     """One decode step of absorbed MLA for every layer: built by :func:`plan_mla_decode`, run
-    once per layer with :meth:`run`. It owns its workspace (the split rows' partials and the
-    folded merge's arrival counters), keeps references to ``block_tables`` and
+    once per layer with :meth:`run`. It owns its workspace (the cut sequences' partials and
+    their piece records), keeps references to ``block_tables`` and
     ``context_lens`` and reads them on the device at every run (update them in place between
     steps; a CUDA graph captured around :meth:`run` replays for any lengths within
     ``max_pages * page_size``). One plan serves one stream at a time."""
 
     def __init__(self, block_tables, context_lens, *, num_q_heads, latent_dim, rope_dim,
-                 page_size, q_dtype, kv_dtype, q_len, num_splits, options, schedule,
-                 num_programs, one_shot=False):
+                 page_size, q_dtype, kv_dtype, q_len, options, num_programs, one_shot=False):
         batch, max_pages = block_tables.shape
         # the latent is the one kv head of every query head: head_dim its dims
         spec = LaunchSpec(
             batch=batch, max_pages=max_pages, num_q_heads=int(num_q_heads), num_kv_heads=1,
             head_dim=int(latent_dim), page_size=int(page_size), q_dtype=q_dtype,
             kv_dtype=kv_dtype, device=block_tables.device, q_len=int(q_len),
-            options=options, num_splits=None if num_splits is None else int(num_splits),
-            rope_dim=int(rope_dim))
+            options=options, rope_dim=int(rope_dim))
         super().__init__(spec, dict(block_tables=block_tables, context_lens=context_lens),
                          dict(block_tables=(batch, max_pages), context_lens=(batch,)))
         self.latent_dim = self.head_dim
-        # None: the MLA kernel (num_programs: its parts a head block); "split": the decode
-        # kernel's MLA flag
-        self.schedule = schedule
+        # the MLA kernel's parts a head block (None: one per SM)
         self.num_programs = None if num_programs is None else int(num_programs)
         self.q_shape = ((batch, self.num_q_heads, self.latent_dim) if self.q_len == 1
                         else (batch, self.q_len, self.num_q_heads, self.latent_dim))
@@ -96,13 +79,8 @@ class MLADecodePlan(PlanBase):
                                          workspace=False).config
 
     def _build_launcher(self, key):
-        if self.schedule is None:  # the MLA kernel
-            return _mla_launcher_class()(self.spec, num_parts=self.num_programs,
-                                         config=self.kernel_config,
-                                         workspace=not self._one_shot)
-        if self._one_shot:  # shared by every one-shot call of the spec: no workspace
-            return _one_shot_launcher()(self.spec)
-        return _auto_launcher_class()(self.spec)
+        return _mla_launcher_class()(self.spec, num_parts=self.num_programs,
+                                     config=self.kernel_config, workspace=not self._one_shot)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, *, scale, kv_scale=None, out=None,
             return_lse=False, validate=None, sinks=None):
@@ -150,24 +128,17 @@ class MLADecodePlan(PlanBase):
             if calls:
                 O.check_values(calls)
         out, lse = self.outputs(q_nope, out, return_lse, self.q_shape[:-1])
-        if self.batch > 0 and self.schedule is None:
+        if self.batch > 0:
             with self.guard():
                 self.last_compiled = self._engine().launch(
                     q_nope, q_pe, ckv_cache, kpe_cache, self.block_tables, self.context_lens,
                     out, lse, scale=float(scale), kv_scale=kv_scale, calls=calls)
-        elif self.batch > 0:
-            with self.guard():
-                self.last_compiled = self._engine().launch(
-                    q_nope, ckv_cache, kpe_cache, self.block_tables, self.context_lens, out,
-                    lse, scale=float(scale), k_scale=kv_scale, v_scale=kv_scale,
-                    calls=calls, q_pe=q_pe)
         return DecodeOutput(out, lse) if return_lse else out
 
 
 def plan_mla_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                     num_q_heads: int, latent_dim: int, rope_dim: int, page_size: int,
                     q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None, q_len: int = 1,
-                    num_splits: int | None = None, schedule: str | None = None,
                     num_programs: int | None = None,
                     logits_soft_cap: float | None = None) -> MLADecodePlan:
     """Plan one decode step of absorbed MLA (see the module docstring) for every layer.
@@ -185,15 +156,8 @@ def plan_mla_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *,
             (with ``kv_scale`` at each run).
         q_len: query tokens per sequence, 1 to 64 (speculative decoding: token ``j`` sits
             at position ``context_len - q_len + j`` and attends causally).
-        schedule: ``None`` (default): the MLA kernel's balanced parts (see the module
-            docstring); ``"split"``: the earlier path, the decode kernel's splits, as in
-            :func:`pagedattn.plan_decode`. ``"persistent"`` was removed (as in
-            :func:`pagedattn.plan_decode`): a ``ValueError`` naming ``schedule``.
-        num_splits: the split schedule's forced splits, as in :func:`pagedattn.plan_decode`
-            (given with ``schedule=None``, it selects ``"split"``).
         num_programs: the programs of each head block (an int in [1, 65536]: the parts the
-            batch's tiles are shared into; ``None``: one per SM); the MLA kernel's only
-            (``None`` with ``schedule="split"``).
+            batch's tiles are shared into; ``None``: one per SM).
         logits_soft_cap: as in :func:`pagedattn.paged_decode` (a constexpr of the plan).
 
     Returns:
@@ -207,28 +171,18 @@ def plan_mla_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                       latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size,
                       q_dtype=q_dtype, kv_dtype=kv_dtype, q_len=q_len)
     options = O.plan_options({"logits_soft_cap": logits_soft_cap}, "plan_mla_decode")
-    if num_splits is not None:
-        V.check_int("num_splits", num_splits, 1, V.MAX_SPLITS)
-    V.check_schedule(schedule)  # "persistent": refused by name, with why
-    if schedule is None and num_splits is not None:
-        schedule = "split"  # forced splits exist only in the split schedule
     if num_programs is not None:
         V.check_int("num_programs", num_programs, 1, V.MAX_PROGRAMS)
-        if schedule is not None:
-            V.fail(ValueError, "num_programs", "None with schedule='split' (it is the MLA "
-                   "kernel's parts a head block: schedule=None)", num_programs)
     return MLADecodePlan(block_tables, context_lens, num_q_heads=num_q_heads,
                          latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size,
                          q_dtype=q_dtype, kv_dtype=q_dtype if kv_dtype is None else kv_dtype,
-                         q_len=q_len, num_splits=num_splits, options=options,
-                         schedule=schedule, num_programs=num_programs)
+                         q_len=q_len, options=options, num_programs=num_programs)
 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
                kpe_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                *, scale: float, kv_scale=None, out: torch.Tensor | None = None,
-               return_lse: bool = False, num_splits: int | None = None,
-               schedule: str | None = None, num_programs: int | None = None,
+               return_lse: bool = False, num_programs: int | None = None,
                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                validate: bool | None = None):
     """Absorbed multi-head latent attention over the paged latent cache, one call.
@@ -252,7 +206,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
             ``ceil(context_lens[b] / page_size)`` are never read.
         context_lens: ``[batch]`` int32/int64 tokens per sequence (0: out 0, LSE ``-inf``).
         scale, kv_scale, out, return_lse, validate, sinks: as in :meth:`MLADecodePlan.run`.
-        num_splits, schedule, num_programs, logits_soft_cap: as in :func:`plan_mla_decode`.
+        num_programs, logits_soft_cap: as in :func:`plan_mla_decode`.
 
     Returns:
         ``out`` (``q_nope``'s shape and dtype), or ``DecodeOutput(out, lse)``.
@@ -275,8 +229,8 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
         res = mla_decode(q_nope[:, 0], q_pe[:, 0], ckv_cache, kpe_cache, block_tables,
                          context_lens, scale=scale, kv_scale=kv_scale,
                          out=None if out is None else out[:, 0], return_lse=return_lse,
-                         num_splits=num_splits, schedule=schedule, num_programs=num_programs,
-                         logits_soft_cap=logits_soft_cap, sinks=sinks, validate=validate)
+                         num_programs=num_programs, logits_soft_cap=logits_soft_cap,
+                         sinks=sinks, validate=validate)
         full = (res.out if return_lse else res).unsqueeze(1) if out is None else out
         return DecodeOutput(full, res.lse.unsqueeze(1)) if return_lse else full
     multi = q_nope.dim() == 4
@@ -284,8 +238,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
                            latent_dim=q_nope.shape[-1], rope_dim=q_pe.shape[-1],
                            page_size=ckv_cache.shape[1], q_dtype=q_nope.dtype,
                            kv_dtype=ckv_cache.dtype, q_len=q_nope.shape[1] if multi else 1,
-                           num_splits=num_splits, schedule=schedule,
                            num_programs=num_programs, logits_soft_cap=logits_soft_cap)
-    plan._one_shot = True  # its launcher is shared per static key, its workspace per call
+    plan._one_shot = True  # no workspace kept: the launch allocates its own
     return plan.run(q_nope, q_pe, ckv_cache, kpe_cache, scale=scale, kv_scale=kv_scale,
                     out=out, return_lse=return_lse, validate=validate, sinks=sinks)

@@ -220,7 +220,9 @@ def test_recorded_launch_binds_what_triton_binds_for_every_compiled_case():
     run = run_script("compile_sm90.py", "--bindings", interpret=False, timeout=300)
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     same = [line for line in run.stdout.splitlines() if line.endswith(": same C launch arguments")]
-    assert len(same) >= 24 and f"bindings: 0 of {len(same)} case(s) differ" in run.stdout, \
+    # the decode kernel's cases (18 since the split MLA path's 11 went; prefill and MLA record
+    # nothing)
+    assert len(same) >= 18 and f"bindings: 0 of {len(same)} case(s) differ" in run.stdout, \
         run.stdout
 
 

@@ -1,15 +1,13 @@
 """Absorbed multi-head latent attention (``pagedattn.mla_decode`` / ``plan_mla_decode``: the
-MLA kernel by default, the production decode kernel's ``MLA`` flag with ``schedule="split"``)
-against the float64 MLA oracle.
+MLA kernel) against the float64 MLA oracle.
 
 Every case draws fresh random inputs with NaN in every unused cache slot and garbage in the
 block tables' padding (``make_mla_inputs``) and a NaN-filled ``out``; the plan cases poison
 the workspace's partials too. DeepSeek-V3's 512 + 64 dims at 16 and 128 heads (one and two
 blocks of heads), small latents at odd head counts, page sizes 1 to 128, bf16/fp16/fp32 and
 fp8 caches, 1-4 query tokens (causal), the MLA kernel's balanced parts (one to more parts
-than tiles, sequences cut and merged), the earlier path's forced and device-planned splits
-(the merge kernel, the folded merge), soft-cap and sinks, and bad arguments (the removed
-``schedule="persistent"`` among them) named before any launch and any write.
+than tiles, sequences cut and merged), soft-cap and sinks, and bad arguments (the removed
+``schedule`` and ``num_splits`` among them) named before any launch and any write.
 """
 
 import dataclasses
@@ -19,7 +17,7 @@ import re
 import pytest
 import torch
 from _hardening import check_lse
-from _scripts import compiled_sm90, run_script, sm90_bound
+from _scripts import run_script
 
 from pagedattn import mla_decode, mla_decode_reference, plan_mla_decode
 from pagedattn.testing import make_mla_inputs, rel_l2_error, tolerance_for
@@ -148,14 +146,6 @@ def test_balanced_parts(device, q_len, num_programs):
     assert int(counts.max()) <= num_programs
 
 
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_forced_splits_merge(device, num_splits):
-    """Split rows merged by the merge kernel (a one-shot call's fresh workspace)."""
-    _check(make_mla_inputs([0, 100, 37, 1], num_q_heads=32, latent_dim=64, rope_dim=16,
-                           page_size=16, seed=num_splits, device=device),
-           num_splits=num_splits)
-
-
 def test_soft_cap_and_sinks(device):
     inputs = make_mla_inputs(RAGGED, num_q_heads=8, latent_dim=64, rope_dim=16, page_size=16,
                              seed=7, device=device)
@@ -173,28 +163,16 @@ def test_combined_cache_and_query_buffers(device):
     _check(inputs)
 
 
-@pytest.mark.parametrize("schedule", [None, "split"])
-def test_plan_across_layers_and_steps(device, schedule):
+def test_plan_across_layers_and_steps(device):
     """One plan serves several layers and a next step whose lengths and pages are written in
     place (what a CUDA graph replays): the workspace poisoned before each run (the MLA
-    kernel's partials and piece records; the earlier path's partials, and its folded merge's
-    arrival counters back at 0 after each run)."""
+    kernel's partials and piece records)."""
     first = make_mla_inputs([3, 0, 90, 61], num_q_heads=32, latent_dim=64, rope_dim=16,
                             page_size=16, max_pages=8, seed=9, device=device)
     bt, cl = first.block_tables.clone(), first.context_lens.clone()
     plan = plan_mla_decode(bt, cl, num_q_heads=32, latent_dim=64, rope_dim=16, page_size=16,
-                           q_dtype=torch.bfloat16, schedule=schedule)
-    launcher = plan._engine()
-    if schedule is None:
-        part_o, part_lse, pieces = launcher.workspace
-        counters = torch.zeros(1)
-        poison = [part_o, part_lse]
-    else:
-        # a block of heads is a kv head of the kernel's: 32 rows, one block
-        assert launcher.fold_merge
-        assert launcher.num_kv_heads == 1
-        part_ml, part_acc, counters = launcher.workspace_parts(launcher.workspace)
-        poison, pieces = [part_ml, part_acc], None
+                           q_dtype=torch.bfloat16)
+    part_o, part_lse, pieces = plan._engine().workspace
     second = make_mla_inputs([77, 5, 0, 128], num_q_heads=32, latent_dim=64, rope_dim=16,
                              page_size=16, max_pages=8, seed=10, device=device)
     for step, inputs in enumerate((first, first, second)):
@@ -204,44 +182,17 @@ def test_plan_across_layers_and_steps(device, schedule):
         layer = inputs._replace(ckv_cache=inputs.ckv_cache * (step + 1),
                                 kpe_cache=inputs.kpe_cache - step,
                                 block_tables=bt, context_lens=cl)
-        for t in poison:
-            t.fill_(float("nan"))
-        if pieces is not None:
-            pieces.fill_(-7)  # every sequence's record is rewritten by the part that owns it
+        part_o.fill_(float("nan"))
+        part_lse.fill_(float("nan"))
+        pieces.fill_(-7)  # every sequence's record is rewritten by the part that owns it
         _check(layer, plan=plan)
-        assert int(counters.abs().sum()) == 0
-        if pieces is not None:
-            assert int(pieces.min()) >= 0
-
-
-def test_plan_splits_on_the_device(device, monkeypatch):
-    """The earlier path's device planner splits a long sequence among short ones (no forced
-    count), and the plan's folded merge combines the rows."""
-    from pagedattn.launch import policy_mla
-
-    real = policy_mla.mla_config
-    monkeypatch.setattr(policy_mla, "mla_config",
-                        lambda **kw: dataclasses.replace(real(**kw), min_chunk=32))
-    inputs = make_mla_inputs([300, 2, 7, 0, 40], num_q_heads=16, latent_dim=32, rope_dim=16,
-                             page_size=16, seed=11, device=device)
-    plan = plan_mla_decode(inputs.block_tables, inputs.context_lens, num_q_heads=16,
-                           latent_dim=32, rope_dim=16, page_size=16, q_dtype=torch.bfloat16,
-                           schedule="split")
-    launcher = plan._engine()
-    assert launcher.fold_merge and launcher.rows_max > 5
-    part_ml, part_acc, _ = launcher.workspace_parts(launcher.workspace)
-    part_ml.fill_(float("nan"))
-    part_acc.fill_(float("nan"))
-    _check(inputs, plan=plan)
-    assert torch.isfinite(part_ml[:2]).all()  # split rows were written and merged
+        assert int(pieces.min()) >= 0
 
 
 def test_head_blocks_policy():
     """The heads are cut into the fewest blocks that divide them within the tile's rows."""
-    from pagedattn.launch.policy_mla import mla_head_blocks, mla_max_rows
+    from pagedattn.launch.policy_mla import mla_head_blocks
 
-    assert mla_max_rows(torch.bfloat16) == 64
-    assert mla_max_rows(torch.float8_e4m3fn) == 32
     assert [mla_head_blocks(h, 1, 64) for h in (1, 16, 64, 128, 96, 127)] == [1, 1, 1, 2, 2,
                                                                              127]
     assert mla_head_blocks(128, 4, 64) == 8 and mla_head_blocks(16, 4, 64) == 1
@@ -275,13 +226,7 @@ def _bad_cases(inputs, device):
         (dict(kv_scale=-1.0), ValueError, "kv_scale"),
         (dict(kv_scale=torch.ones(3, device=device)), ValueError, "kv_scale"),
         (dict(return_lse=1), TypeError, "return_lse"),
-        (dict(num_splits=0), ValueError, "num_splits"),
-        (dict(schedule="fast"), ValueError, "schedule"),
-        # the decode kernel's persistent schedule was removed (perf-notes step 48)
-        (dict(schedule="persistent"), ValueError, "schedule"),
-        (dict(schedule="persistent", num_programs=3), ValueError, "schedule"),
         (dict(num_programs=0), ValueError, "num_programs"),
-        (dict(num_programs=4, schedule="split"), ValueError, "num_programs"),
         (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
         (dict(sinks=torch.zeros(3, device=device)), ValueError, "sinks"),
         (dict(sinks=torch.full((4,), math.nan, device=device)), ValueError, "sinks"),
@@ -293,12 +238,11 @@ def _bad_cases(inputs, device):
 
 
 def test_bad_arguments_are_named_before_any_launch(device, monkeypatch):
-    from pagedattn.launch import decode, mla
+    from pagedattn.launch import mla
 
     inputs = make_mla_inputs([9, 20], num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8,
                              seed=12, device=device)
     launches = []
-    monkeypatch.setattr(decode.AutoLauncher, "launch", lambda *a, **k: launches.append(1))
     monkeypatch.setattr(mla.MLALauncher, "launch", lambda *a, **k: launches.append(1))
     cases, good = _bad_cases(inputs, device)
     for change, exc, name in cases:
@@ -318,24 +262,24 @@ def test_bad_arguments_are_named_before_any_launch(device, monkeypatch):
     assert not launches
 
 
-def test_the_persistent_schedule_is_refused_with_why(device, monkeypatch):
-    """``schedule="persistent"`` (removed: slower than the split schedule on the GPUs
-    measured, perf-notes step 48) raises a ValueError that names ``schedule`` and says it
-    was removed, from the plan and the one-shot call, before any launch; ``num_programs``
-    stays the MLA kernel's parts."""
-    from pagedattn.launch import decode, mla
+def test_the_removed_keywords_are_refused(device, monkeypatch):
+    """``schedule`` and ``num_splits`` (the split path's, removed: docs/perf-notes.md step 52)
+    are no keywords of the plan or the one-shot call: a TypeError that names each, before any
+    launch and any write; ``num_programs`` stays the MLA kernel's parts."""
+    from pagedattn.launch import mla
 
     launches = []
-    monkeypatch.setattr(decode.AutoLauncher, "launch", lambda *a, **k: launches.append(1))
     monkeypatch.setattr(mla.MLALauncher, "launch", lambda *a, **k: launches.append(1))
     inputs = make_mla_inputs([9, 20], num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8,
                              seed=12, device=device)
     kw = dict(num_q_heads=4, latent_dim=32, rope_dim=16, page_size=8, q_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"^schedule: 'persistent' was removed"):
-        plan_mla_decode(*inputs[4:], schedule="persistent", **kw)
     out = torch.full_like(inputs.q_nope, 7.0)
-    with pytest.raises(ValueError, match=r"^schedule: 'persistent' was removed"):
-        mla_decode(*inputs, scale=0.1, out=out, schedule="persistent")
+    for removed in (dict(schedule="split"), dict(schedule=None), dict(num_splits=2)):
+        (name,) = removed
+        with pytest.raises(TypeError, match=rf"keyword argument '{name}'"):
+            plan_mla_decode(*inputs[4:], **removed, **kw)
+        with pytest.raises(TypeError, match=rf"keyword argument '{name}'"):
+            mla_decode(*inputs, scale=0.1, out=out, **removed)
     assert torch.equal(out, torch.full_like(out, 7.0)) and not launches
     plan_mla_decode(*inputs[4:], num_programs=3, **kw)  # the MLA kernel's parts: accepted
 
@@ -357,23 +301,6 @@ def test_plan_checks_its_arguments(device):
         plan.run(*inputs[:2], inputs.ckv_cache.view(-1, 4, 32), inputs.kpe_cache, scale=0.1)
     with pytest.raises(ValueError, match="^q_nope"):
         plan.run(inputs.q_nope[:, :2], *inputs[1:4], scale=0.1)
-
-
-def test_mla_kernels_compile_for_sm90():
-    """The MLA cases of ``scripts/compile_sm90.py`` compile for sm_90 (no GPU needed) within
-    an H200's 227 KB of shared memory a program and 255 registers; where the policy says the
-    token loop does not spill (TP8's 16 rows, the fp8 32-row tiles), it does not
-    (docs/perf-notes.md, step 42; Triton 3.6's bounds, another Triton's own measured counts
-    where they differ: ``_scripts.sm90_bound``)."""
-    cases = ("mla-tp1-bf16", "mla-tp8-bf16", "mla-tp1-fp8", "mla-tp1-q_len2")
-    lines = compiled_sm90(cases)
-    assert set(lines) == set(cases)
-    for line in lines.values():
-        assert int(re.search(r"(\d+) bytes of shared memory", line).group(1)) <= 227 * 1024
-    for case, line in lines.items():
-        loop = re.search(r"(\d+) spill instructions in the token loop", line)
-        if loop is not None and case.startswith(("mla-tp8", "mla-tp1-fp8")):
-            assert int(loop.group(1)) <= sm90_bound(case, "loop spills", 0), line
 
 
 def test_mla_kernel_compiles_for_sm90():

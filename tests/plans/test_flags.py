@@ -24,7 +24,7 @@ def test_fields_are_the_kernels_constexprs():
     and nothing else is: a new constexpr without a setter fails here."""
     params = inspect.signature(_paged_decode_kernel.fn).parameters.values()  # jit or interpreted
     constexprs = [p.name for p in params if p.annotation in (tl.constexpr, "tl.constexpr")]
-    assert len(constexprs) > 20  # the signature was read (23 since the persistent four went)
+    assert len(constexprs) >= 20  # the signature was read (20 since MLA's three went)
     assert sorted(FLAG_NAMES) == sorted(constexprs)
     assert len(set(FLAG_NAMES)) == len(FLAG_NAMES)
     flags = AutoLauncher(LaunchSpec(**SHAPE)).flags
@@ -57,10 +57,6 @@ def test_plan_and_binding_set_their_groups():
         {n: getattr(plan, n) for n in FLAG_NAMES if n not in binding_fields}
     assert kernel_flags(launcher.plan, launcher.spec, UNBOUND,
                         **launcher._flag_facts) == plan
-    mla = AutoLauncher(LaunchSpec(**{**SHAPE, "num_kv_heads": 1, "head_dim": 512}, rope_dim=64))
-    assert mla.flags.MLA and mla.flags.ROPE_DIM == 64 and mla.flags.BLOCK_DR == 64
-    fp8_mla = kernel_flags(mla.plan, mla.spec, binding, **mla._flag_facts)
-    assert fp8_mla.FP8_V_PAIRS == 0  # MLA's values are its latent tiles
 
 
 def test_a_binding_is_decided_once(device):

@@ -126,17 +126,15 @@ Runner = Callable[[], torch.Tensor]
 
 def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") -> Runner:
     """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call. ``variant``
-    (``--ours``): ``default``; ``split``, the earlier path (the decode kernel's MLA flag);
-    ``gluon``, the MLA kernel's Hopper path (the default where it applies); ``plain``, the
-    plain Triton MLA kernel; or the plain kernel with other tiles,
+    (``--ours``): ``default``; ``gluon``, the MLA kernel's Hopper path (the default where it
+    applies); ``plain``, the plain Triton MLA kernel; or the plain kernel with other tiles,
     ``bn<tokens>s<stages>[w<warps>]`` (A/B tuning)."""
-    schedule = "split" if variant == "split" else None
     plan = pagedattn.plan_mla_decode(
         inputs.block_tables, inputs.context_lens, num_q_heads=shape.num_heads,
         latent_dim=shape.latent_dim, rope_dim=shape.rope_dim, page_size=shape.page_size,
         q_dtype=inputs.q_nope.dtype, kv_dtype=shape.cache_dtype, q_len=shape.q_len,
-        logits_soft_cap=shape.soft_cap, schedule=schedule)
-    if schedule is None and variant != "default":
+        logits_soft_cap=shape.soft_cap)
+    if variant != "default":
         plan.kernel_config = _variant_config(plan, variant)
     out = torch.empty_like(inputs.q_nope)
     fp8 = shape.cache_dtype != inputs.q_nope.dtype
@@ -152,8 +150,8 @@ def _variant_config(plan, variant: str):
         return replace(base, gluon=variant == "gluon")
     m = re.fullmatch(r"bn(\d+)s(\d+)(?:w(\d+))?", variant)
     if m is None:
-        raise ValueError(f"--ours: unknown variant {variant!r} (default, split, gluon, "
-                         "plain, or bn<tokens>s<stages>[w<warps>])")
+        raise ValueError(f"--ours: unknown variant {variant!r} (default, gluon, plain, or "
+                         "bn<tokens>s<stages>[w<warps>])")
     bn, st, w = int(m[1]), int(m[2]), int(m[3]) if m[3] else base.num_warps
     return replace(base, block_n=bn, num_stages=st, num_warps=w, gluon=False)
 
@@ -255,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences of each row checked against the float64 oracle")
     ap.add_argument("--no-peers", action="store_true", help="pagedattn alone")
     ap.add_argument("--ours", default="default",
-                    help="comma list of our variants: default, split (the earlier path), "
-                         "gluon (the Hopper path), plain (the plain Triton MLA kernel), "
+                    help="comma list of our variants: default, gluon (the Hopper path), "
+                         "plain (the plain Triton MLA kernel), "
                          "bn<tokens>s<stages>[w<warps>] (the plain kernel's tiles)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: interpreter-sized rows, checked against the oracle, untimed")

@@ -87,7 +87,6 @@ from pagedattn.kernels.softmax import LOG2E, _fold_sink, _natural_lse, _rescale
 from pagedattn.kernels.steps import (
     _attend_tiles,
     _kv_scales,
-    _load_latent_query,
     _load_query,
     _lse_ptrs,
     _store_partial,
@@ -100,7 +99,7 @@ from pagedattn.kernels.steps import (
 # batch size, table width or split policy)
 _RUNTIME_ARGS = ["batch", "max_pages", "num_pages", "forced_splits", "min_chunk", "target_units",
                  "target_units_ragged", "stride_q_b", "stride_bt_b", "stride_o_b",
-                 "window_left", "stride_q_t", "stride_o_t", "stride_qpe_b", "stride_qpe_t"]
+                 "window_left", "stride_q_t", "stride_o_t"]
 
 @triton.jit(do_not_specialize=_RUNTIME_ARGS)
 def _paged_decode_kernel(
@@ -148,16 +147,6 @@ def _paged_decode_kernel(
     FOLD_MERGE: tl.constexpr = False,  # the last unit of a (sequence, kv head) merges its rows
     LEAN_SOFTMAX: tl.constexpr = False,  # every row sees a key in every tile: no clamp, no select
     SLOT_OFFSETS_I32: tl.constexpr = False,  # a token's offset within its page in int32
-    # absorbed multi-head latent attention (pagedattn.mla): keys [latent | rope], values the
-    # latent; key_cache_ptr the latent cache (HEAD_DIM = d_latent), value_cache_ptr the rope
-    # cache (ROPE_DIM dims, padded to BLOCK_DR), query_ptr q_nope; a "kv head" is a block of
-    # query heads (the caches' head stride 0)
-    MLA: tl.constexpr = False,
-    ROPE_DIM: tl.constexpr = 0,
-    BLOCK_DR: tl.constexpr = 1,
-    # MLA only: q_pe [batch, (Q_LEN,) heads, ROPE_DIM] (None otherwise: a constexpr, so the
-    # other kernels have no such parameter)
-    q_pe_ptr=None, stride_qpe_b=None, stride_qpe_t=None, stride_qpe_h=None, stride_qpe_d=None,
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows (the group is padded)")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
@@ -206,17 +195,8 @@ def _paged_decode_kernel(
     mask_hd = mask_h[:, None] & mask_d[None, :]
     k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,
                                   k_scale_val, v_scale_val, kv_head, SCALE_FROM_PTR)
-    qpe_dot = 0.0  # MLA: the query's rope part
-    if MLA:
-        offs_r = tl.arange(0, BLOCK_DR)
-        q_dot, qpe_dot, qk_scale = _load_latent_query(
-            q_ptrs, _tile_ptrs(q_pe_ptr, b, q_tok, heads, offs_r, stride_qpe_b, stride_qpe_t,
-                               stride_qpe_h, stride_qpe_d, Q_LEN),
-            mask_hd, mask_h[:, None] & _dim_mask(offs_r, ROPE_DIM, BLOCK_DR)[None, :],
-            scale_log2, k_scale, BLOCK_H, DOT_DTYPE, Q_POW2_SCALE)
-    else:
-        q_dot, qk_scale = _load_query(q_ptrs, mask_hd, scale_log2, k_scale, BLOCK_H, DOT_DTYPE,
-                                      Q_POW2_SCALE)
+    q_dot, qk_scale = _load_query(q_ptrs, mask_hd, scale_log2, k_scale, BLOCK_H, DOT_DTYPE,
+                                  Q_POW2_SCALE)
     # 64-bit: a head-major cache view can put heads more than 2^31 elements apart
     k_head = kv_head.to(tl.int64) * stride_k_head
     v_head = kv_head.to(tl.int64) * stride_v_head
@@ -224,15 +204,14 @@ def _paged_decode_kernel(
     if HAS_ALIBI:  # slopes in the exp2 domain, per row
         alibi2 = tl.load(alibi_ptr + heads, mask=mask_h, other=0.0) * LOG2E
 
-    m, l, acc = _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_ptr,
+    m, l, acc = _attend_tiles(q_dot, qk_scale, alibi2, key_cache_ptr, value_cache_ptr,
                               block_tables_ptr, b, kv_head, k_head, v_head, tok_start, tok_end,
                               ctx, q_pos, win_first, window_left, softcap, offs_n, offs_d,
                               mask_d, stride_k_page, stride_k_tok, stride_k_head, stride_k_d,
                               stride_v_page, stride_v_tok, stride_v_head, stride_v_d,
                               stride_bt_b, stride_bt_p, num_pages, HEAD_DIM, BLOCK_H,
                               BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_DTYPE, DOT_PRECISION, Q_LEN,
-                              VARIANTS, FP8_V_PAIRS, ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32, MLA,
-                              ROPE_DIM, BLOCK_DR)
+                              VARIANTS, FP8_V_PAIRS, ASM, LEAN_SOFTMAX, SLOT_OFFSETS_I32)
 
     if ONE_UNIT:  # the sequence's only unit (an empty one too: out 0)
         _store_result(out_ptr, lse_ptr, sinks_ptr, b, q_tok, heads, mask_h, offs_d, mask_hd,

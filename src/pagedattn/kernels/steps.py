@@ -119,11 +119,11 @@ def _load_query(q_ptrs, mask_hd, scale_log2, k_scale, BLOCK_H: tl.constexpr,
 def _load_latent_query(q_ptrs, qpe_ptrs, mask_hd, mask_hr, scale_log2, k_scale,
                        BLOCK_H: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        Q_POW2_SCALE: tl.constexpr):
-    """MLA's query tile (``MLA``): its latent part ``q_nope`` ``[BLOCK_H, BLOCK_D]`` and rope
-    part ``q_pe`` ``[BLOCK_H, BLOCK_DR]`` as the dots' operands, and the per-row score scale
-    ``(q_dot, qpe_dot, qk_scale)``, as :func:`_load_query`. A row's score is the sum of both
-    parts' dots, so ``Q_POW2_SCALE`` scales the two parts of a row by one power of two, from
-    the row's largest ``|q|`` over both."""
+    """MLA's query tile (:mod:`pagedattn.kernels.mla`): its latent part ``q_nope`` ``[BLOCK_H,
+    BLOCK_D]`` and rope part ``q_pe`` ``[BLOCK_H, BLOCK_DR]`` as the dots' operands, and the
+    per-row score scale ``(q_dot, qpe_dot, qk_scale)``, as :func:`_load_query`. A row's score
+    is the sum of both parts' dots, so ``Q_POW2_SCALE`` scales the two parts of a row by one
+    power of two, from the row's largest ``|q|`` over both."""
     q = tl.load(q_ptrs, mask=mask_hd, other=0.0).to(tl.float32)
     qr = tl.load(qpe_ptrs, mask=mask_hr, other=0.0).to(tl.float32)
     qk_scale = tl.zeros([BLOCK_H], tl.float32) + scale_log2 * k_scale  # per query row
@@ -179,10 +179,9 @@ def _fp8_dim_pairs(w, FP8: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
-                    window_left, softcap, qpe_dot, kpe, DOT_DTYPE: tl.constexpr,
+                    window_left, softcap, DOT_DTYPE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, Q_LEN: tl.constexpr, VARIANTS: tl.constexpr,
-                    LEAN: tl.constexpr = False, ASM: tl.constexpr = False,
-                    MLA: tl.constexpr = False):
+                    LEAN: tl.constexpr = False, ASM: tl.constexpr = False):
     """A tile's exp2-domain scores ``[BLOCK_H, BLOCK_N]``: ``q·kᵀ · qk_scale``, then the
     soft-cap (Gemma 2, on the natural-domain logit, before any bias), ALiBi's ``+ slope·(p -
     i)`` (``alibi2``: slopes times log2 e, per row), and -inf where a key is not seen: past
@@ -190,13 +189,9 @@ def _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_fir
     aligned) or before its window (each row's with several tokens; one token: the first
     tile's keys before ``win_first``). ``LEAN``: the product is exactly rounded
     (:func:`_exact_mul`, inline PTX with ``ASM``), as :func:`_softmax_block_step`'s
-    ``LEAN`` form needs. ``MLA``: the keys are ``[latent | rope]``, so the rope parts' dot
-    ``qpe_dot·kpeᵀ`` accumulates onto the latent one (unused otherwise). ``VARIANTS``: the
-    options' flags (:data:`pagedattn.options.Variants`), read here by name; a variant of the
-    scores goes here, under its flag."""
+    ``LEAN`` form needs. ``VARIANTS``: the options' flags (:data:`pagedattn.options.
+    Variants`), read here by name; a variant of the scores goes here, under its flag."""
     dot = tl.dot(q_dot, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-    if MLA:
-        dot = tl.dot(qpe_dot, tl.trans(kpe.to(DOT_DTYPE)), dot, input_precision=DOT_PRECISION)
     s = _exact_mul(dot, qk_scale[:, None], ASM) if LEAN else dot * qk_scale[:, None]
     if VARIANTS.HAS_SOFTCAP:
         s = _soft_cap(s, softcap)
@@ -243,7 +238,7 @@ def _online_softmax_step_pairs(m, l, acc_even, acc_odd, s, v, FP8: tl.constexpr,
 
 
 @triton.jit
-def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_ptr,
+def _attend_tiles(q_dot, qk_scale, alibi2, key_cache_ptr, value_cache_ptr,
                   block_tables_ptr, b, kv_head, k_head, v_head, tok_start, tok_end, ctx, q_pos,
                   win_first,
                   window_left, softcap, offs_n, offs_d, mask_d,
@@ -254,9 +249,7 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_LEN: tl.constexpr,
                   VARIANTS: tl.constexpr, FP8_V_PAIRS: tl.constexpr, ASM: tl.constexpr,
-                  LEAN_SOFTMAX: tl.constexpr, SLOT_OFFSETS_I32: tl.constexpr,
-                  MLA: tl.constexpr = False,
-                  ROPE_DIM: tl.constexpr = 0, BLOCK_DR: tl.constexpr = 1):
+                  LEAN_SOFTMAX: tl.constexpr, SLOT_OFFSETS_I32: tl.constexpr):
     """The token loop: the online softmax of the tile's rows (``q_dot``, ``qk_scale``,
     ``alibi2``: :func:`_load_query` and the ALiBi slopes) over tokens ``[tok_start,
     tok_end)`` of sequence ``b``, kv head ``kv_head`` (``k_head``/``v_head``: its 64-bit
@@ -264,15 +257,8 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
     unnormalized state ``(m, l, acc)``: ``[BLOCK_H]``, ``[BLOCK_H]``, ``[BLOCK_H, BLOCK_D]``
     (``-inf``, 0, 0 for an empty range). The next tile's page ids are loaded one iteration
     ahead, so the K/V loads never wait on a block-table load of their own iteration and the
-    pipeliner keeps several tiles in flight.
-
-    ``MLA`` (absorbed multi-head latent attention): the keys are ``[latent | rope]`` and the
-    values the latent itself, so ``key_cache_ptr`` is the latent cache (``HEAD_DIM`` =
-    ``d_latent``), ``value_cache_ptr`` the rope cache (``ROPE_DIM`` dims, ``BLOCK_DR``
-    padded; ``stride_v_*`` its strides) and ``qpe_dot`` the query's rope part
-    (:func:`_load_latent_query`; unused otherwise): each latent tile is loaded once and
-    serves as the keys of the scores and as the values of ``P·V``. ``VARIANTS``: the options'
-    flags (:data:`pagedattn.options.Variants`), passed on to :func:`_score_and_mask`.
+    pipeliner keeps several tiles in flight. ``VARIANTS``: the options' flags
+    (:data:`pagedattn.options.Variants`), passed on to :func:`_score_and_mask`.
 
     Page ids outside ``[0, num_pages)`` read page 0 instead: whatever its block table holds,
     the loop reads inside the caches (a report would keep a flag live across the loop, which
@@ -299,9 +285,6 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
     if SLOT_OFFSETS_I32:  # int32 instead (the launcher checked that every in-page offset fits)
         k_head = kv_head * stride_k_head
         v_head = kv_head * stride_v_head
-    if MLA:  # the rope part's dims
-        offs_r = tl.arange(0, BLOCK_DR)
-        mask_r = _dim_mask(offs_r, ROPE_DIM, BLOCK_DR)
     for n0 in range(tok_start, tok_end, BLOCK_N):
         tok = n0 + offs_n
         mask_n = tok < tok_end
@@ -326,10 +309,7 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
             v_off = page_id * stride_v_page + (slot * stride_v_tok + v_head)
         else:
             v_off = page_id * stride_v_page + slot * stride_v_tok + v_head
-        if MLA:  # the keys' rope part [BLOCK_N, BLOCK_DR]; the values are the latent tile k
-            v = tl.load(value_cache_ptr + v_off[:, None] + offs_r[None, :] * stride_v_d,
-                        mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        elif FP8_V_PAIRS:  # [BLOCK_N, BLOCK_D // 2] 16-bit words, two fp8 dims each
+        if FP8_V_PAIRS:  # [BLOCK_N, BLOCK_D // 2] 16-bit words, two fp8 dims each
             w_row = tl.multiple_of(v_off // 2, 8)  # the launcher's strides: 16-byte multiples
             v = tl.load(v_base + w_row[:, None] + offs_v[None, :],
                         mask=mask_n[:, None] & v_mask_d[None, :], other=0)
@@ -341,12 +321,9 @@ def _attend_tiles(q_dot, qk_scale, alibi2, qpe_dot, key_cache_ptr, value_cache_p
             _page_ids(block_tables_ptr, b, stride_bt_b, stride_bt_p, tok_next // PAGE_SIZE,
                       tok_next < tok_end), num_pages)
         s = _score_and_mask(q_dot, k, qk_scale, tok, mask_n, ctx, q_pos, alibi2, win_first,
-                            window_left, softcap, qpe_dot, v, DOT_DTYPE, DOT_PRECISION, Q_LEN,
-                            VARIANTS, LEAN_SOFTMAX, ASM, MLA)
-        if MLA:  # P·V over the latent tile the scores read
-            m, l, acc = _online_softmax_step(m, l, acc, s, k, DOT_DTYPE, DOT_PRECISION,
-                                             LEAN_SOFTMAX)
-        elif FP8_V_PAIRS:
+                            window_left, softcap, DOT_DTYPE, DOT_PRECISION, Q_LEN, VARIANTS,
+                            LEAN_SOFTMAX, ASM)
+        if FP8_V_PAIRS:
             m, l, acc_even, acc_odd = _online_softmax_step_pairs(m, l, acc_even, acc_odd, s, v,
                                                                  FP8_V_PAIRS, ASM,
                                                                  LEAN_SOFTMAX)

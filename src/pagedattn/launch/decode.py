@@ -66,7 +66,7 @@ from pagedattn.kernels.decode import (
     _paged_decode_kernel,
 )
 from pagedattn.launch import _triton_compat as tc
-from pagedattn.launch import policy, policy_mla
+from pagedattn.launch import policy
 from pagedattn.launch._common import LOG2E, block_d
 from pagedattn.launch.flags import UNBOUND, Binding, KernelFlags, kernel_flags
 from pagedattn.launch.policy import DecodeConfig
@@ -102,11 +102,6 @@ _MAIN_SLOTS = ("query_ptr", "key_cache_ptr", "value_cache_ptr", "block_tables_pt
                "context_lens_ptr", "out_ptr", "lse_ptr",
                "scale_log2", "k_scale_val", "v_scale_val", "part_ml_ptr", "part_acc_ptr",
                "seq_rows_ptr", "k_scale_ptr", "v_scale_ptr", "errors_ptr", "num_pages")
-#: an MLA launch's one more (``pagedattn.mla``): the query's rope part
-_MLA_SLOTS = (*_MAIN_SLOTS, "q_pe_ptr")
-#: the MLA arguments of a launch that is not MLA's (None: constexprs, no kernel parameter)
-_NO_MLA = dict(q_pe_ptr=None, stride_qpe_b=None, stride_qpe_t=None, stride_qpe_h=None,
-               stride_qpe_d=None)
 _MERGE_SLOTS = ("context_lens_ptr", "out_ptr", "lse_ptr", "part_ml_ptr",
                 "part_acc_ptr", "seq_rows_ptr")
 #: (option name, kernel argument) of the per-call variants each kernel takes
@@ -138,12 +133,7 @@ class AutoLauncher:
             (:class:`~pagedattn.spec.LaunchSpec`: ``num_splits`` forced splits per sequence
             or ``None``, token-balanced on the device; ``ragged``: the caller knows the batch
             is ragged, from a host copy of the lengths; ``q_len``: query tokens per sequence,
-            a constexpr of the kernels; ``options``' per-call fields off). Absorbed MLA
-            (``spec.rope_dim`` not ``None``: the keys' rope dims, 0 for none): ``num_kv_heads``
-            is 1 (the latent), ``head_dim`` the latent's dims, and the launcher cuts the
-            query heads into blocks (:mod:`pagedattn.launch.policy_mla`), each a kv head of
-            the kernel's; :meth:`launch` takes ``[num_pages, page_size, dims]`` latent and
-            rope caches and the query's rope part ``q_pe``.
+            a constexpr of the kernels; ``options``' per-call fields off).
         config: a :class:`~pagedattn.launch.policy.DecodeConfig` to use instead of
             :func:`~pagedattn.launch.policy.choose_config` (tuning).
         record: record each binding's launch for the direct path of later launches (see the
@@ -162,14 +152,6 @@ class AutoLauncher:
         device, options = spec.device, spec.options
         on_gpu = device.type == "cuda"
         batch_invariant = options.batch_invariant
-        #: absorbed MLA: the query heads in blocks that each read the one latent
-        self.mla = spec.rope_dim is not None
-        if self.mla:  # the kernel's kv heads: the blocks of query heads
-            spec = replace(spec, num_kv_heads=policy_mla.mla_head_blocks(
-                spec.num_q_heads, spec.q_len, policy_mla.mla_max_rows(spec.kv_dtype)))
-            config = config or policy_mla.mla_config(
-                d_latent=spec.head_dim, rows=max(16, spec.q_len * spec.group),
-                kv_dtype=spec.kv_dtype, interpret=interpret)
         batch, num_q_heads, num_kv_heads = spec.batch, spec.num_q_heads, spec.num_kv_heads
         head_dim, page_size, q_len = spec.head_dim, spec.page_size, spec.q_len
         # the device facts the policy reads: the SM count (4 off a GPU: the interpreter runs
@@ -186,7 +168,7 @@ class AutoLauncher:
         if plan.window_left != options.window_left:  # a window the table fits in: none
             options = replace(options, window_left=plan.window_left)
             spec = replace(spec, options=options)
-        #: the spec the kernels see (MLA: the head blocks as kv heads; the plan's window)
+        #: the spec the kernels see (the plan's window)
         self.spec = spec
         self.q_len, self.options, self.window_left = q_len, options, plan.window_left
         self.batch_invariant = batch_invariant
@@ -199,8 +181,6 @@ class AutoLauncher:
         self.target_units, self.target_units_ragged = plan.target_units, plan.target_units_ragged
         self.min_chunk, self.one_unit, self.rows_max = plan.min_chunk, plan.one_unit, plan.rows_max
         self.grid = (self.rows_max * num_kv_heads, 1, 1)
-        self.rope_dim = spec.rope_dim
-        self._main_slots = _MLA_SLOTS if self.mla else _MAIN_SLOTS
         # the plan-time variants' runtime values (fixed for the launcher)
         self.main_variant_args = options.kernel_args()
         self.merge_variant_args = options.kernel_args(merge=True)
@@ -226,10 +206,6 @@ class AutoLauncher:
         self.flags: KernelFlags = kernel_flags(plan, spec, UNBOUND, **self._flag_facts)
         self._bound_flags: dict[Binding, dict[str, object]] = {}
         self.merge_kernel = _merge_per_group_kernel if per_group else _merge_per_head_kernel
-        # the merge's warps: four, or for MLA's wide tiles (rows, or split rows, x 512 latent
-        # dims) one warp per 2,048 fp32 elements of a round's tile (a 64-row merge at four
-        # warps held 256 registers of each tile and spilled 8 KB: docs/perf-notes.md)
-        self.merge_warps = min(16, max(4, plan.merge_block * bd // 2048)) if self.mla else 4
         self.merge_grid = (batch, num_kv_heads if per_group else num_q_heads, 1)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
                                      **options.constexprs(merge=True))
@@ -303,13 +279,9 @@ class AutoLauncher:
         return kwargs
 
     def launch(self, query, key_cache, value_cache, block_tables, context_lens, out, lse, *,
-               scale: float, k_scale=None, v_scale=None, calls=None,
-               q_pe=None) -> dict[str, object]:
+               scale: float, k_scale=None, v_scale=None, calls=None) -> dict[str, object]:
         """Launch the main kernel and the merge on the current stream. Caches arrive as
         NHD-shaped views (HND is a stride permutation); inputs are validated by the API.
-        MLA (``rope_dim``): ``query`` is ``q_nope``, ``q_pe`` its rope part, ``key_cache``
-        and ``value_cache`` the ``[num_pages, page_size, dims]`` latent and rope caches (the
-        kernel sees them with a head stride of 0: every block of heads reads the latent).
         ``query``/``out`` are ``[batch, q_len, num_q_heads, head_dim]`` when ``q_len > 1``.
         ``calls``: the per-call variants that are on (``pagedattn.options``: name ->
         contiguous ``[num_q_heads]`` float32, as the API makes them), or ``None``.
@@ -339,9 +311,7 @@ class AutoLauncher:
                    k_ptr % 16 == 0, v_ptr % 16 == 0, bt_ptr % 16 == 0, cl_ptr % 16 == 0,
                    out_ptr % 16 == 0, ml_ptr % 16 == 0,
                    tuple((n, t.dtype, t.data_ptr() % 16 == 0) for n, t in calls.items())
-                   if calls else None,
-                   (q_pe.dtype, _kernel_strides(q_pe), q_pe.data_ptr() % 16 == 0)
-                   if self.mla else None)
+                   if calls else None)
             record = self._records.get(key)
             if record is not None:
                 lse_ptr = lse.data_ptr() if lse is not None else ml_ptr
@@ -350,8 +320,6 @@ class AutoLauncher:
                           1.0 if k_scale is None else float(k_scale),
                           1.0 if v_scale is None else float(v_scale), ml_ptr, acc_ptr,
                           rows_ptr, ml_ptr, ml_ptr, self._error_ptr, key_cache.shape[0])
-                if self.mla:
-                    values = (*values, q_pe.data_ptr())
                 stream = self._get_stream(self.device.index)
                 enter, leave = tc.launch_hooks()
                 record.main.run(self.grid, stream, values, calls, ml_ptr, enter, leave)
@@ -362,7 +330,7 @@ class AutoLauncher:
                 return record.compiled
         main_args, merge_args = self.kernel_args(
             query, key_cache, value_cache, block_tables, context_lens, out, lse, work,
-            scale=scale, k_scale=k_scale, v_scale=v_scale, calls=calls, q_pe=q_pe)
+            scale=scale, k_scale=k_scale, v_scale=v_scale, calls=calls)
         cfg = self.config
         main = _paged_decode_kernel[self.grid](**main_args, num_warps=cfg.num_warps,
                                                num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
@@ -371,14 +339,14 @@ class AutoLauncher:
         merge = None
         if merge_args is not None:
             merge = self.merge_kernel[self.merge_grid](
-                **merge_args, num_warps=self.merge_warps, **tc.KERNEL_OPTIONS,
+                **merge_args, num_warps=4, **tc.KERNEL_OPTIONS,
                 **({"launch_pdl": True} if self.pdl else {}))
             compiled["paged_decode_merge"] = merge
         if key is not None:
             if len(self._records) >= _MAX_BINDINGS:
                 self._records.clear()
             self._records[key] = BindingRecord(
-                RecordedLaunch.record(_paged_decode_kernel, main, main_args, self._main_slots,
+                RecordedLaunch.record(_paged_decode_kernel, main, main_args, _MAIN_SLOTS,
                                       _MAIN_CALLS),
                 None if merge is None else RecordedLaunch.record(
                     self.merge_kernel, merge, merge_args, _MERGE_SLOTS, _MERGE_CALLS),
@@ -386,8 +354,8 @@ class AutoLauncher:
         return compiled
 
     def kernel_args(self, query, key_cache, value_cache, block_tables, context_lens, out, lse,
-                    work, *, scale: float, k_scale=None, v_scale=None, calls=None,
-                    q_pe=None) -> tuple[dict[str, object], dict[str, object] | None]:
+                    work, *, scale: float, k_scale=None, v_scale=None, calls=None
+                    ) -> tuple[dict[str, object], dict[str, object] | None]:
         """The keyword arguments of the main kernel (``_paged_decode_kernel``'s signature:
         tensors, strides, launcher integers, constexprs) and of the merge kernel (``None``
         for a launch without one) for one :meth:`launch` (its arguments, ``work`` the
@@ -395,13 +363,6 @@ class AutoLauncher:
         tensor_scales = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
         part_ml, part_acc, seq_rows = self.workspace_parts(work)
         multi = self.q_len > 1  # a 4-D query and out
-        mla_args = _NO_MLA
-        if self.mla:  # [num_pages, page_size, blocks, dims] views of one head, stride 0
-            key_cache, value_cache = (c.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
-                                      for c in (key_cache, value_cache))
-            mla_args = dict(q_pe_ptr=q_pe, stride_qpe_b=q_pe.stride(0),
-                            stride_qpe_t=q_pe.stride(1) if multi else 0,
-                            stride_qpe_h=q_pe.stride(-2), stride_qpe_d=q_pe.stride(-1))
         k_t = v_t = None
         if tensor_scales:  # both as tensors: one specialization for the pair
             k_t, v_t = (s if isinstance(s, torch.Tensor) else torch.full(
@@ -447,7 +408,6 @@ class AutoLauncher:
                     slot_offsets_fit_int32(c, self.page_size, self.num_kv_heads)
                     for c in (key_cache, value_cache)),
                 fp8_v_pairs=fp8_v_pairs(value_cache, self.head_dim))),
-            **mla_args,
         )
         if not self.launches_merge:  # a folded or one-unit launch has no merge kernel
             return main_args, None
@@ -483,8 +443,8 @@ def _kernel_strides(t: torch.Tensor) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=ONE_SHOT_CACHE_SIZE)
 def one_shot_launcher(spec: LaunchSpec) -> AutoLauncher:
-    """The launcher that every one-shot ``paged_decode`` (or ``mla_decode`` on the split
-    schedule) of this :class:`~pagedattn.spec.LaunchSpec` shares: the spec is the key
+    """The launcher that every one-shot ``paged_decode`` of this
+    :class:`~pagedattn.spec.LaunchSpec` shares: the spec is the key
     (``ragged`` off, as a one-shot call has no host copy of the lengths).
 
     What it caches is a pure function of the key: the launch configuration (tiles, grid,

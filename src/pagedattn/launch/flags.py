@@ -9,8 +9,7 @@ who sets them:
 * **dtype**: the query's and the caches' dtypes (the dots' operand dtype and precision);
 * **variant**: ``VARIANTS``, every option's flag in one bundle (:data:`pagedattn.options.
   Variants`, made from the declarations: a new option adds its flag there by itself; the
-  plan-time options' flags are the plan's, the per-call options' the binding's), and the
-  kernel's mode (absorbed MLA);
+  plan-time options' flags are the plan's, the per-call options' the binding's);
 * **policy**: the schedule and the token loop's fast forms that the launch plan chose (one
   unit, folded merge, PDL, lean softmax), and inline PTX off the interpreter;
 * **binding**: what one call's tensors decide (:class:`Binding`: tensor scales, LSE, the
@@ -33,7 +32,6 @@ import torch
 import triton.language as tl
 
 from pagedattn._validation import FP8_DTYPES
-from pagedattn.launch import policy_mla
 from pagedattn.launch._common import block_d
 from pagedattn.launch.policy import LaunchPlan
 from pagedattn.options import variants
@@ -82,9 +80,9 @@ UNBOUND = Binding()
 #: the kernel's constexpr parameters by setter, in the order of :class:`KernelFlags`
 GROUPS: dict[str, tuple[str, ...]] = {
     "shape and tile": ("HEAD_DIM", "BLOCK_D", "BLOCK_H", "BLOCK_N", "BLOCK_B", "PAGE_SIZE",
-                       "Q_LEN", "ROPE_DIM", "BLOCK_DR"),
+                       "Q_LEN"),
     "dtype": ("DOT_DTYPE", "DOT_PRECISION", "Q_POW2_SCALE"),
-    "variant": ("VARIANTS", "MLA"),
+    "variant": ("VARIANTS",),
     "policy": ("ONE_UNIT", "FOLD_MERGE", "PDL", "LEAN_SOFTMAX", "ASM"),
     "binding": ("SCALE_FROM_PTR", "HAS_LSE", "SLOT_OFFSETS_I32", "FP8_V_PAIRS"),
 }
@@ -111,28 +109,25 @@ def kernel_flags(plan: LaunchPlan, spec: LaunchSpec, binding: Binding = UNBOUND,
                  interpret: bool, pdl: bool) -> KernelFlags:
     """Every constexpr of the main kernel for a launch plan (the policy's
     :class:`~pagedattn.launch.policy.LaunchPlan`), the launcher's
-    :class:`~pagedattn.spec.LaunchSpec` (the shapes, the dtypes, MLA's ``rope_dim``, and the
+    :class:`~pagedattn.spec.LaunchSpec` (the shapes, the dtypes and the
     plan-time ``options``, their ``window_left`` as the plan has it: no window where the
     table fits in one), the device facts (``interpret``; ``pdl``: the per-group merge
     launched as a programmatic dependent, which the launcher decides from the device) and
     one call's ``binding``."""
     cfg = plan.config
-    options, rope_dim, kv_dtype = spec.options, spec.rope_dim, spec.kv_dtype
+    options, kv_dtype = spec.options, spec.kv_dtype
     head_dim, q_len = spec.head_dim, spec.q_len
-    mla = rope_dim is not None
     return KernelFlags(
         # shape and tile
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_H=plan.block_h,
         BLOCK_N=cfg.block_n, BLOCK_B=BLOCK_B, PAGE_SIZE=spec.page_size, Q_LEN=q_len,
-        ROPE_DIM=rope_dim if mla else 0,
-        BLOCK_DR=policy_mla.mla_block_dr(rope_dim) if mla else 1,
         # dtype
         DOT_DTYPE=dot_dtype(kv_dtype, interpret),
         DOT_PRECISION=dot_precision(kv_dtype, interpret),
         Q_POW2_SCALE=kv_dtype in FP8_DTYPES and spec.q_dtype != torch.float16,
         # variant: every option's flag (pagedattn.options.Variants; the per-call ones: on
         # when the binding's call holds the option)
-        VARIANTS=variants(options, binding.calls), MLA=mla,
+        VARIANTS=variants(options, binding.calls),
         # policy
         ONE_UNIT=plan.one_unit, FOLD_MERGE=plan.fold_merge, PDL=pdl,
         # the lean online softmax needs every row of every tile to see a key (so the running
@@ -145,6 +140,5 @@ def kernel_flags(plan: LaunchPlan, spec: LaunchSpec, binding: Binding = UNBOUND,
         # binding
         SCALE_FROM_PTR=binding.scale_from_ptr, HAS_LSE=binding.has_lse,
         SLOT_OFFSETS_I32=cfg.slot_offsets_i32 and binding.slot_offsets_fit_int32,
-        # MLA's values are its latent tiles (the rope cache is no value cache)
-        FP8_V_PAIRS=0 if mla else binding.fp8_v_pairs,
+        FP8_V_PAIRS=binding.fp8_v_pairs,
     )

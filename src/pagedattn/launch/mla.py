@@ -86,8 +86,8 @@ class MLALauncher:
         fp8 = kv_dtype in FP8_DTYPES
         # the dots' dtype: the cache's, and for an fp8 latent the query's 16-bit dtype (fp8
         # converts exactly to either; a bf16 query then dots as it is, from shared memory,
-        # where the fp16 dots of the decode kernel need it scaled into fp16's range in
-        # registers: 128 registers a thread at 64 rows, and the token loop spilled)
+        # where fp16 dots would need it scaled into fp16's range in registers: 128
+        # registers a thread at 64 rows, and the token loop spilled)
         dots = q_dtype if fp8 and q_dtype in (torch.float16, torch.bfloat16) else kv_dtype
         self.ws_shape = ((cfg.num_parts * 2 * self.rows * bd,), (cfg.num_parts * 2 * self.rows,),
                          (max(batch, 1) * 2,))

@@ -252,11 +252,11 @@ class LaunchPlan:
 def plan_launch(spec: LaunchSpec, *, config: DecodeConfig | None, interpret: bool, sms: int,
                 device_name: str | None, owns_workspace: bool = True) -> LaunchPlan:
     """The launch plan of an :class:`~pagedattn.launch.decode.AutoLauncher`: its
-    :class:`~pagedattn.spec.LaunchSpec` (MLA's with the head blocks as kv heads) and the
-    device facts (``interpret``, ``sms`` and ``device_name``, the GPU's name for its tuned
-    table or ``None``). ``config`` replaces :func:`choose_config` (tuning) and turns off the
-    plan's own tile adjustments. ``owns_workspace``: the launcher keeps one workspace for
-    every launch (a plan's), so a merge may be folded (``fold_merge``).
+    :class:`~pagedattn.spec.LaunchSpec` and the device facts (``interpret``, ``sms`` and
+    ``device_name``, the GPU's name for its tuned table or ``None``). ``config`` replaces
+    :func:`choose_config` (tuning) and turns off the plan's own tile adjustments.
+    ``owns_workspace``: the launcher keeps one workspace for every launch (a plan's), so a
+    merge may be folded (``fold_merge``).
 
     Raises:
         ValueError: ``num_splits`` past the partial rows the kernels index in int32.

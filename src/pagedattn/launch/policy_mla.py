@@ -1,48 +1,29 @@
-"""The launch policy of absorbed multi-head latent attention (``pagedattn.mla``): how the
-query heads are packed into the production kernel's tiles, and the tiles.
+"""The launch policy of absorbed multi-head latent attention (``pagedattn.mla``): the MLA
+kernel's head blocks, tiles and balanced parts (:mod:`pagedattn.kernels.mla`), and where its
+Gluon path applies (:mod:`pagedattn.kernels.mla_gluon`).
 
 MLA (DeepSeek-V2/V3, Kimi K2) has one latent "kv head" that every query head reads: the
 keys are ``[latent | rope]`` (``d_latent + d_rope`` dims, 512 + 64 in DeepSeek-V3) and the
-values the latent itself. The kernel (``MLA`` of ``kernels/decode.py``) packs a block of
-query heads as one tile's rows, as it packs a GQA group, and walks the latent tiles once for
-the scores and the output. A block is what the kernel calls a kv head: the launcher hands it
-the caches with a head stride of 0, so the ``num_heads / group`` blocks of one sequence all
-read the same latent rows (adjacent programs: the second read comes from L2), and the
-device planner and the merges are the kernel's own.
+values the latent itself. A program packs ``q_len`` x the query heads of a block as its
+tile's rows and walks the latent tiles once for the scores and the output.
 
 Pure functions of shapes, dtypes and the interpreter flag, as :mod:`pagedattn.launch.policy`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from pagedattn.launch._common import block_d, next_power_of_2
-from pagedattn.launch.policy import DecodeConfig
-
-#: tile rows (query tokens x heads of a block), at most, by cache dtype, from
-#: the compiled sm_90 kernels. 64 rows are Hopper's wgmma tile
-#: (one warpgroup's M; at eight warps the two warpgroups split the 512 value dims, the fp32
-#: accumulator 128 registers a thread): bf16 compiles to 255 registers with no spill inside
-#: the token loop; fp16 and fp8 latents at 64 rows spill inside it (74 and 215 spill
-#: instructions), at 32 rows not (144 and 240 registers); fp32's split-bf16 dots spill at
-#: any size (a CPU path)
-_MAX_ROWS = {torch.bfloat16: 64, torch.float16: 32, torch.float32: 16}
-_MAX_ROWS_FP8 = 32
-
-
-def mla_max_rows(kv_dtype: torch.dtype) -> int:
-    """The most tile rows of an MLA plan on the decode kernel (see :data:`_MAX_ROWS`)."""
-    return _MAX_ROWS.get(kv_dtype, _MAX_ROWS_FP8)
 
 
 def mla_head_blocks(num_heads: int, q_len: int, max_rows: int) -> int:
     """The blocks the ``num_heads`` query heads are cut into: the fewest that divide them with
     at most ``max_rows`` tile rows (``q_len`` tokens x the block's heads) each, so every block
-    reads each latent tile once for all of its heads (DeepSeek-V3 in bf16: 128 heads at TP1
-    are two blocks of 64, 16 at TP8 one). A prime count past ``max_rows`` falls to one head
+    reads each latent tile once for all of its heads (DeepSeek-V3 at 64 rows: 128 heads at
+    TP1 are two blocks of 64, 16 at TP8 one). A prime count past ``max_rows`` falls to one head
     a block (correct, not fast); realistic counts are powers of two or multiples of 8."""
     for blocks in range(1, num_heads + 1):
         if num_heads % blocks == 0 and q_len * (num_heads // blocks) <= max_rows:
@@ -50,40 +31,11 @@ def mla_head_blocks(num_heads: int, q_len: int, max_rows: int) -> int:
     return num_heads
 
 
-def mla_config(*, d_latent: int, rows: int, kv_dtype: torch.dtype, interpret: bool
-               ) -> DecodeConfig:
-    """The tiles of an MLA plan whose tile holds ``rows`` rows (``q_len`` x heads of a block,
-    padded to at least 16), read off the compiled sm_90 kernels (not tuned on a GPU: the H200
-    runs were correct and far behind FlashInfer's MLA kernel). Eight warps: the
-    ``rows x d_latent`` fp32 accumulator spread over 256
-    threads (at 64 rows, one warpgroup's wgmma M, the two warpgroups each hold 256 of the
-    512 value dims). 32-token latent tiles 2 deep up to 16 rows (bf16: 115 registers, 56 KB
-    of shared memory, two programs per SM), 16-token tiles 2 deep above (32 rows: 144
-    registers, one program; 64 rows: 255, 128 KB, one program; 32-token tiles at 64 rows
-    spill inside the token loop). The split target is the programs resident per SM; the
-    folded merge of 16-bit plans as in the production kernel."""
-    bd = block_d(d_latent)
-    narrow = rows <= 16 or bd <= 128
-    ctas = 2 if narrow else 1
-    cfg = DecodeConfig(block_n=32 if narrow else 16, num_warps=8 if bd >= 256 else 4,
-                       num_stages=2, ctas_per_sm=ctas, min_chunk=256,
-                       ragged_ctas_per_sm=2 * ctas,
-                       fold_merge=kv_dtype in (torch.float16, torch.bfloat16),
-                       lean_softmax=kv_dtype != torch.float32,
-                       slot_offsets_i32=kv_dtype != torch.float32)
-    if interpret:  # the interpreter runs programs one by one: fewer, smaller is faster
-        cfg = replace(cfg, ctas_per_sm=1, ragged_ctas_per_sm=2, num_stages=1,
-                      block_n=min(cfg.block_n, 16), min_chunk=64, invariant_chunk=64)
-    return cfg
-
-
 def mla_block_dr(d_rope: int) -> int:
     """The rope part's padded dims (``BLOCK_DR``): a power of two, at least 16 (a
     ``tl.dot``'s reduction)."""
     return max(16, next_power_of_2(d_rope))
 
-
-# --- the MLA kernel's policy (kernels/mla.py) ----------------------------------------------
 
 #: FlashMLA's fixed cost of a sequence, in tiles of 64 tokens (its epilogue and the merge
 #: of a cut sequence): the balanced parts share ``Σ (tiles + OVERHEAD)`` equally
