@@ -341,6 +341,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="a few tiny cases of every family in the interpreter")
     ap.add_argument("--json")
+    ap.add_argument("--family-timeout", type=float, default=150.0,
+                    help="seconds a family's process may take before it is killed and "
+                         "counted failed (a hang must not cost the other families' rows)")
     args = ap.parse_args(argv)
     SMOKE = args.cpu_smoke
     if not SMOKE and not torch.cuda.is_available():
@@ -358,7 +361,7 @@ def main(argv=None) -> int:
     if SMOKE:
         rows = {f: run_family(f) for f in FAMILIES}
     else:
-        procs = {}
+        procs, started = {}, {}
         pending = list(FAMILIES)
         rows = {}
         while pending or procs:
@@ -367,8 +370,16 @@ def main(argv=None) -> int:
                 procs[f] = subprocess.Popen([sys.executable, __file__, "--family", f],
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             text=True, env=os.environ.copy())
+                started[f] = time.time()
             for f, p in list(procs.items()):
-                if p.poll() is not None:
+                if p.poll() is None and time.time() - started[f] > args.family_timeout:
+                    p.kill()  # a hang (a kernel that never returns): its rows so far, failed
+                    p.wait()
+                    print(f"{f}: TIMED OUT after {args.family_timeout:.0f} s", flush=True)
+                    print(p.stdout.read(), end="", flush=True)
+                    rows[f] = (0, 1)
+                    del procs[f]
+                elif p.poll() is not None:
                     text = p.stdout.read()
                     print(text, end="", flush=True)
                     tail = [ln for ln in text.splitlines() if ln.startswith(f"{f}: ")]
