@@ -367,6 +367,101 @@ def test_gluon_schedule_kernel(device, tokens):
         check_errors(device)
 
 
+class _MBarrier:
+    """An mbarrier as the kernel uses it (count 1, so each arrival completes a phase):
+    ``mbarrier.try_wait.parity`` passes while the current, incomplete phase's parity differs
+    from the one waited for (a fresh barrier passes parity 1; a waiter two phases behind
+    blocks, as on the hardware)."""
+
+    def __init__(self):
+        self.completed = 0  # phases completed
+
+    def done(self, parity: int) -> bool:
+        return self.completed % 2 != parity
+
+
+def _handoff(n_tiles: int, stages: int, overlap: bool, ahead: int) -> list[str]:
+    """The Gluon prefill kernel's stage hand-offs (``_producer``, ``_consumer``), step for
+    step, as two coroutines over mbarriers: the order of the consumer's reads, or
+    ``["deadlock"]``. A wait names its barrier and parity; tile ``t``'s copies are readable
+    once its ``kv_ready`` arrival happened (the producer arrives after its copies landed)."""
+    q_ready, ready = _MBarrier(), [_MBarrier() for _ in range(stages)]
+    empty = [_MBarrier() for _ in range(stages)]
+    issued, read = [], []
+
+    def producer():
+        for j in range(n_tiles):
+            s = j % stages
+            if j >= stages:
+                yield empty[s], ((j // stages) + 1) % 2
+            issued.append(j)
+            if ahead == 0:
+                if j == 0:
+                    q_ready.completed += 1
+                ready[s].completed += 1
+            elif j == 0:
+                q_ready.completed += 1
+            else:
+                ready[(j - 1) % stages].completed += 1
+        if n_tiles == 0:
+            q_ready.completed += 1
+        elif ahead == 1:
+            ready[(n_tiles - 1) % stages].completed += 1
+
+    def consumer():
+        yield q_ready, 0
+        if overlap and n_tiles > 0:
+            yield ready[0], 0
+            read.append(0)
+        last = max(n_tiles - 1, 0)
+        for j in range(n_tiles):
+            s = j % stages
+            if overlap:
+                nxt = min(j + 1, last)
+                yield ready[nxt % stages], (nxt // stages) % 2
+                assert nxt in issued
+                read.append(nxt)
+            else:
+                yield ready[s], (j // stages) % 2
+                assert j in issued
+                read.append(j)
+            empty[s].completed += 1
+
+    sides = [producer(), consumer()]
+    waiting = [None, None]
+    for _ in range(10 * (n_tiles + 2)):
+        moved = False
+        for i, side in enumerate(sides):
+            if side is None:
+                continue
+            if waiting[i] is not None and not waiting[i][0].done(waiting[i][1]):
+                continue
+            try:
+                waiting[i] = next(side)
+            except StopIteration:
+                sides[i] = None
+            moved = True
+        if not moved:
+            return ["deadlock"] if any(sides) else read
+    return ["deadlock"]
+
+
+@pytest.mark.parametrize("stages,overlap", [(2, False), (3, False), (2, True), (3, True)])
+def test_gluon_prefill_handoff_never_deadlocks(stages, overlap):
+    """The stage hand-offs of the Gluon prefill kernel, modelled step for step (the
+    interpreter runs no Gluon and a GPU hangs rather than fails): with the producer's
+    ``AHEAD`` as the launcher sets it, both sides finish for 0 to 9 tiles and the consumer
+    reads each tile in order (with the overlap: tile ``j + 1``'s scores before tile ``j`` is
+    released, the last tile twice); with one more tile of lead the two would wait on each
+    other, which the kernel's ``static_assert`` refuses."""
+    ahead = int(stages > 1 + overlap)
+    for n in range(10):
+        want = list(range(n)) + ([n - 1] if overlap and n else [])
+        assert _handoff(n, stages, overlap, ahead) == want
+    if ahead == 0:  # the lead the kernel refuses: a deadlock once a tile must wait a release
+        assert _handoff(5, stages, overlap, 1) == ["deadlock"]
+
+
 def test_gluon_prefill_kernel_compiles_for_sm90():
     """The Gluon prefill kernel (``kernels/prefill_gluon.py``, warp-specialized) compiles for
     sm_90 with its schedule kernel: 128- and 64-key tiles, head dims 128 and 64, the

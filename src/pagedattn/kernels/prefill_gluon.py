@@ -90,10 +90,14 @@ def _producer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
               stride_q_t, stride_q_h, stride_k_page, stride_k_tok, stride_k_head,
               stride_v_page, stride_v_tok, stride_v_head, stride_bt_p,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr):
     """The producer warpgroup: the query, then each tile's keys and values into the stage
-    ``j % STAGES`` once the consumers have released it, one tile ahead of the arrivals;
-    reports a clamped page id."""
+    ``j % STAGES`` once the consumers have released it; ``AHEAD`` (0 or 1): tiles issued
+    past the one whose landing it signals (1: tile ``j``'s copies go out before tile ``j -
+    1``'s arrival). The consumers wait for tile ``j + OVERLAP`` before releasing tile ``j``,
+    and tile ``t``'s arrival needs the release of tile ``t + AHEAD - STAGES``: so ``OVERLAP +
+    AHEAD < STAGES`` (the kernel asserts it), else neither side could move. Reports a
+    clamped page id."""
     # 16-byte vectors along the head dim: HEAD_DIM // 8 threads a row
     TPR: gl.constexpr = HEAD_DIM // 8
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
@@ -120,15 +124,21 @@ def _producer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
                          j * BLOCK_N, kv_end, num_pages, stride_v_page, stride_v_tok, v_off,
                          PAGE_SIZE, BLOCK_N, HEAD_DIM, LD)
         commit_group()
-        wait_group(1)  # the group before this tile's: the query (j = 0) or tile j - 1
-        if j == 0:
-            _landed(q_ready)
-        else:
-            _landed(kv_ready.index((j - 1) % STAGES))
+        if AHEAD == 0:  # this tile's copies (and the query's, before tile 0's) have landed
+            wait_group(0)
+            if j == 0:
+                _landed(q_ready)
+            _landed(kv_ready.index(s))
+        else:  # the group before this tile's: the query (j = 0) or tile j - 1
+            wait_group(1)
+            if j == 0:
+                _landed(q_ready)
+            else:
+                _landed(kv_ready.index((j - 1) % STAGES))
     wait_group(0)
     if n_tiles == 0:
         _landed(q_ready)
-    else:
+    elif AHEAD == 1:
         _landed(kv_ready.index((n_tiles - 1) % STAGES))
     if (gl.max(bad.to(gl.int32), axis=0) > 0) & report_pages:  # BLOCK_TABLES (5), unless
         # a report of a lower code is pending
@@ -249,9 +259,10 @@ def _paged_prefill_gluon_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr,
     SCALE_FROM_PTR: gl.constexpr, HAS_LSE: gl.constexpr, OVERLAP: gl.constexpr,
-    num_warps: gl.constexpr,
+    AHEAD: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 8, "two consumer warpgroups")
+    gl.static_assert(OVERLAP + AHEAD < STAGES, "producer and consumers would wait on each other")
     gl.static_assert(BLOCK_M == 128, "64 rows a consumer warpgroup")
     r = gl.program_id(0)
     head = gl.program_id(1)
@@ -302,5 +313,5 @@ def _paged_prefill_gluon_kernel(
                      row0, rows_here, head, kv_head, kv_end, n_tiles, b, report_pages,
                      num_pages, stride_q_t, stride_q_h, stride_k_page, stride_k_tok,
                      stride_k_head, stride_v_page, stride_v_tok, stride_v_head, stride_bt_p,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES)),
+                     HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES, AHEAD)),
     ], [4], [56])

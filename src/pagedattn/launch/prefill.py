@@ -231,7 +231,8 @@ class PrefillLauncher:
             HEAD_DIM=self.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PAGE_SIZE=self.page_size, STAGES=cfg.num_stages,
             DTYPE=self.constexprs["DOT_DTYPE"], SCALE_FROM_PTR=tensor_scales,
-            HAS_LSE=lse is not None, OVERLAP=bool(cfg.overlap), num_warps=8)
+            HAS_LSE=lse is not None, OVERLAP=bool(cfg.overlap),
+            AHEAD=int(cfg.num_stages > 1 + bool(cfg.overlap)), num_warps=8)
         self.last_compiled = main
         return {"prefill_schedule": schedule, "paged_prefill_gluon": main}
 
