@@ -75,9 +75,9 @@ def _copy_rows(buf, bad, base_ptr, bt_row_ptr, stride_bt_p, n0, kv_end, num_page
 
 @gluon.jit
 def _landed(bar):
-    """Every producer thread's copies before its last ``commit_group`` but one have landed
-    (the caller waited): fence them for the async proxy (wgmma reads there), then one
-    arrival on ``bar`` once all 128 threads have."""
+    """The copies ``bar`` signals have landed in every producer thread (the caller waited for
+    their group): fence them for the async proxy (wgmma reads there), then one arrival on
+    ``bar`` once all 128 threads have."""
     fence_async_shared()
     thread_barrier()
     mbarrier.arrive(bar, count=1)
