@@ -112,6 +112,73 @@ def _soft_cap(s, cap):
     return gl.where(ax < 0.0625, series, gl.where(x < 0, -t, t) * (cap * _LOG2E))
 
 
+@gluon.jit
+def _store_sequence(acc, m_i, l_i, whole, b64, part, second, hb, kv_scale, out_ptr, lse_ptr,
+                    part_o_ptr, part_lse_ptr, sinks_ptr, num_q_heads, rows, stride_o_b,
+                    stride_o_t, stride_o_h, stride_o_d, m_s, m_o, d_o,
+                    LATENT_DIM: gl.constexpr, BLOCK_D: gl.constexpr, HEADS: gl.constexpr,
+                    Q_LEN: gl.constexpr, HAS_SINKS: gl.constexpr, HAS_LSE: gl.constexpr,
+                    O_L: gl.constexpr):
+    """A sequence's rows (token x head, in the score's and the output's layouts): ``whole``,
+    the normalized output (the sink folded in) and its LSE; cut, this part's normalized
+    partial and its log2 LSE in the workspace slot ``part * 2 + second``."""
+    head_s = hb * HEADS + m_s % HEADS
+    rid_s = (m_s // HEADS) * num_q_heads + head_s
+    mask_s = m_s < Q_LEN * HEADS
+    head_o = hb * HEADS + m_o % HEADS
+    tok_o = m_o // HEADS
+    rid_o = tok_o * num_q_heads + head_o
+    mask_o = (m_o < Q_LEN * HEADS)[:, None] & (d_o < LATENT_DIM)[None, :]
+    if whole:
+        if HAS_SINKS:
+            sink2 = gl.load(sinks_ptr + head_s, mask=mask_s, other=0.0) * _LOG2E
+            m_f = gl.maximum(m_i, sink2)
+            a_f = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_f))
+            l_i = l_i * a_f + gl.where(sink2 == m_f, 1.0, gl.exp2(sink2 - m_f))
+            m_i = m_f
+            acc = acc * gl.convert_layout(a_f, gl.SliceLayout(1, O_L))[:, None]
+        inv = gl.where(l_i > 0, kv_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
+        o = acc * gl.convert_layout(inv, gl.SliceLayout(1, O_L))[:, None]
+        o_ptrs = (out_ptr + b64 * stride_o_b + tok_o[:, None] * stride_o_t
+                  + head_o[:, None] * stride_o_h + d_o[None, :] * stride_o_d)
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_o)
+        if HAS_LSE:
+            gl.store(lse_ptr + b64 * rows + rid_s, (m_i + gl.log2(l_i)) * _LN2, mask=mask_s)
+    else:  # a cut sequence: this part's normalized partial and its log2 LSE
+        slot = (part * 2 + second.to(gl.int32)).to(gl.int64) * rows
+        inv = gl.where(l_i > 0, 1.0 / gl.where(l_i > 0, l_i, 1.0), 0.0)
+        o = acc * gl.convert_layout(inv, gl.SliceLayout(1, O_L))[:, None]
+        gl.store(part_o_ptr + (slot + rid_o)[:, None] * BLOCK_D + d_o[None, :], o,
+                 mask=(m_o < Q_LEN * HEADS)[:, None])
+        lse2 = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        gl.store(part_lse_ptr + slot + rid_s, lse2, mask=mask_s)
+
+
+@gluon.jit
+def _store_empty(b, hb, out_ptr, lse_ptr, sinks_ptr, num_q_heads, rows, stride_o_b, stride_o_t,
+                 stride_o_h, stride_o_d, m_s, m_o, d_o, LATENT_DIM: gl.constexpr,
+                 BLOCK_D: gl.constexpr, BLOCK_H: gl.constexpr, HEADS: gl.constexpr,
+                 Q_LEN: gl.constexpr, HAS_SINKS: gl.constexpr, HAS_LSE: gl.constexpr,
+                 S_L: gl.constexpr, O_L: gl.constexpr):
+    """An empty sequence's rows (owned by the part at its start): zeros, and the LSE of no
+    key (``-inf``, or the sink)."""
+    head_s = hb * HEADS + m_s % HEADS
+    rid_s = (m_s // HEADS) * num_q_heads + head_s
+    mask_s = m_s < Q_LEN * HEADS
+    head_o = hb * HEADS + m_o % HEADS
+    tok_o = m_o // HEADS
+    mask_o = (m_o < Q_LEN * HEADS)[:, None] & (d_o < LATENT_DIM)[None, :]
+    o_ptrs = (out_ptr + b.to(gl.int64) * stride_o_b + tok_o[:, None] * stride_o_t
+              + head_o[:, None] * stride_o_h + d_o[None, :] * stride_o_d)
+    gl.store(o_ptrs, gl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty, layout=O_L),
+             mask=mask_o)
+    if HAS_LSE:
+        lse0 = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        if HAS_SINKS:
+            lse0 = gl.load(sinks_ptr + head_s, mask=mask_s, other=0.0)
+        gl.store(lse_ptr + b.to(gl.int64) * rows + rid_s, lse0, mask=mask_s)
+
+
 @gluon.jit(do_not_specialize=["batch", "num_pages"])
 def _mla_decode_gluon_kernel(
     q_ptr, qpe_ptr, ckv_ptr, kpe_ptr, block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr,
@@ -281,55 +348,14 @@ def _mla_decode_gluon_kernel(
             wait_group(0)
             bad_row = gl.where(page_bad & (bad_row < 0), b, bad_row)
 
-            # the epilogue: rows token x head, in the score's and the output's layouts
-            head_s = hb * HEADS + m_s % HEADS
-            rid_s = (m_s // HEADS) * num_q_heads + head_s
-            mask_s = m_s < Q_LEN * HEADS
-            head_o = hb * HEADS + m_o % HEADS
-            tok_o = m_o // HEADS
-            rid_o = tok_o * num_q_heads + head_o
-            mask_o = (m_o < Q_LEN * HEADS)[:, None] & (d_o < LATENT_DIM)[None, :]
-            if whole:
-                if HAS_SINKS:
-                    sink2 = gl.load(sinks_ptr + head_s, mask=mask_s, other=0.0) * _LOG2E
-                    m_f = gl.maximum(m_i, sink2)
-                    a_f = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_f))
-                    l_i = l_i * a_f + gl.where(sink2 == m_f, 1.0, gl.exp2(sink2 - m_f))
-                    m_i = m_f
-                    acc = acc * gl.convert_layout(a_f, gl.SliceLayout(1, O_L))[:, None]
-                inv = gl.where(l_i > 0, kv_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
-                o = acc * gl.convert_layout(inv, gl.SliceLayout(1, O_L))[:, None]
-                o_ptrs = (out_ptr + b64 * stride_o_b + tok_o[:, None] * stride_o_t
-                          + head_o[:, None] * stride_o_h + d_o[None, :] * stride_o_d)
-                gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_o)
-                if HAS_LSE:
-                    gl.store(lse_ptr + b64 * rows + rid_s, (m_i + gl.log2(l_i)) * _LN2,
-                             mask=mask_s)
-            else:  # a cut sequence: this part's normalized partial and its log2 LSE
-                slot = (part * 2 + (start > lo).to(gl.int32)).to(gl.int64) * rows
-                inv = gl.where(l_i > 0, 1.0 / gl.where(l_i > 0, l_i, 1.0), 0.0)
-                o = acc * gl.convert_layout(inv, gl.SliceLayout(1, O_L))[:, None]
-                gl.store(part_o_ptr + (slot + rid_o)[:, None] * BLOCK_D + d_o[None, :], o,
-                         mask=(m_o < Q_LEN * HEADS)[:, None])
-                lse2 = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)),
-                                float("-inf"))
-                gl.store(part_lse_ptr + slot + rid_s, lse2, mask=mask_s)
+            _store_sequence(acc, m_i, l_i, whole, b64, part, start > lo, hb, kv_scale, out_ptr,
+                            lse_ptr, part_o_ptr, part_lse_ptr, sinks_ptr, num_q_heads, rows,
+                            stride_o_b, stride_o_t, stride_o_h, stride_o_d, m_s, m_o, d_o,
+                            LATENT_DIM, BLOCK_D, HEADS, Q_LEN, HAS_SINKS, HAS_LSE, O_L)
         elif (tiles == 0) & (start >= lo):  # an empty sequence, owned by the part at its start
-            head_s = hb * HEADS + m_s % HEADS
-            rid_s = (m_s // HEADS) * num_q_heads + head_s
-            mask_s = m_s < Q_LEN * HEADS
-            head_o = hb * HEADS + m_o % HEADS
-            tok_o = m_o // HEADS
-            mask_o = (m_o < Q_LEN * HEADS)[:, None] & (d_o < LATENT_DIM)[None, :]
-            o_ptrs = (out_ptr + b.to(gl.int64) * stride_o_b + tok_o[:, None] * stride_o_t
-                      + head_o[:, None] * stride_o_h + d_o[None, :] * stride_o_d)
-            gl.store(o_ptrs, gl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty, layout=O_L),
-                     mask=mask_o)
-            if HAS_LSE:
-                lse0 = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-                if HAS_SINKS:
-                    lse0 = gl.load(sinks_ptr + head_s, mask=mask_s, other=0.0)
-                gl.store(lse_ptr + b.to(gl.int64) * rows + rid_s, lse0, mask=mask_s)
+            _store_empty(b, hb, out_ptr, lse_ptr, sinks_ptr, num_q_heads, rows, stride_o_b,
+                         stride_o_t, stride_o_h, stride_o_d, m_s, m_o, d_o, LATENT_DIM,
+                         BLOCK_D, BLOCK_H, HEADS, Q_LEN, HAS_SINKS, HAS_LSE, S_L, O_L)
         start += tiles + OVERHEAD
         b += 1
     if bad_row >= 0:  # BLOCK_TABLES (5), unless a report of a lower code is pending
