@@ -122,6 +122,11 @@ MLAK_CASES = {
     "mlak-tp8-page1-gluon": (16, 1, 1, False, torch.bfloat16, (), {}),
     "mlak-tp1-fp8-gluon": (128, 64, 1, False, torch.float8_e4m3fn, (), {}),
     "mlak-tp8-fp8-gluon": (16, 64, 1, True, torch.float8_e5m2, (), {}),
+    # its warp-specialized form (MLAKernelConfig.ws, opt-in): a producer warpgroup
+    "mlak-tp1-ws-gluon": (128, 64, 1, False, torch.bfloat16, (), {}),
+    "mlak-tp1-q_len2-everything-ws-gluon": (128, 64, 2, True, torch.bfloat16, ("sinks",),
+                                            {"logits_soft_cap": 30.0}),
+    "mlak-tp8-fp8-ws-gluon": (16, 64, 1, True, torch.float8_e5m2, (), {}),
 }
 
 #: an option that no case above switches on gets a case of its own, ``option-<name>`` (its
@@ -230,7 +235,7 @@ def mlak_case_launcher(name: str):
     gluon = name.endswith("-gluon")
     config = replace(LM.mla_kernel_config(num_heads=heads, q_len=q_len, latent_dim=latent,
                                           kv_dtype=kv_dtype, num_sms=132, interpret=False),
-                     gluon=gluon)
+                     gluon=gluon, ws="-ws-" in name)
     real_applies = LM.gluon_applies
     LM.gluon_applies = lambda **kw: gluon  # a CPU device: the policy would say no
     try:
@@ -438,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         import pagedattn.kernels.prefill_gluon as KPG  # noqa: PLC0415
 
         KG._mla_decode_gluon_kernel = _Compile(KG._mla_decode_gluon_kernel)
+        KG._mla_decode_gluon_ws_kernel = _Compile(KG._mla_decode_gluon_ws_kernel)
         KPG._paged_prefill_gluon_kernel = _Compile(KPG._paged_prefill_gluon_kernel)
     print(f"triton {tc.triton.__version__}, ptxas {PTXAS}, nvdisasm {NVDISASM}", flush=True)
     for case in cases:

@@ -44,8 +44,8 @@ import torch
 import pagedattn
 from pagedattn.testing import make_mla_inputs, make_paged_inputs, rel_l2_error, tolerance_for
 
-FAMILIES = ("decode", "one-shot", "prefill", "mixed", "prefill-gluon", "mla", "append", "merge",
-            "stages")
+FAMILIES = ("decode", "one-shot", "prefill", "mixed", "prefill-gluon", "mla", "mla-ws",
+            "append", "merge", "stages")
 DTYPES = {"fp32": (torch.float32, None), "fp16": (torch.float16, None),
           "bf16": (torch.bfloat16, None), "e4m3": (torch.bfloat16, torch.float8_e4m3fn),
           "e5m2": (torch.float16, torch.float8_e5m2)}
@@ -222,7 +222,12 @@ def _prefill_gluon():
         yield (dt, layout, page, hd, f"n{tiles[0]}s{tiles[1]}" + "o" * tiles[2], path), ok, err
 
 
-def _mla():
+def _mla(ws=False):
+    """MLA decode (a plan: ``mla_decode``'s path) on bf16, fp16 and fp8 latents, TP1 and TP8
+    heads, several tokens; ``ws``: the Gluon kernel's warp-specialized form through the
+    plan's ``kernel_config`` (opt-in; on sm_90 it must have run)."""
+    import dataclasses
+
     for (dt, _, page, _), (heads, q_len) in itertools.product(
             _grid(dtypes=("bf16", "fp16", "e4m3"), layouts=("NHD",)),
             ((128, 1), (16, 1), (16, 3))):
@@ -236,12 +241,22 @@ def _mla():
         scale = (128 + 64) ** -0.5
         kv_scale = 0.5 if cache is not None else None
         out = torch.full_like(inputs.q_nope, float("nan"))
-        res = pagedattn.mla_decode(*inputs, scale=scale, kv_scale=kv_scale, out=out,
-                                   return_lse=True)
+        plan = pagedattn.plan_mla_decode(
+            inputs.block_tables, inputs.context_lens, num_q_heads=inputs.q_nope.shape[-2],
+            latent_dim=latent, rope_dim=rope, page_size=page, q_dtype=dtype, kv_dtype=cache,
+            q_len=q_len)
+        if ws:
+            plan.kernel_config = dataclasses.replace(plan.policy_config(), ws=True)
+        res = plan.run(*inputs[:4], scale=scale, kv_scale=kv_scale, out=out, return_lse=True)
+        launcher = plan._engine()
         _sync()
         ref = pagedattn.mla_decode_reference(*inputs, scale=scale, kv_scale=kv_scale)
         ok, err = _check("mla", out, ref.out, res.lse, ref.lse, cache or dtype)
-        yield (dt, page, f"heads{heads}" + (f"-q{q_len}" if q_len > 1 else "")), ok, err
+        hopper = not SMOKE and torch.cuda.get_device_capability()[0] == 9
+        if ws:
+            ok &= (launcher.gluon and launcher.config.ws) or not hopper
+        yield (dt, page, f"heads{heads}" + (f"-q{q_len}" if q_len > 1 else ""),
+               "gluon-ws" if ws and launcher.gluon else ""), ok, err
 
 
 def _append():
@@ -317,7 +332,7 @@ def _stages():
 
 RUNS = {"decode": lambda: _decode(), "one-shot": lambda: _decode(one_shot=True),
         "prefill": lambda: _prefill(), "mixed": lambda: _prefill(mixed=True),
-        "prefill-gluon": _prefill_gluon, "mla": _mla,
+        "prefill-gluon": _prefill_gluon, "mla": _mla, "mla-ws": lambda: _mla(ws=True),
         "append": _append, "merge": _merge, "stages": _stages}
 
 

@@ -47,7 +47,10 @@ SM90_OVER: dict[tuple[int, int], dict[tuple[str, str], int]] = {
     (3, 6): {},
     (3, 7): {},
     (3, 8): {("plain-fp8", "registers"): 138},
-    (3, 9): {("prefill-bf16-gluon", "loop spills"): 1, ("prefill-n64s3-gluon", "loop spills"): 1},
+    (3, 9): {("prefill-bf16-gluon", "loop spills"): 1, ("prefill-n64s3-gluon", "loop spills"): 1,
+             ("mlak-tp1-ws-gluon", "loop spills"): 1,
+             ("mlak-tp1-q_len2-everything-ws-gluon", "loop spills"): 6,
+             ("mlak-tp8-fp8-ws-gluon", "loop spills"): 6},
 }
 
 

@@ -326,15 +326,40 @@ def test_mla_kernel_compiles_for_sm90():
             assert spilled is None or int(spilled.group(1)) == 0, line
 
 
+def test_gluon_ws_kernel_compiles_for_sm90():
+    """The Gluon MLA kernel's warp-specialized form (``MLAKernelConfig.ws``: a producer
+    warpgroup issues the copies) compiles for sm_90: TP1 bf16, two tokens with soft-cap, sinks
+    and LSE, TP8 fp8; wgmma, within 227 KB of shared memory, nothing spilled in the
+    consumers' tile loop (Triton 3.6's bound; another Triton's own where measured)."""
+    from _scripts import sm90_bound
+
+    cases = ("mlak-tp1-ws-gluon", "mlak-tp1-q_len2-everything-ws-gluon", "mlak-tp8-fp8-ws-gluon")
+    run = run_script("compile_sm90.py", "--cases", ",".join(cases), interpret=False,
+                     timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = {line.split(":")[0]: line for line in run.stdout.splitlines()
+             if " ok," in line and "_mla_decode_gluon_ws_kernel" in line}
+    assert set(lines) == set(cases)  # each case's main kernel (beside its schedule and merge)
+    for case, line in lines.items():
+        assert "wgmma" in line, line
+        assert int(re.search(r"(\d+) bytes of shared memory", line).group(1)) <= 227 * 1024
+        loop = re.search(r"(\d+) spill instructions in the token loop", line)
+        assert loop is None or int(loop.group(1)) <= sm90_bound(case, "loop spills", 0), line
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_q_heads, q_len, page_size, cache", [
-    (128, 1, 64, None), (16, 1, 64, None), (16, 3, 1, None), (128, 2, 16, None),
-    (128, 1, 64, torch.float8_e4m3fn), (16, 2, 1, torch.float8_e5m2)])
-def test_gluon_path(num_q_heads, q_len, page_size, cache):
+@pytest.mark.parametrize("num_q_heads, q_len, page_size, cache, ws", [
+    (128, 1, 64, None, False), (16, 1, 64, None, False), (16, 3, 1, None, False),
+    (128, 2, 16, None, False), (128, 1, 64, torch.float8_e4m3fn, False),
+    (16, 2, 1, torch.float8_e5m2, False), (128, 1, 64, None, True), (16, 3, 1, None, True),
+    (128, 2, 16, None, True), (16, 2, 1, torch.float8_e5m2, True),
+    (128, 1, 64, torch.float8_e4m3fn, True)])
+def test_gluon_path(num_q_heads, q_len, page_size, cache, ws):
     """The Gluon path (Hopper only: the interpreter runs no Gluon) against the oracle at
     DeepSeek's 512 + 64 dims: TP1 and TP8 heads, several query tokens, one-token pages, fp8
     latents (converted in shared memory) with a scale, with the workspace poisoned and a
-    NaN-filled ``out``; soft-cap, sinks and LSE on one case."""
+    NaN-filled ``out``; soft-cap, sinks and LSE on one case; ``ws``: its warp-specialized
+    form (a producer warpgroup)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon path is for sm_90 (H100/H200)")
     inputs = make_mla_inputs([0, 1, 300, 4100, 65, 64], num_q_heads=num_q_heads,
@@ -345,9 +370,9 @@ def test_gluon_path(num_q_heads, q_len, page_size, cache):
                            num_q_heads=num_q_heads, latent_dim=512, rope_dim=64,
                            page_size=page_size, q_dtype=torch.bfloat16, kv_dtype=cache,
                            q_len=q_len, logits_soft_cap=30.0 if everything else None)
-    plan.kernel_config = dataclasses.replace(plan.policy_config(), gluon=True)
+    plan.kernel_config = dataclasses.replace(plan.policy_config(), gluon=True, ws=ws)
     launcher = plan._engine()
-    assert launcher.gluon
+    assert launcher.gluon and launcher.config.ws == ws
     part_o, part_lse, pieces = launcher.workspace
     part_o.fill_(float("nan"))
     part_lse.fill_(float("nan"))

@@ -127,8 +127,9 @@ Runner = Callable[[], torch.Tensor]
 def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") -> Runner:
     """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call. ``variant``
     (``--ours``): ``default``; ``gluon``, the MLA kernel's Hopper path (the default where it
-    applies); ``plain``, the plain Triton MLA kernel; or the plain kernel with other tiles,
-    ``bn<tokens>s<stages>[w<warps>]`` (A/B tuning)."""
+    applies); ``gluon-ws``, its warp-specialized form (opt-in); ``plain``, the plain Triton
+    MLA kernel; or the plain kernel with other tiles, ``bn<tokens>s<stages>[w<warps>]``
+    (A/B tuning)."""
     plan = pagedattn.plan_mla_decode(
         inputs.block_tables, inputs.context_lens, num_q_heads=shape.num_heads,
         latent_dim=shape.latent_dim, rope_dim=shape.rope_dim, page_size=shape.page_size,
@@ -144,14 +145,15 @@ def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") ->
 
 def _variant_config(plan, variant: str):
     """An ``--ours`` variant as the plan's kernel config: ``gluon`` (the Hopper path, where
-    it applies), ``plain`` (the plain Triton kernel) or its tiles ``bn<N>s<S>[w<W>]``."""
+    it applies), ``gluon-ws`` (its warp-specialized form), ``plain`` (the plain Triton
+    kernel) or its tiles ``bn<N>s<S>[w<W>]``."""
     base = plan.policy_config()  # through the API layer (tests/package/test_layers.py)
-    if variant in ("gluon", "plain"):
-        return replace(base, gluon=variant == "gluon")
+    if variant in ("gluon", "gluon-ws", "plain"):
+        return replace(base, gluon=variant != "plain", ws=variant == "gluon-ws")
     m = re.fullmatch(r"bn(\d+)s(\d+)(?:w(\d+))?", variant)
     if m is None:
-        raise ValueError(f"--ours: unknown variant {variant!r} (default, gluon, plain, or "
-                         "bn<tokens>s<stages>[w<warps>])")
+        raise ValueError(f"--ours: unknown variant {variant!r} (default, gluon, gluon-ws, "
+                         "plain, or bn<tokens>s<stages>[w<warps>])")
     bn, st, w = int(m[1]), int(m[2]), int(m[3]) if m[3] else base.num_warps
     return replace(base, block_n=bn, num_stages=st, num_warps=w, gluon=False)
 

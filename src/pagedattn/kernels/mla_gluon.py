@@ -37,6 +37,7 @@ from pagedattn.kernels._gluon_compat import (
     async_copy_global_to_shared,
     commit_group,
     fence_async_shared,
+    mbarrier,
     thread_barrier,
     wait_group,
     warpgroup_mma,
@@ -363,3 +364,278 @@ def _mla_decode_gluon_kernel(
         pending = gl.load(errors_ptr, volatile=True)
         if (pending == 0) | ((pending >> 56) > 5):
             gl.store(errors_ptr, word)
+
+
+# --- the warp-specialized form (opt-in: MLAKernelConfig.ws; docs/perf-notes.md step 55) ----
+
+
+@gluon.jit
+def _ws_landed(bar):
+    """The producer's copies for ``bar`` have landed in every one of its threads (the caller
+    waited for their group): fence them for the async proxy, then one arrival."""
+    fence_async_shared()
+    thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _ws_producer(q_smem, qr_smem, k_smem, r_smem, q_ready, q_empty, kv_ready, kv_empty,
+                 q_ptr, qpe_ptr, ckv_ptr, kpe_ptr, block_tables_ptr, context_lens_ptr,
+                 errors_ptr, lo, hi, b, start, hb, batch, num_pages, capacity,
+                 stride_q_b, stride_q_t, stride_q_h, stride_q_d,
+                 stride_qr_b, stride_qr_t, stride_qr_h, stride_qr_d,
+                 stride_c_page, stride_c_tok, stride_r_page, stride_r_tok,
+                 stride_bt_b, stride_bt_p, stride_ctx,
+                 LATENT_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROPE_DIM: gl.constexpr,
+                 BLOCK_DR: gl.constexpr, Q_LEN: gl.constexpr, HEADS: gl.constexpr,
+                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                 OVERHEAD: gl.constexpr, DTYPE: gl.constexpr, KV_DTYPE: gl.constexpr):
+    """The producer warpgroup: the part's sequences in the consumers' order; for each, the
+    query once the consumers are done with the last one (``q_empty``), then each latent tile
+    into stage ``g % 2`` (``g``: tiles so far) once released (``kv_empty``), signalled as it
+    lands; reports a clamped page id."""
+    NW: gl.constexpr = gl.num_warps()
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
+    LD_R: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+    LD_K: gl.constexpr = LD if KV_DTYPE == DTYPE else gl.BlockedLayout(
+        [1, 16], [4, 8], [NW, 1], [1, 0])
+    LD_KR: gl.constexpr = LD_R if KV_DTYPE == DTYPE else gl.BlockedLayout(
+        [1, 16], [8, 4], [NW, 1], [1, 0])
+    m_ld = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
+    m_ldr = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD_R))
+    d_ld = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, LD))
+    d_ldr = gl.arange(0, BLOCK_DR, layout=gl.SliceLayout(0, LD_R))
+    bad_row = -1
+    g = 0  # tiles issued so far: the stage and its phase
+    nq = 0  # queries loaded so far
+    while (b < batch) & (start < hi):
+        raw_len = gl.load(context_lens_ptr + b * stride_ctx)
+        seq_len = gl.minimum(gl.maximum(raw_len, 0), capacity).to(gl.int32)
+        tiles = gl.cdiv(seq_len, BLOCK_N)
+        t_lo = gl.maximum(lo - start, 0)
+        t_hi = gl.minimum(hi - start, tiles)
+        if t_lo < t_hi:
+            b64 = b.to(gl.int64)
+            bt_row = block_tables_ptr + b64 * stride_bt_b
+            mbarrier.wait(q_empty, (nq + 1) % 2, pred=nq > 0)
+            q_rows = (b64 * stride_q_b + (m_ld // HEADS) * stride_q_t
+                      + (hb * HEADS + m_ld % HEADS) * stride_q_h)
+            async_copy_global_to_shared(
+                q_smem, q_ptr + q_rows[:, None] + d_ld[None, :] * stride_q_d,
+                mask=(m_ld < Q_LEN * HEADS)[:, None] & _cols(d_ld, LATENT_DIM, BLOCK_D)[None, :])
+            qr_rows = (b64 * stride_qr_b + (m_ldr // HEADS) * stride_qr_t
+                       + (hb * HEADS + m_ldr % HEADS) * stride_qr_h)
+            async_copy_global_to_shared(
+                qr_smem, qpe_ptr + qr_rows[:, None] + d_ldr[None, :] * stride_qr_d,
+                mask=(m_ldr < Q_LEN * HEADS)[:, None] & _cols(d_ldr, ROPE_DIM, BLOCK_DR)[None, :])
+            commit_group()
+            wait_group(0)
+            _ws_landed(q_ready)
+            nq += 1
+            page_bad = False
+            for i in range(t_lo, t_hi):
+                s = g % 2
+                mbarrier.wait(kv_empty.index(s), ((g // 2) + 1) % 2, pred=g >= 2)
+                page_bad |= _issue_tile(k_smem.index(s), r_smem.index(s), ckv_ptr, kpe_ptr,
+                                        bt_row, stride_bt_p, i * BLOCK_N, seq_len, num_pages,
+                                        stride_c_page, stride_c_tok, stride_r_page,
+                                        stride_r_tok, LD_K, LD_KR, PAGE_SIZE, BLOCK_N,
+                                        BLOCK_D, BLOCK_DR, LATENT_DIM, ROPE_DIM)
+                commit_group()
+                wait_group(0)
+                _ws_landed(kv_ready.index(s))
+                g += 1
+            bad_row = gl.where(page_bad & (bad_row < 0), b, bad_row)
+        start += tiles + OVERHEAD
+        b += 1
+    if bad_row >= 0:  # BLOCK_TABLES (5), unless a report of a lower code is pending
+        word = (bad_row.to(gl.int64) & 0xFFFFFF) * 4294967296 + 360287974484606975
+        pending = gl.load(errors_ptr, volatile=True)
+        if (pending == 0) | ((pending >> 56) > 5):
+            gl.store(errors_ptr, word)
+
+
+@gluon.jit
+def _ws_consumer(q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem, q_ready, q_empty,
+                 kv_ready, kv_empty, context_lens_ptr, out_ptr, lse_ptr, part_o_ptr,
+                 part_lse_ptr, pieces_ptr, sinks_ptr, softcap, kv_scale, qk_scale,
+                 part, lo, hi, b, start, share, hb, batch, capacity, num_q_heads, stride_ctx,
+                 stride_o_b, stride_o_t, stride_o_h, stride_o_d,
+                 LATENT_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROPE_DIM: gl.constexpr,
+                 BLOCK_DR: gl.constexpr, Q_LEN: gl.constexpr, HEADS: gl.constexpr,
+                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, OVERHEAD: gl.constexpr,
+                 DTYPE: gl.constexpr, KV_DTYPE: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                 HAS_SINKS: gl.constexpr, HAS_LSE: gl.constexpr):
+    """The two consumer warpgroups: the kernel's per-tile math and epilogue
+    (:func:`_mla_decode_gluon_kernel`) with the copies left to the producer; an fp8 stage is
+    released as soon as it is converted (the dots read the converted tile)."""
+    NW: gl.constexpr = gl.num_warps()
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_D // 2, 16])
+    rows = Q_LEN * num_q_heads
+    m_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+    m_o = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    d_o = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, O_L))
+    n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    g = 0
+    nq = 0
+    while (b < batch) & (start < hi):
+        raw_len = gl.load(context_lens_ptr + b * stride_ctx)
+        seq_len = gl.minimum(gl.maximum(raw_len, 0), capacity).to(gl.int32)
+        tiles = gl.cdiv(seq_len, BLOCK_N)
+        t_lo = gl.maximum(lo - start, 0)
+        t_hi = gl.minimum(hi - start, tiles)
+        whole = (t_lo == 0) & (t_hi == tiles)
+        if (start >= lo) & (hb == 0):  # this part owns the sequence's start: its pieces
+            gl.store(pieces_ptr + 2 * b, part * 2 + (start > lo).to(gl.int32))
+            gl.store(pieces_ptr + 2 * b + 1,
+                     gl.where(tiles > 0, (start + tiles - 1) // share - part + 1, 0))
+        if t_lo < t_hi:
+            mbarrier.wait(q_ready, nq % 2)
+            pos = seq_len - Q_LEN + m_s // HEADS  # each score row's last visible token
+            acc = gl.zeros([BLOCK_H, BLOCK_D], gl.float32, layout=O_L)
+            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+            l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+            for i in range(t_lo, t_hi):
+                s = g % 2
+                mbarrier.wait(kv_ready.index(s), (g // 2) % 2)
+                k_buf = k_smem.index(s)
+                r_buf = r_smem.index(s)
+                if KV_DTYPE != DTYPE:  # convert, then the stage is free for the next copy
+                    _convert_tile(k_buf, r_buf, kc_smem, rc_smem, DTYPE, BLOCK_D, NW)
+                    fence_async_shared()
+                    thread_barrier()
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    k_buf = kc_smem
+                    r_buf = rc_smem
+                sc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+                sc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), sc, use_acc=False,
+                                   is_async=True)
+                sc = warpgroup_mma(qr_smem, r_buf.permute((1, 0)), sc, is_async=True)
+                sc = warpgroup_mma_wait(0, deps=(sc,))
+                sc = sc * qk_scale
+                if HAS_SOFTCAP:
+                    sc = _soft_cap(sc, softcap)
+                tok = i * BLOCK_N + n_s
+                seen = (tok[None, :] <= pos[:, None]) & (tok < seq_len)[None, :]
+                sc = gl.where(seen, sc, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                alpha = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_new))
+                p = gl.where(sc == float("-inf"), 0.0,
+                             gl.exp2(gl.minimum(sc - m_new[:, None], 0.0)))
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                p_smem.store(p.to(DTYPE))
+                fence_async_shared()
+                thread_barrier()
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                acc = warpgroup_mma(p_smem, k_buf, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                thread_barrier()  # every warp is done with this tile and with P
+                if KV_DTYPE == DTYPE:
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                g += 1
+            mbarrier.arrive(q_empty, count=1)  # the query is read (the barrier above)
+            nq += 1
+            _store_sequence(acc, m_i, l_i, whole, b.to(gl.int64), part, start > lo, hb,
+                            kv_scale, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sinks_ptr,
+                            num_q_heads, rows, stride_o_b, stride_o_t, stride_o_h, stride_o_d,
+                            m_s, m_o, d_o, LATENT_DIM, BLOCK_D, HEADS, Q_LEN, HAS_SINKS,
+                            HAS_LSE, O_L)
+        elif (tiles == 0) & (start >= lo):  # an empty sequence, owned by the part at its start
+            _store_empty(b, hb, out_ptr, lse_ptr, sinks_ptr, num_q_heads, rows, stride_o_b,
+                         stride_o_t, stride_o_h, stride_o_d, m_s, m_o, d_o, LATENT_DIM,
+                         BLOCK_D, BLOCK_H, HEADS, Q_LEN, HAS_SINKS, HAS_LSE, S_L, O_L)
+        start += tiles + OVERHEAD
+        b += 1
+
+
+@gluon.jit(do_not_specialize=["batch", "num_pages"])
+def _mla_decode_gluon_ws_kernel(
+    q_ptr, qpe_ptr, ckv_ptr, kpe_ptr, block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr,
+    part_o_ptr, part_lse_ptr, pieces_ptr, sched_ptr, errors_ptr,
+    kv_scale_ptr, kv_scale_val, scale_log2, sinks_ptr, softcap,
+    batch, num_pages, capacity, num_q_heads,
+    stride_q_b, stride_q_t, stride_q_h, stride_q_d,
+    stride_qr_b, stride_qr_t, stride_qr_h, stride_qr_d,
+    stride_c_page, stride_c_tok, stride_r_page, stride_r_tok,
+    stride_bt_b, stride_bt_p, stride_ctx,
+    stride_o_b, stride_o_t, stride_o_h, stride_o_d,
+    LATENT_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROPE_DIM: gl.constexpr,
+    BLOCK_DR: gl.constexpr, Q_LEN: gl.constexpr, HEADS: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    OVERHEAD: gl.constexpr, DTYPE: gl.constexpr, KV_DTYPE: gl.constexpr,
+    SCALE_FROM_PTR: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr,
+    HAS_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """:func:`_mla_decode_gluon_kernel`'s parts, schedule, workspace and math, warp-specialized:
+    a producer warpgroup (``PRODUCER_REGS`` registers a thread) issues every copy, the two
+    consumer warpgroups (the registers it gives up) only convert and compute; two latent
+    stages and the query hand over through mbarriers (``q_ready``/``q_empty``,
+    ``kv_ready``/``kv_empty``)."""
+    gl.static_assert(num_warps == 8, "two consumer warpgroups")
+    gl.static_assert(BLOCK_H == 64, "one wgmma M a warpgroup")
+    part = gl.program_id(0)
+    hb = gl.program_id(1)
+    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_D], DTYPE)
+    QR_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_DR], DTYPE)
+    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], DTYPE)
+    R_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DR], DTYPE)
+    P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], DTYPE)
+    q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_D], Q_SL)
+    qr_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_DR], QR_SL)
+    if KV_DTYPE == DTYPE:
+        k_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_D], K_SL)
+        r_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_DR], R_SL)
+        kc_smem = k_smem.index(0)  # unused: the dots read the stages
+        rc_smem = r_smem.index(0)
+    else:  # fp8 stages, one converted 16-bit tile
+        K8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], KV_DTYPE)
+        R8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DR],
+                                                                   KV_DTYPE)
+        k_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_D], K8_SL)
+        r_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_DR], R8_SL)
+        kc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_D], K_SL)
+        rc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_DR], R_SL)
+    p_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_N], P_SL)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=1)
+    for s in gl.static_range(2):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=1)
+
+    lo = gl.load(sched_ptr + part * 8)
+    hi = gl.load(sched_ptr + part * 8 + 1)
+    b = gl.load(sched_ptr + part * 8 + 2)
+    start = gl.load(sched_ptr + part * 8 + 3)
+    share = gl.load(sched_ptr + part * 8 + 4)
+    if SCALE_FROM_PTR:
+        kv_scale = gl.load(kv_scale_ptr).to(gl.float32)
+    else:
+        kv_scale = kv_scale_val
+    qk_scale = scale_log2 * kv_scale
+    gl.warp_specialize([
+        (_ws_consumer, (q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem, q_ready,
+                        q_empty, kv_ready, kv_empty, context_lens_ptr, out_ptr, lse_ptr,
+                        part_o_ptr, part_lse_ptr, pieces_ptr, sinks_ptr, softcap, kv_scale,
+                        qk_scale, part, lo, hi, b, start, share, hb, batch, capacity,
+                        num_q_heads, stride_ctx, stride_o_b, stride_o_t, stride_o_h,
+                        stride_o_d, LATENT_DIM, BLOCK_D, ROPE_DIM, BLOCK_DR, Q_LEN, HEADS,
+                        BLOCK_H, BLOCK_N, OVERHEAD, DTYPE, KV_DTYPE, HAS_SOFTCAP, HAS_SINKS,
+                        HAS_LSE)),
+        (_ws_producer, (q_smem, qr_smem, k_smem, r_smem, q_ready, q_empty, kv_ready, kv_empty,
+                        q_ptr, qpe_ptr, ckv_ptr, kpe_ptr, block_tables_ptr, context_lens_ptr,
+                        errors_ptr, lo, hi, b, start, hb, batch, num_pages, capacity,
+                        stride_q_b, stride_q_t, stride_q_h, stride_q_d,
+                        stride_qr_b, stride_qr_t, stride_qr_h, stride_qr_d,
+                        stride_c_page, stride_c_tok, stride_r_page, stride_r_tok,
+                        stride_bt_b, stride_bt_p, stride_ctx, LATENT_DIM, BLOCK_D, ROPE_DIM,
+                        BLOCK_DR, Q_LEN, HEADS, BLOCK_H, BLOCK_N, PAGE_SIZE, OVERHEAD, DTYPE,
+                        KV_DTYPE)),
+    ], [4], [PRODUCER_REGS])

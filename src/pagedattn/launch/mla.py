@@ -173,7 +173,10 @@ class MLALauncher:
         """The schedule kernel (each part's share, written to ``self.sched``), then the Gluon
         kernel over it (:mod:`pagedattn.kernels.mla_gluon`; imported here: the interpreter
         never runs it). Returns both launches' compiled kernels."""
-        from pagedattn.kernels.mla_gluon import _mla_decode_gluon_kernel
+        from pagedattn.kernels.mla_gluon import (
+            _mla_decode_gluon_kernel,
+            _mla_decode_gluon_ws_kernel,
+        )
 
         batch, num_pages = block_tables.shape[0], ckv_cache.shape[0]
         sched = _mla_schedule_kernel[(self.config.num_parts,)](
@@ -182,7 +185,10 @@ class MLALauncher:
             stride_ctx=context_lens.stride(0), PAGE_SIZE=self.page_size, BLOCK_N=64,
             NUM_PARTS=self.config.num_parts, OVERHEAD=self.config.overhead, BLOCK_B=BLOCK_B,
             num_warps=4)
-        return sched, _mla_decode_gluon_kernel[self.grid](
+        kernel, extra = _mla_decode_gluon_kernel, {}
+        if self.config.ws:  # 80 registers a producer thread (its address math), 216 a consumer
+            kernel, extra = _mla_decode_gluon_ws_kernel, {"PRODUCER_REGS": 80}
+        return sched, kernel[self.grid](
             q_ptr=q_nope, qpe_ptr=q_pe, ckv_ptr=ckv_cache, kpe_ptr=kpe_cache,
             block_tables_ptr=block_tables, context_lens_ptr=context_lens,
             sched_ptr=self.sched, errors_ptr=word, batch=batch, num_pages=num_pages,
@@ -193,7 +199,7 @@ class MLALauncher:
             stride_c_page=ckv_cache.stride(0), stride_c_tok=ckv_cache.stride(1),
             stride_r_page=kpe_cache.stride(0), stride_r_tok=kpe_cache.stride(1),
             **named_strides("bt", block_tables, "b p"), stride_ctx=context_lens.stride(0),
-            **common, **self.gluon_constexprs, num_warps=8)
+            **common, **self.gluon_constexprs, **extra, num_warps=8)
 
     def _tokens_strides(self, t: torch.Tensor) -> tuple[int, int, int, int]:
         """``(b, t, h, d)`` strides of a ``[batch, heads, d]`` (q_len 1) or ``[batch, q_len,

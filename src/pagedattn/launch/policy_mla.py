@@ -57,6 +57,9 @@ class MLAKernelConfig:
     #: the Gluon kernel (kernels/mla_gluon.py: 64 rows, 64-token tiles, eight warps, two
     #: stages) where it applies (:func:`gluon_applies`), else the plain one
     gluon: bool = False
+    #: the Gluon kernel's warp-specialized form (a producer warpgroup issues the copies; opt-in
+    #: until a GPU has run it: docs/perf-notes.md step 55)
+    ws: bool = False
 
     def head_blocks(self, num_heads: int) -> int:
         return num_heads // self.heads
