@@ -174,3 +174,16 @@ def assert_same_bits(got, ref):
     if got.is_floating_point():  # +0 and -0 are the same value
         bad &= ~((got.cpu().float() == 0) & (ref.cpu().float() == 0))
     assert not bad.any(), f"{int(bad.sum())} elements differ, first at {bad.nonzero()[0].tolist()}"
+
+
+class MBarrier:
+    """An mbarrier as the kernel uses it (count 1, so each arrival completes a phase):
+    ``mbarrier.try_wait.parity`` passes while the current, incomplete phase's parity differs
+    from the one waited for (a fresh barrier passes parity 1; a waiter two phases behind
+    blocks, as on the hardware)."""
+
+    def __init__(self):
+        self.completed = 0  # phases completed
+
+    def done(self, parity: int) -> bool:
+        return self.completed % 2 != parity

@@ -10,7 +10,7 @@ must stay NaN: engines pad their batches). Each sequence's new tokens are the la
 
 import pytest
 import torch
-from _hardening import check_lse, head_values
+from _hardening import MBarrier, check_lse, head_values
 from _scripts import assert_unknown_row_exits_2, compiled_sm90, run_script, sm90_bound
 
 from pagedattn import (
@@ -367,26 +367,13 @@ def test_gluon_schedule_kernel(device, tokens):
         check_errors(device)
 
 
-class _MBarrier:
-    """An mbarrier as the kernel uses it (count 1, so each arrival completes a phase):
-    ``mbarrier.try_wait.parity`` passes while the current, incomplete phase's parity differs
-    from the one waited for (a fresh barrier passes parity 1; a waiter two phases behind
-    blocks, as on the hardware)."""
-
-    def __init__(self):
-        self.completed = 0  # phases completed
-
-    def done(self, parity: int) -> bool:
-        return self.completed % 2 != parity
-
-
 def _handoff(n_tiles: int, stages: int, overlap: bool, ahead: int) -> list[str]:
     """The Gluon prefill kernel's stage hand-offs (``_producer``, ``_consumer``), step for
     step, as two coroutines over mbarriers: the order of the consumer's reads, or
     ``["deadlock"]``. A wait names its barrier and parity; tile ``t``'s copies are readable
     once its ``kv_ready`` arrival happened (the producer arrives after its copies landed)."""
-    q_ready, ready = _MBarrier(), [_MBarrier() for _ in range(stages)]
-    empty = [_MBarrier() for _ in range(stages)]
+    q_ready, ready = MBarrier(), [MBarrier() for _ in range(stages)]
+    empty = [MBarrier() for _ in range(stages)]
     issued, read = [], []
 
     def producer():
