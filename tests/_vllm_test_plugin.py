@@ -2,9 +2,9 @@
 (a ``.dist-info`` with its entry point, on ``PYTHONPATH``), so that vLLM loads it in each
 process it starts, its spawned workers included, beside pagedattn's own plugin.
 
-:func:`install` speeds up Triton's interpreter as the test setup does
-(``_interpreter.py``), and with ``PAGEDATTN_TEST_PROBE=DIR`` records one line per event
-into ``DIR/<pid>.log``:
+:func:`install` speeds up Triton's interpreter as the test setup does (``conftest.py``: the
+version seam's ``patch_interpreter_lang``), and with ``PAGEDATTN_TEST_PROBE=DIR`` records one
+line per event into ``DIR/<pid>.log``:
 
 - ``forward K D V W`` for each ``forward`` of pagedattn's backend that attends (``K``: the
   pagedattn kernels launched during the call, counted in Triton's interpreter; ``D`` and
@@ -19,16 +19,14 @@ into ``DIR/<pid>.log``:
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 
 def install() -> None:
-    sys.path.insert(0, os.path.dirname(__file__))
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from _interpreter import patch_the_language_once_per_launch
+        from pagedattn.launch._triton_compat import patch_interpreter_lang
 
-        patch_the_language_once_per_launch()
+        patch_interpreter_lang()  # as conftest.py: triton.language patched once per launch
     if os.environ.get("PAGEDATTN_TEST_PROBE"):
         install_probe(os.environ["PAGEDATTN_TEST_PROBE"])
 

@@ -1,4 +1,4 @@
-"""Case N19 across processes: run by ``test_cases_devices`` on a two-GPU machine.
+"""Case N19 across processes: run by ``test_cases_extremes`` on a two-GPU machine.
 
 ``torch.multiprocessing.spawn`` starts two ranks (NCCL). Each rank builds the batch of its
 seed on its own GPU, decodes it with every impl under a CUDA graph (captured once, replayed

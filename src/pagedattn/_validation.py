@@ -90,6 +90,18 @@ def fail(exc: type[Exception], name: str, expected: str, got: Any) -> None:
     raise exc(f"{name}: expected {expected}, got {got}")
 
 
+def renamed(e: Exception, names: dict[str, str]) -> Exception:
+    """``e`` (a TypeError or ValueError whose message starts with ``name: ``, as :func:`fail`
+    writes it) with ``names[name]`` in its place, or ``e`` itself when it names nothing in
+    ``names``: the drop-ins (``pagedattn.compat``) raise an error of the API underneath again
+    under the name their caller passed (FlashAttention's ``page_table``, FlashInfer's
+    ``indices``)."""
+    name, sep, rest = str(e).partition(": ")
+    if type(e) not in (TypeError, ValueError) or not sep or name not in names:
+        return e
+    return type(e)(f"{names[name]}: {rest}")
+
+
 def type_name(x: Any) -> str:
     """``bool`` for a Python bool, ``numpy.bool`` for numpy's (the two print alike)."""
     t = type(x)

@@ -362,7 +362,7 @@ def test_bench_model_estimate_grows_with_the_work():
     more = bench_model.cpu_seconds(parser.parse_args([*SMOKE[1:], "--new-tokens", "20"]))
     assert more > smoke
     # the engine's steps: 3 requests of 4, 2 and 1 tokens, two at a time, no warm-up
-    from pagedattn.serving.cpu_time import engine_steps
+    from pagedattn.serving.runner import engine_steps
 
     assert engine_steps([4, 2, 1], 2, warm=False) == [2, 1, 1]
 

@@ -77,7 +77,6 @@ import torch
 from pagedattn import _validation as V
 from pagedattn import options as O
 from pagedattn.api import DecodeOutput, append_kv, plan_decode
-from pagedattn.compat._names import renamed
 
 #: FA arguments this layer has no kernel for, with their "off" values (given otherwise: error)
 _UNSUPPORTED = {"qv": None, "rotary_cos": None, "rotary_sin": None, "rotary_seqlens": None,
@@ -316,8 +315,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                      alibi_slopes, q_descale, k_descale, v_descale, num_splits,
                      return_softmax_lse, fa_kwargs)
     except (TypeError, ValueError) as e:
-        fa = renamed(e, {**_FA_NAMES, "block_tables": "page_table" if block_table is None
-                         else "block_table"})
+        fa = V.renamed(e, {**_FA_NAMES, "block_tables": "page_table" if block_table is None
+                           else "block_table"})
         if fa is e:
             raise
         raise fa from None

@@ -35,7 +35,6 @@ import dataclasses
 import torch
 
 from pagedattn import _validation as V
-from pagedattn.compat._names import renamed
 from pagedattn.mla import mla_decode
 
 #: pagedattn's argument names in the errors of the MLA call -> FlashMLA's
@@ -124,7 +123,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                               k_cache[:, :, 0, head_dim_v:], block_table, cache_seqlens,
                               scale=scale, kv_scale=kv_scale, return_lse=True)
     except (TypeError, ValueError) as e:
-        raise renamed(e, _NAMES) from None
+        raise V.renamed(e, _NAMES) from None
     out = out.reshape(batch, s_q, h_q, head_dim_v)
     lse = lse.reshape(batch, s_q, h_q).transpose(1, 2).contiguous()  # [batch, h_q, s_q]
     return out, lse

@@ -45,7 +45,6 @@ import torch
 
 from pagedattn import _validation as V
 from pagedattn.api import plan_decode
-from pagedattn.compat._names import renamed
 
 LOG2E = math.log2(math.e)
 #: plan()'s optional arguments in FlashInfer's (deprecated) positional order
@@ -445,7 +444,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                               out=res_out, return_lse=return_lse, sinks=sinks,
                               alibi_slopes=self._alibi)
         except (TypeError, ValueError) as e:
-            fi = renamed(e, _FI_NAMES)
+            fi = V.renamed(e, _FI_NAMES)
             if fi is e:
                 raise
             raise fi from None

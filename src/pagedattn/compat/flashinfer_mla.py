@@ -42,7 +42,6 @@ import numbers
 import torch
 
 from pagedattn import _validation as V
-from pagedattn.compat._names import renamed
 from pagedattn.mla import MLADecodePlan, plan_mla_decode
 
 LOG2E = math.log2(math.e)
@@ -176,7 +175,7 @@ class BatchMLAPagedAttentionWrapper:
                     latent_dim=head_dim_ckv, rope_dim=head_dim_kpe, page_size=page_size,
                     q_dtype=q_data_type, kv_dtype=kv_data_type, q_len=1 if fold else q_len)
             except (TypeError, ValueError) as e:
-                raise renamed(e, _FI_NAMES) from None
+                raise V.renamed(e, _FI_NAMES) from None
             self._key = key
         self._q_len, self._fold, self._heads = q_len, fold, num_heads
         self._sm_scale = float(sm_scale)
@@ -228,7 +227,7 @@ class BatchMLAPagedAttentionWrapper:
                            scale=self._sm_scale, kv_scale=ckv_s, out=run_out,
                            return_lse=return_lse or lse is not None)
         except (TypeError, ValueError) as e:
-            raise renamed(e, _FI_NAMES) from None
+            raise V.renamed(e, _FI_NAMES) from None
         if not (return_lse or lse is not None):
             return res.view(q_nope.shape) if out is None else out
         o, lse_nat = res

@@ -56,7 +56,6 @@ from pagedattn._cli_types import (
     say_duration,
 )
 from pagedattn._env import git_state
-from pagedattn.serving.cpu_time import decode_seconds, engine_steps
 from pagedattn.serving.gguf_loader import gguf_path, reading_gguf
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -307,8 +306,10 @@ def bench_fixed_cache(model, ids, batch, a, mode, cache_dtype) -> dict:
 
 def cpu_seconds(a: argparse.Namespace) -> float:
     """About how long ``bench-model`` with these arguments takes on the CPU (eager mode
-    only): every decode step of every engine run (:mod:`pagedattn.serving.cpu_time`).
-    Prefills (one SDPA, fast on the CPU) and transformers' own CPU time are not counted."""
+    only): every decode step of every engine run
+    (:func:`pagedattn.serving.runner.decode_seconds`). Prefills (one SDPA, fast on the CPU)
+    and transformers' own CPU time are not counted."""
+    from pagedattn.serving.runner import decode_seconds, engine_steps
     from pagedattn.traces import load_trace
 
     prompts = 1 if a.tiny else len(PROMPTS)

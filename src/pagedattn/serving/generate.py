@@ -45,7 +45,6 @@ from pagedattn._cli_types import (
     say_duration,
 )
 from pagedattn.api import IMPLS
-from pagedattn.serving.cpu_time import decode_seconds, engine_steps
 from pagedattn.serving.families import family_names
 from pagedattn.serving.gguf_loader import gguf_path, reading_gguf
 
@@ -148,6 +147,8 @@ def cpu_estimate(args: argparse.Namespace, cfg) -> str:
     """The line ``generate`` prints on the CPU before it loads the weights: about how long
     the load and the decode steps of the model of ``cfg`` take in Triton's interpreter if
     every request makes ``--max-new-tokens`` (an end-of-sequence token may end one sooner)."""
+    from pagedattn.serving.runner import decode_seconds, engine_steps
+
     steps = engine_steps([args.max_new_tokens] * len(args.prompt), args.max_batch_size,
                          warm=False)
     fp8 = args.cache_dtype in ("fp8_e4m3", "fp8_e5m2")
