@@ -114,6 +114,39 @@ def _soft_cap(s, cap):
 
 
 @gluon.jit
+def _tile_step(q_smem, qr_smem, k_buf, r_buf, p_smem, acc, m_i, l_i, i, pos, seq_len, n_s,
+               qk_scale, softcap, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+               DTYPE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, S_L: gl.constexpr,
+               O_L: gl.constexpr):
+    """One latent tile (``k_buf``, ``r_buf``: tokens ``i * BLOCK_N ..``) folded into the rows'
+    state: both score dots, the mask (each row's tokens ``<= pos``, below ``seq_len``), the
+    online softmax in the exp2 domain, ``P`` through shared memory once for both warpgroups,
+    the value dot. Returns ``(acc, m_i, l_i)``; every warp is done with the tile and ``P``."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(qr_smem, r_buf.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    s = s * qk_scale
+    if HAS_SOFTCAP:
+        s = _soft_cap(s, softcap)
+    tok = i * BLOCK_N + n_s
+    seen = (tok[None, :] <= pos[:, None]) & (tok < seq_len)[None, :]
+    s = gl.where(seen, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_new))
+    p = gl.where(s == float("-inf"), 0.0, gl.exp2(gl.minimum(s - m_new[:, None], 0.0)))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_smem.store(p.to(DTYPE))
+    fence_async_shared()
+    thread_barrier()
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    acc = warpgroup_mma(p_smem, k_buf, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    thread_barrier()  # every warp is done with this tile and with P
+    return acc, m_new, l_i
+
+
+@gluon.jit
 def _store_sequence(acc, m_i, l_i, whole, b64, part, second, hb, kv_scale, out_ptr, lse_ptr,
                     part_o_ptr, part_lse_ptr, sinks_ptr, num_q_heads, rows, stride_o_b,
                     stride_o_t, stride_o_h, stride_o_d, m_s, m_o, d_o,
@@ -314,30 +347,9 @@ def _mla_decode_gluon_kernel(
                     r_buf = rc_smem
                 fence_async_shared()  # cp.async wrote it through the generic proxy; wgmma
                 thread_barrier()  # reads through the async proxy, after every thread's copies
-                s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
-                s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False,
-                                  is_async=True)
-                s = warpgroup_mma(qr_smem, r_buf.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                s = s * qk_scale
-                if HAS_SOFTCAP:
-                    s = _soft_cap(s, softcap)
-                tok = i * BLOCK_N + n_s
-                seen = (tok[None, :] <= pos[:, None]) & (tok < seq_len)[None, :]
-                s = gl.where(seen, s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                alpha = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_new))
-                p = gl.where(s == float("-inf"), 0.0,
-                             gl.exp2(gl.minimum(s - m_new[:, None], 0.0)))
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                p_smem.store(p.to(DTYPE))
-                fence_async_shared()
-                thread_barrier()
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-                acc = warpgroup_mma(p_smem, k_buf, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                thread_barrier()  # every warp is done with this stage and with P
+                acc, m_i, l_i = _tile_step(q_smem, qr_smem, k_buf, r_buf, p_smem, acc, m_i, l_i,
+                                           i, pos, seq_len, n_s, qk_scale, softcap, BLOCK_H,
+                                           BLOCK_N, DTYPE, HAS_SOFTCAP, S_L, O_L)
                 if i + 2 < t_hi:
                     page_bad |= _issue_tile(k_smem.index(stage), r_smem.index(stage), ckv_ptr,
                                             kpe_ptr, bt_row,
@@ -510,30 +522,9 @@ def _ws_consumer(q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem, q_re
                     mbarrier.arrive(kv_empty.index(s), count=1)
                     k_buf = kc_smem
                     r_buf = rc_smem
-                sc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
-                sc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), sc, use_acc=False,
-                                   is_async=True)
-                sc = warpgroup_mma(qr_smem, r_buf.permute((1, 0)), sc, is_async=True)
-                sc = warpgroup_mma_wait(0, deps=(sc,))
-                sc = sc * qk_scale
-                if HAS_SOFTCAP:
-                    sc = _soft_cap(sc, softcap)
-                tok = i * BLOCK_N + n_s
-                seen = (tok[None, :] <= pos[:, None]) & (tok < seq_len)[None, :]
-                sc = gl.where(seen, sc, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-                alpha = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_new))
-                p = gl.where(sc == float("-inf"), 0.0,
-                             gl.exp2(gl.minimum(sc - m_new[:, None], 0.0)))
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                p_smem.store(p.to(DTYPE))
-                fence_async_shared()
-                thread_barrier()
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-                acc = warpgroup_mma(p_smem, k_buf, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                thread_barrier()  # every warp is done with this tile and with P
+                acc, m_i, l_i = _tile_step(q_smem, qr_smem, k_buf, r_buf, p_smem, acc, m_i, l_i,
+                                           i, pos, seq_len, n_s, qk_scale, softcap, BLOCK_H,
+                                           BLOCK_N, DTYPE, HAS_SOFTCAP, S_L, O_L)
                 if KV_DTYPE == DTYPE:
                     mbarrier.arrive(kv_empty.index(s), count=1)
                 g += 1
