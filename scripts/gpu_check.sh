@@ -89,7 +89,7 @@ phase_correctness() {
   { echo "# GPU correctness gate, commit ${PAGEDATTN_GIT_SHA:-unknown} ($(date -u +%FT%H:%MZ))"
     echo; head -1 "$OUT/env.txt"; echo; } > "$OUT/correctness-summary.md"
   stamp "every family against the oracle"
-  timeout "${CORRECTNESS_S:-200}" python3 scripts/gpu_correctness.py --all --jobs 9 \
+  timeout "${CORRECTNESS_S:-200}" python3 scripts/gpu_correctness.py --all --jobs 10 \
     --json "$OUT/gpu-correctness.json" > "$OUT/gpu-correctness.log" 2>&1
   local rc=$?
   grep -E "FAIL|CRASH" "$OUT/gpu-correctness.log" | head -20
