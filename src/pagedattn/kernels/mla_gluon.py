@@ -37,7 +37,9 @@ from pagedattn.kernels._gluon_compat import (
     async_copy_global_to_shared,
     commit_group,
     fence_async_shared,
+    landed,
     mbarrier,
+    report_block_tables,
     thread_barrier,
     wait_group,
     warpgroup_mma,
@@ -371,23 +373,11 @@ def _mla_decode_gluon_kernel(
                          BLOCK_D, BLOCK_H, HEADS, Q_LEN, HAS_SINKS, HAS_LSE, S_L, O_L)
         start += tiles + OVERHEAD
         b += 1
-    if bad_row >= 0:  # BLOCK_TABLES (5), unless a report of a lower code is pending
-        word = (bad_row.to(gl.int64) & 0xFFFFFF) * 4294967296 + 360287974484606975
-        pending = gl.load(errors_ptr, volatile=True)
-        if (pending == 0) | ((pending >> 56) > 5):
-            gl.store(errors_ptr, word)
+    if bad_row >= 0:
+        report_block_tables(errors_ptr, bad_row)
 
 
 # --- the warp-specialized form (opt-in: MLAKernelConfig.ws; docs/perf-notes.md step 55) ----
-
-
-@gluon.jit
-def _ws_landed(bar):
-    """The producer's copies for ``bar`` have landed in every one of its threads (the caller
-    waited for their group): fence them for the async proxy, then one arrival."""
-    fence_async_shared()
-    thread_barrier()
-    mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -442,7 +432,7 @@ def _ws_producer(q_smem, qr_smem, k_smem, r_smem, q_ready, q_empty, kv_ready, kv
                 mask=(m_ldr < Q_LEN * HEADS)[:, None] & _cols(d_ldr, ROPE_DIM, BLOCK_DR)[None, :])
             commit_group()
             wait_group(0)
-            _ws_landed(q_ready)
+            landed(q_ready)
             nq += 1
             page_bad = False
             for i in range(t_lo, t_hi):
@@ -455,16 +445,13 @@ def _ws_producer(q_smem, qr_smem, k_smem, r_smem, q_ready, q_empty, kv_ready, kv
                                         BLOCK_D, BLOCK_DR, LATENT_DIM, ROPE_DIM)
                 commit_group()
                 wait_group(0)
-                _ws_landed(kv_ready.index(s))
+                landed(kv_ready.index(s))
                 g += 1
             bad_row = gl.where(page_bad & (bad_row < 0), b, bad_row)
         start += tiles + OVERHEAD
         b += 1
-    if bad_row >= 0:  # BLOCK_TABLES (5), unless a report of a lower code is pending
-        word = (bad_row.to(gl.int64) & 0xFFFFFF) * 4294967296 + 360287974484606975
-        pending = gl.load(errors_ptr, volatile=True)
-        if (pending == 0) | ((pending >> 56) > 5):
-            gl.store(errors_ptr, word)
+    if bad_row >= 0:
+        report_block_tables(errors_ptr, bad_row)
 
 
 @gluon.jit

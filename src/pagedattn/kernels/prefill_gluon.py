@@ -38,8 +38,9 @@ from triton.experimental.gluon import language as gl
 from pagedattn.kernels._gluon_compat import (
     async_copy_global_to_shared,
     commit_group,
-    fence_async_shared,
+    landed,
     mbarrier,
+    report_block_tables,
     thread_barrier,
     wait_group,
     warpgroup_mma,
@@ -71,16 +72,6 @@ def _copy_rows(buf, bad, base_ptr, bt_row_ptr, stride_bt_p, n0, kv_end, num_page
                                     base_ptr + off[:, None] + cols[None, :])
         bad = bad | out
     return bad
-
-
-@gluon.jit
-def _landed(bar):
-    """The copies ``bar`` signals have landed in every producer thread (the caller waited for
-    their group): fence them for the async proxy (wgmma reads there), then one arrival on
-    ``bar`` once all 128 threads have."""
-    fence_async_shared()
-    thread_barrier()
-    mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -127,25 +118,21 @@ def _producer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
         if AHEAD == 0:  # this tile's copies (and the query's, before tile 0's) have landed
             wait_group(0)
             if j == 0:
-                _landed(q_ready)
-            _landed(kv_ready.index(s))
+                landed(q_ready)
+            landed(kv_ready.index(s))
         else:  # the group before this tile's: the query (j = 0) or tile j - 1
             wait_group(1)
             if j == 0:
-                _landed(q_ready)
+                landed(q_ready)
             else:
-                _landed(kv_ready.index((j - 1) % STAGES))
+                landed(kv_ready.index((j - 1) % STAGES))
     wait_group(0)
     if n_tiles == 0:
-        _landed(q_ready)
+        landed(q_ready)
     elif AHEAD == 1:
-        _landed(kv_ready.index((n_tiles - 1) % STAGES))
-    if (gl.max(bad.to(gl.int32), axis=0) > 0) & report_pages:  # BLOCK_TABLES (5), unless
-        # a report of a lower code is pending
-        word = (b.to(gl.int64) & 0xFFFFFF) * 4294967296 + 360287974484606975
-        pending = gl.load(errors_ptr, volatile=True)
-        if (pending == 0) | ((pending >> 56) > 5):
-            gl.store(errors_ptr, word)
+        landed(kv_ready.index((n_tiles - 1) % STAGES))
+    if (gl.max(bad.to(gl.int32), axis=0) > 0) & report_pages:
+        report_block_tables(errors_ptr, b)
 
 
 @gluon.jit
