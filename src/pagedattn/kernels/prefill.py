@@ -94,6 +94,30 @@ def _prefill_block(query_start_loc_ptr, r, batch, first_row, num_tokens,
     return b, lo + m * TOKENS, q_len, m, bad
 
 
+@triton.jit
+def _block_seq_len(seq_lens_ptr, errors_ptr, b, stride_sl, q_len, m_blk, qsl_bad, reporter,
+                   max_pages, num_pages, valid, PAGE_SIZE: tl.constexpr, TOKENS: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """A block's sequence length clamped to the table, ``(seq_len, raw_len)``. ``reporter``:
+    this program reports the length (one a sequence: its last block) if it was clamped, or if
+    it is shorter than its new tokens (unless ``query_start_loc`` was clamped: then that is
+    the cause, reported alone). ``MASKED``: the block may lie past the batch (``valid``
+    says whether it does not; nothing is read then)."""
+    capacity = max_pages * PAGE_SIZE * (num_pages > 0)  # no page: every length clamps to 0
+    if MASKED:
+        raw_len = tl.load(seq_lens_ptr + b * stride_sl, mask=valid, other=0)
+    else:
+        raw_len = tl.load(seq_lens_ptr + b * stride_sl)
+    seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity).to(tl.int32)
+    report = (m_blk == tl.cdiv(q_len, TOKENS) - 1) & reporter  # one program a sequence
+    _report(errors_ptr, report & (seq_len != raw_len), SEQ_LENS, b, raw_len)
+    # a sequence whose rows come from a clamped query_start_loc is short as a consequence:
+    # only the cause is reported (programs race to the word; a consequence could win)
+    _report(errors_ptr, report & (seq_len == raw_len) & (seq_len < q_len) & (qsl_bad < 0),
+            SEQ_LENS_SHORT, b, raw_len)
+    return seq_len, raw_len
+
+
 @triton.jit(do_not_specialize=["batch", "first_row", "num_tokens", "num_pages", "max_pages"])
 def _prefill_schedule_kernel(query_start_loc_ptr, seq_lens_ptr, sched_ptr, errors_ptr,
                              batch, first_row, num_tokens, num_pages, max_pages, stride_sl,
@@ -110,13 +134,9 @@ def _prefill_schedule_kernel(query_start_loc_ptr, seq_lens_ptr, sched_ptr, error
                                                     num_tokens, TOKENS, BLOCK_B)
     _report(errors_ptr, (r == 0) & (qsl_bad >= 0), QUERY_START_LOC, qsl_bad, qsl_bad)
     valid = (b < batch) & (m_blk >= 0)
-    capacity = max_pages * PAGE_SIZE * (num_pages > 0)  # no page: every length clamps to 0
-    raw_len = tl.load(seq_lens_ptr + b * stride_sl, mask=valid, other=0)
-    seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity).to(tl.int32)
-    report = valid & (m_blk == tl.cdiv(q_len, TOKENS) - 1)  # one program a sequence
-    _report(errors_ptr, report & (seq_len != raw_len), SEQ_LENS, b, raw_len)
-    _report(errors_ptr, report & (seq_len == raw_len) & (seq_len < q_len) & (qsl_bad < 0),
-            SEQ_LENS_SHORT, b, raw_len)
+    seq_len, raw_len = _block_seq_len(seq_lens_ptr, errors_ptr, b, stride_sl, q_len, m_blk,
+                                      qsl_bad, valid, max_pages, num_pages, valid, PAGE_SIZE,
+                                      TOKENS, True)
     rows_here = tl.minimum(q_len - m_blk * TOKENS, TOKENS)
     p0 = seq_len - q_len + m_blk * TOKENS
     kv_end = tl.maximum(tl.minimum(p0 + rows_here, seq_len), 0)
@@ -217,15 +237,9 @@ def _paged_prefill_kernel(
     _report(errors_ptr, first & (qsl_bad >= 0), QUERY_START_LOC, qsl_bad, qsl_bad)
     if (b >= batch) | (m_blk < 0):  # past the batch's blocks (the grid is sized from shapes)
         return
-    capacity = max_pages * PAGE_SIZE * (num_pages > 0)  # no page: every length clamps to 0
-    raw_len = tl.load(seq_lens_ptr + b * stride_sl)
-    seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity).to(tl.int32)
-    report = (m_blk == tl.cdiv(q_len, TOKENS) - 1) & (hg == 0)  # one program a sequence
-    _report(errors_ptr, report & (seq_len != raw_len), SEQ_LENS, b, raw_len)
-    # a sequence whose rows come from a clamped query_start_loc is short as a consequence:
-    # only the cause is reported (programs race to the word; a consequence could win)
-    _report(errors_ptr, report & (seq_len == raw_len) & (seq_len < q_len) & (qsl_bad < 0),
-            SEQ_LENS_SHORT, b, raw_len)
+    seq_len, raw_len = _block_seq_len(seq_lens_ptr, errors_ptr, b, stride_sl, q_len, m_blk,
+                                      qsl_bad, hg == 0, max_pages, num_pages, True, PAGE_SIZE,
+                                      TOKENS, False)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
