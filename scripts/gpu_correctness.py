@@ -136,6 +136,20 @@ def _decode(one_shot=False):
                 yield (dt, layout, page, hd, f"q_len{q_len}", f"splits{splits}"), ok, err
 
 
+def _varlen_query(seq_lens, q_lens, hd, dtype, seed):
+    """A ``[n + 2, 8, hd]`` query (two padding rows), its ``query_start_loc`` and the new
+    tokens of each sequence (``q_lens``; in the smoke, at most its shortened length)."""
+    if SMOKE:
+        q_lens = [min(q, n_) for q, n_ in zip(q_lens, [min(x, 13) for x in seq_lens],
+                                               strict=True)]
+    n = sum(q_lens)
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(n + 2, 8, hd, generator=g).to(dtype).to(_device())
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                       device=_device())
+    return query, qsl, q_lens
+
+
 def _prefill(mixed=False):
     seq_lens, q_lens = [40, 300, 0, 77, 1, 130], [40, 17, 0, 77, 1, 3]
     if mixed:  # three decodes first
@@ -144,15 +158,8 @@ def _prefill(mixed=False):
         for window in (-1, 20):
             inputs, kv_layout, scales = _inputs(seq_lens, dt, layout, page, hd, seed=window)
             dtype = inputs.query.dtype
-            g = torch.Generator().manual_seed(hd)
+            query, qsl, q_lens = _varlen_query(seq_lens, q_lens, hd, dtype, seed=hd)
             n = sum(q_lens)
-            if SMOKE:
-                q_lens = [min(q, n_) for q, n_ in zip(q_lens, [min(x, 13) for x in seq_lens],
-                                                       strict=True)]
-                n = sum(q_lens)
-            query = torch.randn(n + 2, 8, hd, generator=g).to(dtype).to(_device())
-            qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
-                               dtype=torch.int32, device=_device())
             out = torch.full_like(query, float("nan"))
             plan = pagedattn.plan_attention(
                 inputs.block_tables, inputs.context_lens, qsl, num_q_heads=8, num_kv_heads=2,
@@ -177,12 +184,9 @@ def _prefill_gluon():
     consumers' overlap; on a GPU
     where it does not apply (not sm_90) or in the interpreter, the plain kernel runs and the
     case says so."""
-    import dataclasses
-
-    import pagedattn.launch.prefill as LP
+    from policy_patch import patched_config  # noqa: PLC0415 (scripts/: the script's path)
 
     seq_lens, q_lens = [400, 300, 0, 1100, 9, 129], [300, 300, 0, 200, 9, 129]
-    base = LP.prefill_config
     grid = [(dt, LAYOUTS[i % len(LAYOUTS)], page, hd) for i, (page, hd, dt) in enumerate(
         itertools.product(PAGES, (64, 128), ("bf16", "fp16")))]  # every page size x head dim
     if SMOKE:
@@ -190,20 +194,12 @@ def _prefill_gluon():
     for (dt, layout, page, hd), tiles in itertools.product(grid, ((128, 2, False),
                                                                   (64, 3, False),
                                                                   (64, 2, True))):
-        LP.prefill_config = lambda *a, t=tiles, **k: dataclasses.replace(
-            base(*a, **k), gluon=True, block_n=t[0], num_stages=t[1], overlap=t[2])
-        try:
+        with patched_config(dict(gluon=True, block_n=tiles[0], num_stages=tiles[1],
+                                 overlap=tiles[2])):
             inputs, kv_layout, scales = _inputs(seq_lens, dt, layout, page, hd, seed=page)
             dtype = inputs.query.dtype
-            lens = q_lens
-            if SMOKE:
-                lens = [min(q, n_) for q, n_ in zip(q_lens, [min(x, 13) for x in seq_lens],
-                                                    strict=True)]
+            query, qsl, lens = _varlen_query(seq_lens, q_lens, hd, dtype, seed=hd + page)
             n = sum(lens)
-            g = torch.Generator().manual_seed(hd + page)
-            query = torch.randn(n + 2, 8, hd, generator=g).to(dtype).to(_device())
-            qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
-                               dtype=torch.int32, device=_device())
             out = torch.full_like(query, float("nan"))
             plan = pagedattn.plan_attention(
                 inputs.block_tables, inputs.context_lens, qsl, num_q_heads=8, num_kv_heads=2,
@@ -211,8 +207,6 @@ def _prefill_gluon():
             res = plan.run(query, *inputs[1:3], out=out, return_lse=True, **scales)
             _sync()
             path = "gluon" if plan._engine(query.shape[0]).gluon else "plain"
-        finally:
-            LP.prefill_config = base
         ref = pagedattn.paged_attention_reference(query, *inputs[1:], qsl,
                                                   kv_layout=kv_layout, **scales)
         ok, err = _check("prefill", out[:n], ref.out[:n], res.lse[:n], ref.lse[:n], dtype)

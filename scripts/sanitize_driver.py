@@ -285,18 +285,13 @@ def _gluon_prefill_runs() -> int:
     plain kernel runs and the check says which): bf16 NHD pages of 16 on 128-key tiles, fp16
     HND pages of 1 on 64-key tiles three deep, head dim 64, the LSE, a chunk over a cached
     prefix, an empty sequence and padding rows; then a length past the table (reported)."""
-    import dataclasses
-
-    import pagedattn.launch.prefill as LP
+    from policy_patch import patched_config  # noqa: PLC0415 (scripts/: the script's path)
 
     failures = 0
-    base = LP.prefill_config
     seq_lens, q_lens = [200, 0, 150, 9], [130, 0, 150, 9]
     for dtype, layout, page, tiles in ((torch.bfloat16, "NHD", 16, (128, 2)),
                                        (torch.float16, "HND", 1, (64, 3))):
-        LP.prefill_config = lambda *a, t=tiles, **k: dataclasses.replace(
-            base(*a, **k), gluon=True, block_n=t[0], num_stages=t[1])
-        try:
+        with patched_config(dict(gluon=True, block_n=tiles[0], num_stages=tiles[1])):
             inputs = make_paged_inputs(seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
                                        page_size=page, dtype=dtype, kv_layout=layout,
                                        seed=page, device=DEVICE)
@@ -312,8 +307,6 @@ def _gluon_prefill_runs() -> int:
             res = plan.run(query, *inputs[1:3], out=out, return_lse=True)
             _sync()
             path = "gluon" if plan._engine(query.shape[0]).gluon else "plain"
-        finally:
-            LP.prefill_config = base
         ref = pagedattn.paged_attention_reference(query, *inputs[1:], qsl, kv_layout=layout)
         err = rel_l2_error(out[:n], ref.out[:n])
         ok = err <= tolerance_for(dtype) and bool(torch.isnan(out[n:]).all())
