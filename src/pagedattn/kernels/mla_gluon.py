@@ -90,6 +90,28 @@ def _issue_tile(k_buf, r_buf, ckv_ptr, kpe_ptr, bt_row_ptr, stride_bt_p, n0, seq
 
 
 @gluon.jit
+def _issue_query(q_smem, qr_smem, q_ptr, qpe_ptr, b64, hb, m_ld, m_ldr, d_ld, d_ldr,
+                 stride_q_b, stride_q_t, stride_q_h, stride_q_d, stride_qr_b, stride_qr_t,
+                 stride_qr_h, stride_qr_d, LATENT_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+                 ROPE_DIM: gl.constexpr, BLOCK_DR: gl.constexpr, Q_LEN: gl.constexpr,
+                 HEADS: gl.constexpr):
+    """``cp.async`` sequence ``b64``'s query rows (token x head of head block ``hb``; rows past
+    ``Q_LEN x HEADS`` zero) into shared memory: the latent part and the rope part."""
+    tok_q = m_ld // HEADS
+    head_q = hb * HEADS + m_ld % HEADS
+    q_rows = b64 * stride_q_b + tok_q * stride_q_t + head_q * stride_q_h
+    async_copy_global_to_shared(
+        q_smem, q_ptr + q_rows[:, None] + d_ld[None, :] * stride_q_d,
+        mask=(m_ld < Q_LEN * HEADS)[:, None] & _cols(d_ld, LATENT_DIM, BLOCK_D)[None, :])
+    tok_r = m_ldr // HEADS
+    head_r = hb * HEADS + m_ldr % HEADS
+    qr_rows = b64 * stride_qr_b + tok_r * stride_qr_t + head_r * stride_qr_h
+    async_copy_global_to_shared(
+        qr_smem, qpe_ptr + qr_rows[:, None] + d_ldr[None, :] * stride_qr_d,
+        mask=(m_ldr < Q_LEN * HEADS)[:, None] & _cols(d_ldr, ROPE_DIM, BLOCK_DR)[None, :])
+
+
+@gluon.jit
 def _convert_tile(k8, r8, kc, rc, DTYPE: gl.constexpr, BLOCK_D: gl.constexpr,
                   num_warps: gl.constexpr):
     """One fp8 stage (``k8`` latent, ``r8`` rope rows) converted into the 16-bit tile both dots
@@ -307,18 +329,10 @@ def _mla_decode_gluon_kernel(
             b64 = b.to(gl.int64)
             bt_row = block_tables_ptr + b64 * stride_bt_b
             # the query: rows token x head of this block, into shared memory with tile 0
-            tok_q = m_ld // HEADS
-            head_q = hb * HEADS + m_ld % HEADS
-            q_rows = b64 * stride_q_b + tok_q * stride_q_t + head_q * stride_q_h
-            async_copy_global_to_shared(
-                q_smem, q_ptr + q_rows[:, None] + d_ld[None, :] * stride_q_d,
-                mask=(m_ld < Q_LEN * HEADS)[:, None] & _cols(d_ld, LATENT_DIM, BLOCK_D)[None, :])
-            tok_r = m_ldr // HEADS
-            head_r = hb * HEADS + m_ldr % HEADS
-            qr_rows = b64 * stride_qr_b + tok_r * stride_qr_t + head_r * stride_qr_h
-            async_copy_global_to_shared(
-                qr_smem, qpe_ptr + qr_rows[:, None] + d_ldr[None, :] * stride_qr_d,
-                mask=(m_ldr < Q_LEN * HEADS)[:, None] & _cols(d_ldr, ROPE_DIM, BLOCK_DR)[None, :])
+            _issue_query(q_smem, qr_smem, q_ptr, qpe_ptr, b64, hb, m_ld, m_ldr, d_ld, d_ldr,
+                         stride_q_b, stride_q_t, stride_q_h, stride_q_d, stride_qr_b,
+                         stride_qr_t, stride_qr_h, stride_qr_d, LATENT_DIM, BLOCK_D, ROPE_DIM,
+                         BLOCK_DR, Q_LEN, HEADS)
             page_bad = _issue_tile(k_smem.index(0), r_smem.index(0), ckv_ptr, kpe_ptr, bt_row,
                                    stride_bt_p, t_lo * BLOCK_N, seq_len, num_pages,
                                    stride_c_page, stride_c_tok, stride_r_page, stride_r_tok,
@@ -420,16 +434,10 @@ def _ws_producer(q_smem, qr_smem, k_smem, r_smem, q_ready, q_empty, kv_ready, kv
             b64 = b.to(gl.int64)
             bt_row = block_tables_ptr + b64 * stride_bt_b
             mbarrier.wait(q_empty, (nq + 1) % 2, pred=nq > 0)
-            q_rows = (b64 * stride_q_b + (m_ld // HEADS) * stride_q_t
-                      + (hb * HEADS + m_ld % HEADS) * stride_q_h)
-            async_copy_global_to_shared(
-                q_smem, q_ptr + q_rows[:, None] + d_ld[None, :] * stride_q_d,
-                mask=(m_ld < Q_LEN * HEADS)[:, None] & _cols(d_ld, LATENT_DIM, BLOCK_D)[None, :])
-            qr_rows = (b64 * stride_qr_b + (m_ldr // HEADS) * stride_qr_t
-                       + (hb * HEADS + m_ldr % HEADS) * stride_qr_h)
-            async_copy_global_to_shared(
-                qr_smem, qpe_ptr + qr_rows[:, None] + d_ldr[None, :] * stride_qr_d,
-                mask=(m_ldr < Q_LEN * HEADS)[:, None] & _cols(d_ldr, ROPE_DIM, BLOCK_DR)[None, :])
+            _issue_query(q_smem, qr_smem, q_ptr, qpe_ptr, b64, hb, m_ld, m_ldr, d_ld, d_ldr,
+                         stride_q_b, stride_q_t, stride_q_h, stride_q_d, stride_qr_b,
+                         stride_qr_t, stride_qr_h, stride_qr_d, LATENT_DIM, BLOCK_D, ROPE_DIM,
+                         BLOCK_DR, Q_LEN, HEADS)
             commit_group()
             wait_group(0)
             landed(q_ready)
