@@ -187,3 +187,23 @@ class MBarrier:
 
     def done(self, parity: int) -> bool:
         return self.completed % 2 != parity
+
+
+def run_sides(*sides) -> bool:
+    """Step coroutines that yield ``(MBarrier, parity)`` waits until each has finished (True)
+    or none can move (False: they wait on each other). A side moves when the barrier it last
+    waited on has completed that phase."""
+    sides, waiting = list(sides), [None] * len(sides)
+    while any(sides):
+        moved = False
+        for k, side in enumerate(sides):
+            if side is None or (waiting[k] is not None and not waiting[k][0].done(waiting[k][1])):
+                continue
+            try:
+                waiting[k] = next(side)
+            except StopIteration:
+                sides[k] = None
+            moved = True
+        if not moved:
+            return False
+    return True

@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from _hardening import MBarrier, check_lse
+from _hardening import MBarrier, check_lse, run_sides
 from _scripts import run_script
 
 from pagedattn import mla_decode, mla_decode_reference, plan_mla_decode
@@ -368,20 +368,7 @@ def _ws_handoff(tiles: list[int]) -> list[tuple[int, int]]:
             q_empty.completed += 1
             nq += 1
 
-    sides, waiting = [producer(), consumer()], [None, None]
-    while any(sides):
-        moved = False
-        for k, side in enumerate(sides):
-            if side is None or (waiting[k] is not None and not waiting[k][0].done(waiting[k][1])):
-                continue
-            try:
-                waiting[k] = next(side)
-            except StopIteration:
-                sides[k] = None
-            moved = True
-        if not moved:
-            return [(-1, -1)]
-    return read
+    return read if run_sides(producer(), consumer()) else [(-1, -1)]
 
 
 @pytest.mark.parametrize("tiles", [[], [0], [1], [3], [1, 1, 1], [2, 0, 5, 1], [0, 4, 0, 0, 2]])

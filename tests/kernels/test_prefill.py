@@ -10,7 +10,7 @@ must stay NaN: engines pad their batches). Each sequence's new tokens are the la
 
 import pytest
 import torch
-from _hardening import MBarrier, check_lse, head_values
+from _hardening import MBarrier, check_lse, head_values, run_sides
 from _scripts import assert_unknown_row_exits_2, compiled_sm90, run_script, sm90_bound
 
 from pagedattn import (
@@ -414,23 +414,7 @@ def _handoff(n_tiles: int, stages: int, overlap: bool, ahead: int) -> list[str]:
                 read.append(j)
             empty[s].completed += 1
 
-    sides = [producer(), consumer()]
-    waiting = [None, None]
-    for _ in range(10 * (n_tiles + 2)):
-        moved = False
-        for i, side in enumerate(sides):
-            if side is None:
-                continue
-            if waiting[i] is not None and not waiting[i][0].done(waiting[i][1]):
-                continue
-            try:
-                waiting[i] = next(side)
-            except StopIteration:
-                sides[i] = None
-            moved = True
-        if not moved:
-            return ["deadlock"] if any(sides) else read
-    return ["deadlock"]
+    return read if run_sides(producer(), consumer()) else ["deadlock"]
 
 
 @pytest.mark.parametrize("stages,overlap", [(2, False), (3, False), (2, True), (3, True)])
