@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="pagedattn alone")
     ap.add_argument("--ours", default="default",
                     help="comma list of our variants: default, gluon (the Hopper path), "
+                         "gluon-ws (its warp-specialized form, opt-in), "
                          "plain (the plain Triton MLA kernel), "
                          "bn<tokens>s<stages>[w<warps>] (the plain kernel's tiles)")
     ap.add_argument("--dry-run", action="store_true",
