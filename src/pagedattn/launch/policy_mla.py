@@ -57,8 +57,8 @@ class MLAKernelConfig:
     #: the Gluon kernel (kernels/mla_gluon.py: 64 rows, 64-token tiles, eight warps, two
     #: stages) where it applies (:func:`gluon_applies`), else the plain one
     gluon: bool = False
-    #: the Gluon kernel's warp-specialized form (a producer warpgroup issues the copies; opt-in
-    #: until a GPU has run it: docs/perf-notes.md step 55)
+    #: the Gluon kernel's warp-specialized form (a producer warpgroup issues the copies):
+    #: :func:`mla_kernel_config` asks for it with the Gluon kernel (docs/perf-notes.md step 55)
     ws: bool = False
 
     def head_blocks(self, num_heads: int) -> int:
@@ -78,7 +78,8 @@ def mla_kernel_config(*, num_heads: int, q_len: int, latent_dim: int, kv_dtype: 
     16-bit and fp8 latents ask for the Gluon kernel (``gluon``), which the launcher runs where
     :func:`gluon_applies` (Hopper, 512 + 64 dims): on an H100 it ran 1.1-1.8 x faster than the
     plain kernel on every 16-bit row (docs/perf-notes.md step 50), and 1.67 x (TP1) and 1.72 x
-    (TP8) on fp8 rows (step 52)."""
+    (TP8) on fp8 rows (step 52). Its warp-specialized form (``ws``) then ran 2-17 % faster
+    than the single-partition one on every row of ``bench_mla.py`` (step 55; H100, ca00c2b)."""
     fp32 = kv_dtype == torch.float32
     max_rows = 16 if fp32 or interpret else 64
     blocks = mla_head_blocks(num_heads, q_len, max_rows)
@@ -95,7 +96,8 @@ def mla_kernel_config(*, num_heads: int, q_len: int, latent_dim: int, kv_dtype: 
         parts = max(num_sms // blocks, 1)
     gluon = not (interpret or fp32)
     return MLAKernelConfig(heads=heads, block_h=block_h, block_n=block_n, num_warps=warps,
-                           num_stages=stages, num_parts=num_parts or parts, gluon=gluon)
+                           num_stages=stages, num_parts=num_parts or parts, gluon=gluon,
+                           ws=gluon)
 
 
 def gluon_applies(*, q_dtype: torch.dtype, kv_dtype: torch.dtype, latent_dim: int,
