@@ -331,16 +331,16 @@ def _gluon_prefill_runs() -> int:
 
 def _mla_runs() -> int:
     """``mla_decode`` at DeepSeek's dims (512 + 64), 16 and 128 heads, bf16 and fp8, pages of
-    64 and 1, empty and one-token sequences; the last two runs again on the Gluon kernel's
-    warp-specialized form (opt-in, through the plan's ``kernel_config``)."""
+    64 and 1, empty and one-token sequences (on sm_90 the policy's Gluon kernel, warp-specialized);
+    the last two again on its single-partition form (through the plan's ``kernel_config``)."""
     import dataclasses
 
     from pagedattn.testing import make_mla_inputs
 
     failures = 0
-    for heads, cache, page, ws in ((16, None, 64, False), (128, None, 64, False),
-                                   (16, torch.float8_e4m3fn, 1, False),
-                                   (128, None, 64, True), (16, torch.float8_e4m3fn, 1, True)):
+    for heads, cache, page, single in ((16, None, 64, False), (128, None, 64, False),
+                                       (16, torch.float8_e4m3fn, 1, False),
+                                       (128, None, 64, True), (16, torch.float8_e4m3fn, 1, True)):
         inputs = make_mla_inputs([0, 1, 90, 130], num_q_heads=heads, page_size=page,
                                  dtype=torch.bfloat16, cache_dtype=cache, device=DEVICE)
         kv_scale = 0.5 if cache is not None else None
@@ -348,8 +348,8 @@ def _mla_runs() -> int:
         plan = pagedattn.plan_mla_decode(
             inputs.block_tables, inputs.context_lens, num_q_heads=heads, latent_dim=512,
             rope_dim=64, page_size=page, q_dtype=torch.bfloat16, kv_dtype=cache)
-        if ws:
-            plan.kernel_config = dataclasses.replace(plan.policy_config(), ws=True)
+        if single:
+            plan.kernel_config = dataclasses.replace(plan.policy_config(), ws=False)
         res = plan.run(*inputs[:4], scale=0.07, kv_scale=kv_scale, out=out, return_lse=True)
         _sync()
         ref = pagedattn.mla_decode_reference(*inputs, scale=0.07, kv_scale=kv_scale)
@@ -360,7 +360,7 @@ def _mla_runs() -> int:
         ok &= bool(torch.allclose(res.lse.double().cpu()[finite], want[finite], atol=1e-3,
                                   rtol=1e-3))
         failures += _report("mla", f"{heads} heads", {"fp8": cache is not None, "page": page,
-                                                      "ws": ws}, ok, err)
+                                                      "single": single}, ok, err)
     LAUNCHED.add("mla_decode")
     return failures
 

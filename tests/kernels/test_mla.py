@@ -402,6 +402,31 @@ def test_gluon_ws_kernel_compiles_for_sm90():
         assert loop is None or int(loop.group(1)) <= sm90_bound(case, "loop spills", 0), line
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                      torch.float32])
+def test_policy_asks_for_the_warp_specialized_gluon_kernel(kv_dtype):
+    """On a GPU the policy asks for the Gluon kernel in its warp-specialized form for 16-bit
+    and fp8 latents (faster than the single partition on every bench_mla row: perf-notes step
+    55), and for neither for fp32 (the reference path) or under the interpreter."""
+    from pagedattn.launch.policy_mla import mla_kernel_config
+
+    cfg = mla_kernel_config(num_heads=128, q_len=1, latent_dim=512, kv_dtype=kv_dtype,
+                            num_sms=132, interpret=False)
+    fast = kv_dtype != torch.float32
+    assert (cfg.gluon, cfg.ws) == (fast, fast)
+    cpu = mla_kernel_config(num_heads=128, q_len=1, latent_dim=512, kv_dtype=kv_dtype,
+                            num_sms=132, interpret=True)
+    assert not (cpu.gluon or cpu.ws)
+
+
+def test_racecheck_probe_refuses_in_one_line():
+    """scripts/racecheck_probe.py (one small launch for compute-sanitizer's racecheck) names
+    its kernels in one line and exits 2 on an unknown one, or without a GPU."""
+    run = run_script("racecheck_probe.py", "nope", interpret=True, timeout=120)
+    assert run.returncode == 2 and run.stdout.count("\n") == 1, run.stdout + run.stderr
+    assert run.stdout.startswith("usage: racecheck_probe.py mla|mla-ws|prefill-gluon|fa3")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_q_heads, q_len, page_size, cache, ws", [
     (128, 1, 64, None, False), (16, 1, 64, None, False), (16, 3, 1, None, False),

@@ -126,8 +126,9 @@ Runner = Callable[[], torch.Tensor]
 
 def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") -> Runner:
     """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call. ``variant``
-    (``--ours``): ``default``; ``gluon``, the MLA kernel's Hopper path (the default where it
-    applies); ``gluon-ws``, its warp-specialized form (opt-in); ``plain``, the plain Triton
+    (``--ours``): ``default``; ``gluon-ws``, the MLA kernel's Hopper path (the default where
+    it applies: the Gluon kernel, warp-specialized); ``gluon``, its single-partition form;
+    ``plain``, the plain Triton
     MLA kernel; or the plain kernel with other tiles, ``bn<tokens>s<stages>[w<warps>]``
     (A/B tuning)."""
     plan = pagedattn.plan_mla_decode(
@@ -144,8 +145,8 @@ def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") ->
 
 
 def _variant_config(plan, variant: str):
-    """An ``--ours`` variant as the plan's kernel config: ``gluon`` (the Hopper path, where
-    it applies), ``gluon-ws`` (its warp-specialized form), ``plain`` (the plain Triton
+    """An ``--ours`` variant as the plan's kernel config: ``gluon-ws`` (the Hopper path, where
+    it applies), ``gluon`` (its single-partition form), ``plain`` (the plain Triton
     kernel) or its tiles ``bn<N>s<S>[w<W>]``."""
     base = plan.policy_config()  # through the API layer (tests/package/test_layers.py)
     if variant in ("gluon", "gluon-ws", "plain"):
@@ -255,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences of each row checked against the float64 oracle")
     ap.add_argument("--no-peers", action="store_true", help="pagedattn alone")
     ap.add_argument("--ours", default="default",
-                    help="comma list of our variants: default, gluon (the Hopper path), "
-                         "gluon-ws (its warp-specialized form, opt-in), "
+                    help="comma list of our variants: default, gluon-ws (the Hopper path), "
+                         "gluon (its single-partition form), "
                          "plain (the plain Triton MLA kernel), "
                          "bn<tokens>s<stages>[w<warps>] (the plain kernel's tiles)")
     ap.add_argument("--dry-run", action="store_true",

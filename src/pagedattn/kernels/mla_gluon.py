@@ -391,7 +391,7 @@ def _mla_decode_gluon_kernel(
         report_block_tables(errors_ptr, bad_row)
 
 
-# --- the warp-specialized form (opt-in: MLAKernelConfig.ws; docs/perf-notes.md step 55) ----
+# --- the warp-specialized form (the Hopper default: MLAKernelConfig.ws; perf-notes step 55) -----
 
 
 @gluon.jit

@@ -45,7 +45,7 @@ class PrefillConfig:
     num_stages: int
     #: the Gluon kernel (kernels/prefill_gluon.py: a producer warpgroup, two consumer
     #: warpgroups, P in registers) where it applies (:func:`gluon_applies`), else the plain
-    #: one; opt-in until a GPU has run it (docs/perf-notes.md step 54)
+    #: one; opt-in: correct on an H100, but slower than the plain kernel there (perf-notes step 54)
     gluon: bool = False
     #: the Gluon kernel's consumers issue tile j + 1's scores before tile j's softmax
     #: (FA3's intra-warpgroup overlap; one score tile more in registers: 64-key tiles)
