@@ -367,33 +367,24 @@ def test_gluon_schedule_kernel(device, tokens):
         check_errors(device)
 
 
-def _handoff(n_tiles: int, stages: int, overlap: bool, ahead: int) -> list[str]:
+def _handoff(n_tiles: int, stages: int, overlap: bool) -> list[str]:
     """The Gluon prefill kernel's stage hand-offs (``_producer``, ``_consumer``), step for
     step, as two coroutines over mbarriers: the order of the consumer's reads, or
-    ``["deadlock"]``. A wait names its barrier and parity; tile ``t``'s copies are readable
-    once its ``kv_ready`` arrival happened (the producer arrives after its copies landed)."""
+    ``["deadlock"]``. A wait names its barrier and parity. The producer never waits for its
+    own copies: tile ``t``'s ``kv_ready`` completes when they land (``cp.async.mbarrier.
+    arrive``), modelled as at their issue; it waits only for a stage's release."""
     q_ready, ready = MBarrier(), [MBarrier() for _ in range(stages)]
     empty = [MBarrier() for _ in range(stages)]
     issued, read = [], []
 
     def producer():
+        q_ready.completed += 1
         for j in range(n_tiles):
             s = j % stages
             if j >= stages:
                 yield empty[s], ((j // stages) + 1) % 2
             issued.append(j)
-            if ahead == 0:
-                if j == 0:
-                    q_ready.completed += 1
-                ready[s].completed += 1
-            elif j == 0:
-                q_ready.completed += 1
-            else:
-                ready[(j - 1) % stages].completed += 1
-        if n_tiles == 0:
-            q_ready.completed += 1
-        elif ahead == 1:
-            ready[(n_tiles - 1) % stages].completed += 1
+            ready[s].completed += 1
 
     def consumer():
         yield q_ready, 0
@@ -420,17 +411,16 @@ def _handoff(n_tiles: int, stages: int, overlap: bool, ahead: int) -> list[str]:
 @pytest.mark.parametrize("stages,overlap", [(2, False), (3, False), (2, True), (3, True)])
 def test_gluon_prefill_handoff_never_deadlocks(stages, overlap):
     """The stage hand-offs of the Gluon prefill kernel, modelled step for step (the
-    interpreter runs no Gluon and a GPU hangs rather than fails): with the producer's
-    ``AHEAD`` as the launcher sets it, both sides finish for 0 to 9 tiles and the consumer
-    reads each tile in order (with the overlap: tile ``j + 1``'s scores before tile ``j`` is
-    released, the last tile twice); with one more tile of lead the two would wait on each
-    other, which the kernel's ``static_assert`` refuses."""
-    ahead = int(stages > 1 + overlap)
+    interpreter runs no Gluon and a GPU hangs rather than fails): both sides finish for 0 to
+    9 tiles and the consumer reads each tile in order (with the overlap: tile ``j + 1``'s
+    scores before tile ``j`` is released, the last tile twice); with one stage and the
+    overlap the two would wait on each other, which the kernel's ``static_assert``
+    (``OVERLAP < STAGES``) refuses."""
     for n in range(10):
         want = list(range(n)) + ([n - 1] if overlap and n else [])
-        assert _handoff(n, stages, overlap, ahead) == want
-    if ahead == 0:  # the lead the kernel refuses: a deadlock once a tile must wait a release
-        assert _handoff(5, stages, overlap, 1) == ["deadlock"]
+        assert _handoff(n, stages, overlap) == want
+    if overlap:  # the configuration the kernel refuses: a deadlock once a tile waits a release
+        assert _handoff(5, 1, overlap) == ["deadlock"]
 
 
 def test_gluon_prefill_kernel_compiles_for_sm90():

@@ -30,6 +30,10 @@ async_copy_global_to_shared = (getattr(async_copy, "async_load", None)
                                or async_copy.async_copy_global_to_shared)
 commit_group = async_copy.commit_group
 wait_group = async_copy.wait_group
+#: ``cp.async.mbarrier.arrive``: an arrival on an mbarrier once the calling thread's earlier
+#: copies have landed, ``(bar, increment_count=True)`` (``False``: ``.noinc``, the arrival
+#: counts toward the barrier's expected count); the same name and signature in 3.6-3.9
+mbarrier_arrive = async_copy.mbarrier_arrive
 
 
 
@@ -55,5 +59,5 @@ def report_block_tables(errors_ptr, row):
 
 
 __all__ = ["async_copy_global_to_shared", "commit_group", "fence_async_shared", "landed",
-           "mbarrier", "report_block_tables", "thread_barrier", "wait_group", "warpgroup_mma",
-           "warpgroup_mma_wait"]
+           "mbarrier", "mbarrier_arrive", "report_block_tables", "thread_barrier", "wait_group",
+           "warpgroup_mma", "warpgroup_mma_wait"]

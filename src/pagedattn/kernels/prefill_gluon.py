@@ -2,15 +2,17 @@
 rows, keys and loops as :mod:`pagedattn.kernels.prefill`, with FlashAttention-3's structure,
 which plain Triton cannot express.
 
-* **Warp specialization.** A producer warpgroup (four warps, 56 registers a thread) gathers
+* **Warp specialization.** A producer warpgroup (four warps, 80 registers a thread) gathers
   the query once and every K and V tile through the block table with ``cp.async`` into
   shared memory; the two consumer warpgroups (eight warps, the registers the producer gave
-  up: 224 a thread) only compute. They hand the stages over through mbarriers, as FA3's
-  paged path without TMA does: the producer issues tile ``j``, waits for tile ``j - 1``'s
-  copies (``cp.async.wait_group``), fences them for the tensor cores' proxy and arrives on
-  that stage's ``kv_ready``; the consumers arrive on ``kv_empty`` when their dots have read
-  a stage. Nothing else synchronizes the two sides, so tile ``j + 1``'s copies run under
-  tile ``j``'s dots.
+  up) only compute. They hand the stages over through mbarriers, as FA3's paged path
+  without TMA does: the producer loads a tile's page ids once (a tile ahead), issues its K
+  and its V as one copy each, and each of its threads arrives on the stage's ``kv_ready``
+  when its own copies land (``cp.async.mbarrier.arrive.noinc``), so it never waits for a
+  copy, only for a stage the consumers have released (``kv_empty``). The consumers fence a
+  landed stage for the tensor cores' proxy before their dots read it. Nothing else
+  synchronizes the two sides, so later tiles' copies run under tile ``j``'s dots
+  (docs/perf-notes.md steps 54 and 56).
 * **P stays in registers.** The probabilities are the second dot's A operand straight from
   the score's registers (wgmma's register-A form), not a trip through shared memory.
 
@@ -38,8 +40,9 @@ from triton.experimental.gluon import language as gl
 from pagedattn.kernels._gluon_compat import (
     async_copy_global_to_shared,
     commit_group,
-    landed,
+    fence_async_shared,
     mbarrier,
+    mbarrier_arrive,
     report_block_tables,
     thread_barrier,
     wait_group,
@@ -48,30 +51,20 @@ from pagedattn.kernels._gluon_compat import (
 )
 
 _LN2 = gl.constexpr(0.6931471805599453)
-_ROWS_A_COPY = gl.constexpr(32)  # the producer's copies go 32 rows at a time (its registers)
+_ROWS_A_COPY = gl.constexpr(32)  # the producer copies the query 32 rows at a time
+_PRODUCER_THREADS = gl.constexpr(128)  # one warpgroup
 
 
 @gluon.jit
-def _copy_rows(buf, bad, base_ptr, bt_row_ptr, stride_bt_p, n0, kv_end, num_pages,
-               stride_page, stride_tok, head_off, PAGE_SIZE: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LD: gl.constexpr):
-    """``cp.async`` the rows of tokens ``n0 .. n0 + BLOCK_N`` of one kv head into ``buf``
-    (``[BLOCK_N, HEAD_DIM]``), 32 rows at a time; a token at or past ``kv_end`` reads row
-    ``kv_end - 1``, a page id outside ``[0, num_pages)`` page 0. ``bad`` (``[32]``, per
-    thread, no reduction here: a cross-warp one would take a barrier) ORs in the clamped
-    ids."""
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
-    for r0 in gl.static_range(0, BLOCK_N, _ROWS_A_COPY):
-        toks = n0 + r0 + gl.arange(0, _ROWS_A_COPY, layout=gl.SliceLayout(1, LD))
-        toks = gl.minimum(toks, kv_end - 1)
-        raw = gl.load(bt_row_ptr + (toks // PAGE_SIZE) * stride_bt_p).to(gl.int64)
-        out = (raw < 0) | (raw >= num_pages)
-        page = gl.where(out, 0, raw)
-        off = page * stride_page + (toks % PAGE_SIZE).to(gl.int64) * stride_tok + head_off
-        async_copy_global_to_shared(buf.slice(r0, _ROWS_A_COPY, dim=0),
-                                    base_ptr + off[:, None] + cols[None, :])
-        bad = bad | out
-    return bad
+def _tile_page_ids(bt_row_ptr, stride_bt_p, n0, kv_end, live, PAGE_SIZE: gl.constexpr,
+                   BLOCK_N: gl.constexpr, LD: gl.constexpr):
+    """Tokens ``n0 .. n0 + BLOCK_N`` of a tile (one a row of ``LD``), a token at or past
+    ``kv_end`` as token ``kv_end - 1`` (never a page past the sequence's), and their raw page
+    ids: ``(tokens, ids)``; nothing is loaded unless ``live`` (ids 0)."""
+    toks = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD)), kv_end - 1)
+    ids = gl.load(bt_row_ptr + (toks // PAGE_SIZE) * stride_bt_p, mask=live & (toks >= 0),
+                  other=0)
+    return toks, ids
 
 
 @gluon.jit
@@ -81,14 +74,13 @@ def _producer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
               stride_q_t, stride_q_h, stride_k_page, stride_k_tok, stride_k_head,
               stride_v_page, stride_v_tok, stride_v_head, stride_bt_p,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr):
+              PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
     """The producer warpgroup: the query, then each tile's keys and values into the stage
-    ``j % STAGES`` once the consumers have released it; ``AHEAD`` (0 or 1): tiles issued
-    past the one whose landing it signals (1: tile ``j``'s copies go out before tile ``j -
-    1``'s arrival). The consumers wait for tile ``j + OVERLAP`` before releasing tile ``j``,
-    and tile ``t``'s arrival needs the release of tile ``t + AHEAD - STAGES``: so ``OVERLAP +
-    AHEAD < STAGES`` (the kernel asserts it), else neither side could move. Reports a
-    clamped page id."""
+    ``j % STAGES`` once the consumers have released it, one ``cp.async`` for the tile's K and
+    one for its V; each thread then arrives on the stage's ``kv_ready`` when its copies have
+    landed (``cp.async.mbarrier.arrive.noinc``: the barrier expects the warpgroup's 128
+    arrivals), so the producer never waits for its own copies, only for a free stage. A
+    tile's page ids are loaded once, for K and V, a tile ahead. Reports a clamped page id."""
     # 16-byte vectors along the head dim: HEAD_DIM // 8 threads a row
     TPR: gl.constexpr = HEAD_DIM // 8
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
@@ -100,37 +92,33 @@ def _producer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
         ptrs = query_ptr + rows[:, None] * stride_q_t + head * stride_q_h + cols[None, :]
         async_copy_global_to_shared(q_smem.slice(r0, _ROWS_A_COPY, dim=0), ptrs,
                                     mask=(i < rows_here)[:, None] & every_col)
-    commit_group()
+    mbarrier_arrive(q_ready, increment_count=False)
     k_off = kv_head.to(gl.int64) * stride_k_head
     v_off = kv_head.to(gl.int64) * stride_v_head
-    bad = gl.zeros([_ROWS_A_COPY], gl.int1, layout=gl.SliceLayout(1, LD))
+    bad = gl.zeros([BLOCK_N], gl.int1, layout=gl.SliceLayout(1, LD))
+    toks_next, ids_next = _tile_page_ids(bt_row_ptr, stride_bt_p, 0, kv_end, n_tiles > 0,
+                                         PAGE_SIZE, BLOCK_N, LD)
     for j in range(n_tiles):
         s = j % STAGES
+        toks, ids = toks_next, ids_next
+        # tile j + 1's page ids: their load flies while this stage is awaited and filled
+        toks_next, ids_next = _tile_page_ids(bt_row_ptr, stride_bt_p, (j + 1) * BLOCK_N,
+                                             kv_end, j + 1 < n_tiles, PAGE_SIZE, BLOCK_N, LD)
+        out = (ids < 0) | (ids >= num_pages)
+        bad = bad | out
+        page = gl.where(out, 0, ids).to(gl.int64)
+        slot = (toks % PAGE_SIZE).to(gl.int64)
         # the consumers released this stage's previous tile (the first round: nothing to wait)
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) + 1) % 2, pred=j >= STAGES)
-        bad = _copy_rows(k_smem.index(s), bad, key_cache_ptr, bt_row_ptr, stride_bt_p,
-                         j * BLOCK_N, kv_end, num_pages, stride_k_page, stride_k_tok, k_off,
-                         PAGE_SIZE, BLOCK_N, HEAD_DIM, LD)
-        bad = _copy_rows(v_smem.index(s), bad, value_cache_ptr, bt_row_ptr, stride_bt_p,
-                         j * BLOCK_N, kv_end, num_pages, stride_v_page, stride_v_tok, v_off,
-                         PAGE_SIZE, BLOCK_N, HEAD_DIM, LD)
-        commit_group()
-        if AHEAD == 0:  # this tile's copies (and the query's, before tile 0's) have landed
-            wait_group(0)
-            if j == 0:
-                landed(q_ready)
-            landed(kv_ready.index(s))
-        else:  # the group before this tile's: the query (j = 0) or tile j - 1
-            wait_group(1)
-            if j == 0:
-                landed(q_ready)
-            else:
-                landed(kv_ready.index((j - 1) % STAGES))
-    wait_group(0)
-    if n_tiles == 0:
-        landed(q_ready)
-    elif AHEAD == 1:
-        landed(kv_ready.index((n_tiles - 1) % STAGES))
+        k_rows = page * stride_k_page + slot * stride_k_tok + k_off
+        async_copy_global_to_shared(k_smem.index(s),
+                                    key_cache_ptr + k_rows[:, None] + cols[None, :])
+        v_rows = page * stride_v_page + slot * stride_v_tok + v_off
+        async_copy_global_to_shared(v_smem.index(s),
+                                    value_cache_ptr + v_rows[:, None] + cols[None, :])
+        mbarrier_arrive(kv_ready.index(s), increment_count=False)
+    commit_group()
+    wait_group(0)  # the warpgroup's last copies have landed before it exits
     if (gl.max(bad.to(gl.int32), axis=0) > 0) & report_pages:
         report_block_tables(errors_ptr, b)
 
@@ -181,10 +169,12 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
     zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
     mbarrier.wait(q_ready, 0)
+    fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads the async one
     if OVERLAP:
         sc = zeros_s
         if n_tiles > 0:  # tile 0's scores before the loop
             mbarrier.wait(kv_ready.index(0), 0)
+            fence_async_shared()
             sc = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zeros_s,
                                use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(0, deps=(sc,))
@@ -193,6 +183,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
             s = j % STAGES
             nxt = gl.minimum(j + 1, last)  # the last iteration: its own tile again
             mbarrier.wait(kv_ready.index(nxt % STAGES), (nxt // STAGES) % 2)
+            fence_async_shared()
             sn = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zeros_s,
                                use_acc=False, is_async=True)
             p, alpha, m_i, l_i = _softmax_tile(sc, m_i, l_i, j, full_tiles, pos, n_s, kv_end,
@@ -208,6 +199,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
         for j in range(n_tiles):
             s = j % STAGES
             mbarrier.wait(kv_ready.index(s), (j // STAGES) % 2)
+            fence_async_shared()
             sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zeros_s,
                                use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(0, deps=(sc,))
@@ -246,10 +238,10 @@ def _paged_prefill_gluon_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr,
     SCALE_FROM_PTR: gl.constexpr, HAS_LSE: gl.constexpr, OVERLAP: gl.constexpr,
-    AHEAD: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 8, "two consumer warpgroups")
-    gl.static_assert(OVERLAP + AHEAD < STAGES, "producer and consumers would wait on each other")
+    gl.static_assert(OVERLAP < STAGES, "producer and consumers would wait on each other")
     gl.static_assert(BLOCK_M == 128, "64 rows a consumer warpgroup")
     r = gl.program_id(0)
     head = gl.program_id(1)
@@ -284,10 +276,11 @@ def _paged_prefill_gluon_kernel(
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # one arrival each: a partition's first thread, after its partition's barrier
-    mbarrier.init(q_ready, count=1)
+    # the producer's every thread arrives when its copies land (_PRODUCER_THREADS arrivals);
+    # the consumers' release is one arrival, a partition's first thread after its barrier
+    mbarrier.init(q_ready, count=_PRODUCER_THREADS)
     for s in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_ready.index(s), count=_PRODUCER_THREADS)
         mbarrier.init(kv_empty.index(s), count=1)
 
     gl.warp_specialize([
@@ -300,5 +293,5 @@ def _paged_prefill_gluon_kernel(
                      row0, rows_here, head, kv_head, kv_end, n_tiles, b, report_pages,
                      num_pages, stride_q_t, stride_q_h, stride_k_page, stride_k_tok,
                      stride_k_head, stride_v_page, stride_v_tok, stride_v_head, stride_bt_p,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES, AHEAD)),
-    ], [4], [56])
+                     HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES)),
+    ], [_PRODUCER_THREADS // 32], [80])

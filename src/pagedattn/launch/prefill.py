@@ -45,7 +45,8 @@ class PrefillConfig:
     num_stages: int
     #: the Gluon kernel (kernels/prefill_gluon.py: a producer warpgroup, two consumer
     #: warpgroups, P in registers) where it applies (:func:`gluon_applies`), else the plain
-    #: one; opt-in: correct on an H100, but slower than the plain kernel there (perf-notes step 54)
+    #: one; opt-in: correct on an H100, slower than the plain kernel there (perf-notes step
+    #: 54); step 56's producer not yet run
     gluon: bool = False
     #: the Gluon kernel's consumers issue tile j + 1's scores before tile j's softmax
     #: (FA3's intra-warpgroup overlap; one score tile more in registers: 64-key tiles)
@@ -231,8 +232,7 @@ class PrefillLauncher:
             HEAD_DIM=self.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PAGE_SIZE=self.page_size, STAGES=cfg.num_stages,
             DTYPE=self.constexprs["DOT_DTYPE"], SCALE_FROM_PTR=tensor_scales,
-            HAS_LSE=lse is not None, OVERLAP=bool(cfg.overlap),
-            AHEAD=int(cfg.num_stages > 1 + bool(cfg.overlap)), num_warps=8)
+            HAS_LSE=lse is not None, OVERLAP=bool(cfg.overlap), num_warps=8)
         self.last_compiled = main
         return {"prefill_schedule": schedule, "paged_prefill_gluon": main}
 
