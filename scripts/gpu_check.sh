@@ -27,7 +27,9 @@
 #             and memcheck over its CUDA-graph replays -> $OUT/sanitize-*.log, sanitizer-summary.md
 #             (SAN_TOOLS="racecheck graphs": the passes `correctness` does not run)
 #             (docs/results/gpu-correctness-<gpu>.md records each pass and the commit)
-#   profile   ncu, auto beside the floor and FA3 on $NCU_SHAPES (scripts/ncu_side_by_side.py)
+#   profile   ncu, auto beside the floor and FA3 on $NCU_SHAPES (scripts/ncu_side_by_side.py);
+#             NCU_SECTIONS replaces the sections (e.g. "--section InstructionStats
+#             --section SourceCounters --section WarpStateStats": instructions and stalls)
 #   dropin    the FA drop-in per call, eager, beside FA3 in three calling patterns (the same
 #             tensors, fresh views, fresh tensors; scripts/fa_dropin_per_call.py)
 #             -> $OUT/results/fa-dropin-per-call-$GPU.{json,log}
@@ -227,8 +229,9 @@ phase_profile() {
     && peers+=(--peer-file "fa3=$PEERS/fa3_peer.py")  # FA3's kernels: CUTLASS device_kernel
   for shape in ${NCU_SHAPES:-llama8b-b64-c2k llama8b-b1-c32k azure-conv-b64-llama8b}; do
     stamp "ncu: $shape, auto beside the floor (and FA3)"
-    timeout "${NCU_S:-120}" ncu --clock-control none --section SpeedOfLight \
-      --section LaunchStats --section Occupancy --section WarpStateStats \
+    # shellcheck disable=SC2086
+    timeout "${NCU_S:-120}" ncu --clock-control none ${NCU_SECTIONS:---section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section WarpStateStats} \
       -k regex:'_paged_decode|_merge|_floor_|device_kernel|prepare_varlen' --csv \
       --page details python3 scripts/ncu_side_by_side.py --shape "$shape" "${peers[@]}" \
       > "$OUT/ncu-$shape.csv" 2> "$OUT/ncu-$shape.err"
