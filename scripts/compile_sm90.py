@@ -354,13 +354,11 @@ _SASS_INST = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _SASS_LABEL = re.compile(r"\s*\.(L_x_\d+):")
 
 
-def loop_spills(cubin: bytes) -> int | None:
-    """Spill instructions (``STL``/``LDL``) inside the token loop of a compiled kernel: the
-    smallest backward-branch loop that holds tensor-core instructions (``HMMA``), read off
-    ``nvdisasm``'s SASS (``_triton_compat.nvdisasm``); ``None`` where there is none or no such
-    loop exists.
-    A spill outside the loop costs an L1 round trip a piece; one inside costs it every tile
-    (docs/perf-notes.md, step 40)."""
+def token_loop(cubin: bytes) -> tuple[list[str], list[str]] | None:
+    """A compiled kernel's SASS instructions inside its token loop and outside it: the
+    smallest backward-branch loop that holds tensor-core instructions (``HMMA``, ``HGMMA``),
+    read off ``nvdisasm``'s SASS (``_triton_compat.nvdisasm``); ``None`` where there is no
+    ``nvdisasm`` or no such loop."""
     if NVDISASM is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -387,7 +385,18 @@ def loop_spills(cubin: bytes) -> int | None:
     if not loops:
         return None
     _, lo, hi = min(loops)
-    return sum(1 for a, i in insts if lo <= a <= hi and re.match(r"(@!?P\d\s+)?(STL|LDL)", i))
+    return ([i for a, i in insts if lo <= a <= hi], [i for a, i in insts if not lo <= a <= hi])
+
+
+def loop_spills(cubin: bytes) -> int | None:
+    """Spill instructions (``STL``/``LDL``) inside the token loop of a compiled kernel
+    (:func:`token_loop`); ``None`` where there is none or no such loop exists.
+    A spill outside the loop costs an L1 round trip a piece; one inside costs it every tile
+    (docs/perf-notes.md, step 40)."""
+    parts = token_loop(cubin)
+    if parts is None:
+        return None
+    return sum(1 for i in parts[0] if re.match(r"(@!?P\d\s+)?(STL|LDL)", i))
 
 
 def _resources_text(res: tuple[int, int, int] | None) -> str:

@@ -219,3 +219,23 @@ def test_a_peer_named_like_another_row_is_refused_in_one_line(peer_path, tmp_pat
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert "--peer-file: the row name 'auto' is taken twice" in err
+
+
+def test_sass_beside_floor_counts_both_token_loops():
+    """scripts/sass_beside_floor.py compiles auto's decode kernel as an H100 plans b1-c32k and
+    the floor's split kernel at the same tile for sm_90 (no GPU), and counts each one's
+    instructions in its token loop (tensor-core instructions in both) and outside it; a bad
+    argument is one line and exit 2."""
+    import re
+
+    from _scripts import run_script
+
+    run = run_script("sass_beside_floor.py", interpret=False, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = dict(re.findall(r"^(auto|floor): \w+, \d+ instructions, (\d+) in the token loop",
+                             run.stdout, re.M))
+    assert set(counts) == {"auto", "floor"} and all(int(n) > 0 for n in counts.values())
+    loops = re.findall(r"^  loop: (.*)$", run.stdout, re.M)
+    assert len(loops) == 2 and all("HMMA" in line for line in loops), run.stdout
+    bad = run_script("sass_beside_floor.py", "--batch", "0", interpret=False, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
