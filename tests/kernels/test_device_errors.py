@@ -126,19 +126,24 @@ def test_prefill_query_start_loc_out_of_order_is_clamped_and_reported(device, ba
         pagedattn.check_errors(device)
 
 
-def test_decode_page_ids_outside_the_cache_read_page_0(device):
+@pytest.mark.parametrize("index_dtype, far", [(torch.int32, -(2**31)),
+                                               (torch.int64, 2**33 + 1)])
+def test_decode_page_ids_outside_the_cache_read_page_0(device, index_dtype, far):
     """The decode kernel clamps a used page id outside the cache to page 0 (it does not report
-    it: a flag live across its token loop cost the register-capped kernels a spill); the
-    value checks (``validate=True``, ``PAGEDATTN_VALIDATE=1``) name it."""
+    it: a flag live across its token loop cost the register-capped kernels a spill), in
+    int32 and int64 tables, the ids at their type's edges (the unsigned compare: an int64 id
+    whose low 32 bits name a real page is still outside); the value checks (``validate=True``,
+    ``PAGEDATTN_VALIDATE=1``) name it."""
     inputs = make_paged_inputs([9, 14, 3], dtype=torch.float32, device=device, poison=False,
                                **SHAPE)
-    tables = inputs.block_tables.clone()
+    tables = inputs.block_tables.to(index_dtype)
     tables[2, 0] = -7  # a used entry
     tables[1, 2] = inputs.key_cache.shape[0] + 3
+    tables[1, 0] = far
     out = pagedattn.paged_decode(inputs.query, *inputs[1:3], tables, inputs.context_lens,
                                  validate=False)
     as_read = tables.clone()
-    as_read[2, 0] = as_read[1, 2] = 0
+    as_read[2, 0] = as_read[1, 2] = as_read[1, 0] = 0
     ref = pagedattn.paged_decode_reference(inputs.query, *inputs[1:3], as_read,
                                            inputs.context_lens).out
     assert rel_l2_error(out, ref) <= tolerance_for(torch.float32)
@@ -159,10 +164,14 @@ def test_a_length_past_the_table_is_reported_before_the_entries_it_reads(device)
         pagedattn.check_errors(device)
 
 
-def test_prefill_page_ids_outside_the_cache_are_reported(device):
+@pytest.mark.parametrize("index_dtype, bad", [(torch.int32, None), (torch.int32, -(2**31)),
+                                               (torch.int64, 2**33 + 1)])
+def test_prefill_page_ids_outside_the_cache_are_reported(device, index_dtype, bad):
+    """A used page id outside the cache (past it, negative, or an int64 whose low 32 bits
+    name a real page) is reported by the prefill kernel."""
     inputs, query, qsl = _prefill(device, [20, 9], [5, 7])
-    tables = inputs.block_tables.clone()
-    tables[1, 0] = inputs.key_cache.shape[0] + 50  # a used entry
+    tables = inputs.block_tables.to(index_dtype)
+    tables[1, 0] = inputs.key_cache.shape[0] + 50 if bad is None else bad  # a used entry
     pagedattn.paged_attention(query, *inputs[1:3], tables, inputs.context_lens, qsl,
                               validate=False)
     with _raises(device, r"block_tables\[1\]: expected page ids within"):

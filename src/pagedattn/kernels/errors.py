@@ -40,17 +40,32 @@ def _report(errors_ptr, bad, code: tl.constexpr, row, value):
 
 
 @triton.jit
+def _kept_page_ids(raw, num_pages):
+    """``(ids int64, inside)``: page ids read from a block table (int32 or int64) with those
+    outside ``[0, num_pages)`` replaced by page 0, and which lay inside. One unsigned
+    compare at the table's own width (a negative id wraps past every page) and one select an
+    id; the signed pair at 64 bits took two compares and four selects (docs/perf-notes.md,
+    issue 68). An int32 id kept is not negative, so it widens by zero-extension."""
+    if raw.dtype.primitive_bitwidth == 32:
+        pages = tl.minimum(num_pages, 2147483647).to(tl.uint32)  # an int32 id's range
+        inside = raw.to(tl.uint32, bitcast=True) < pages
+        ids = tl.where(inside, raw, 0).to(tl.uint32, bitcast=True).to(tl.int64)
+    else:
+        inside = raw.to(tl.uint64, bitcast=True) < num_pages.to(tl.uint64)
+        ids = tl.where(inside, raw, 0).to(tl.int64)
+    return ids, inside
+
+
+@triton.jit
 def _clamped_page_ids(raw, num_pages):
     """Page ids read from a block table, clamped to ``[0, num_pages)`` (an id outside reads
     page 0; with no page at all, the caller's lengths are clamped to 0), int64."""
-    ids = raw.to(tl.int64)
-    return tl.where((ids < 0) | (ids >= num_pages), 0, ids)
+    return _kept_page_ids(raw, num_pages)[0]
 
 
 @triton.jit
 def _checked_page_ids(raw, num_pages):
     """Page ids read from a block table, clamped to ``[0, num_pages)`` (an id outside reads
     page 0), and whether any was outside: ``(ids int64, bad int1 [...])``."""
-    ids = raw.to(tl.int64)
-    bad = (ids < 0) | (ids >= num_pages)
-    return tl.where(bad, 0, ids), bad
+    ids, inside = _kept_page_ids(raw, num_pages)
+    return ids, ~inside
