@@ -177,13 +177,20 @@ def assert_same_bits(got, ref):
 
 
 class MBarrier:
-    """An mbarrier as the kernel uses it (count 1, so each arrival completes a phase):
+    """An mbarrier as the kernel uses it: a phase completes after ``count`` arrivals
+    (``arrive``; at count 1, ``completed += 1`` is the same), and
     ``mbarrier.try_wait.parity`` passes while the current, incomplete phase's parity differs
     from the one waited for (a fresh barrier passes parity 1; a waiter two phases behind
     blocks, as on the hardware)."""
 
-    def __init__(self):
+    def __init__(self, count: int = 1):
         self.completed = 0  # phases completed
+        self.count, self.pending = count, count
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.completed, self.pending = self.completed + 1, self.count
 
     def done(self, parity: int) -> bool:
         return self.completed % 2 != parity

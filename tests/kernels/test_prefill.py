@@ -367,15 +367,22 @@ def test_gluon_schedule_kernel(device, tokens):
         check_errors(device)
 
 
-def _handoff(n_tiles: int, stages: int, overlap: bool) -> list[str]:
+def _handoff(n_tiles: int, stages: int, overlap: bool, consumers: int = 1,
+             releases: int | None = None, lag: bool = False) -> list[str]:
     """The Gluon prefill kernel's stage hand-offs (``_producer``, ``_consumer``), step for
-    step, as two coroutines over mbarriers: the order of the consumer's reads, or
-    ``["deadlock"]``. A wait names its barrier and parity. The producer never waits for its
-    own copies: tile ``t``'s ``kv_ready`` completes when they land (``cp.async.mbarrier.
-    arrive``), modelled as at their issue; it waits only for a stage's release."""
+    step, as coroutines over mbarriers: the order of the first consumer's reads (each
+    consumer must read the same), or ``["deadlock"]``. A wait names its barrier and parity.
+    The producer never waits for its own copies: tile ``t``'s ``kv_ready`` completes when
+    they land (``cp.async.mbarrier.arrive``), modelled as at their issue; it waits only for
+    a stage's release, which takes one arrival from each consumer partition (``consumers``
+    2: ``SPLIT``, the warpgroups apart; ``releases``: the arrivals ``kv_empty`` expects, as
+    the kernel initializes it; ``lag``: the second consumer starts once the first has
+    finished, as far apart as two partitions can drift). A tile issued into a stage that a
+    consumer has not released fails an assertion."""
     q_ready, ready = MBarrier(), [MBarrier() for _ in range(stages)]
-    empty = [MBarrier() for _ in range(stages)]
-    issued, read = [], []
+    empty = [MBarrier(releases or consumers) for _ in range(stages)]
+    issued, reads, released = [], [[] for _ in range(consumers)], [0] * consumers
+    lead_done = MBarrier()
 
     def producer():
         q_ready.completed += 1
@@ -383,10 +390,13 @@ def _handoff(n_tiles: int, stages: int, overlap: bool) -> list[str]:
             s = j % stages
             if j >= stages:
                 yield empty[s], ((j // stages) + 1) % 2
+            assert min(released) >= j - stages + 1, "a stage overwritten while read"
             issued.append(j)
             ready[s].completed += 1
 
-    def consumer():
+    def consumer(k, read):
+        if lag and k:
+            yield lead_done, 0
         yield q_ready, 0
         if overlap and n_tiles > 0:
             yield ready[0], 0
@@ -403,36 +413,48 @@ def _handoff(n_tiles: int, stages: int, overlap: bool) -> list[str]:
                 yield ready[s], (j // stages) % 2
                 assert j in issued
                 read.append(j)
-            empty[s].completed += 1
+            released[k] += 1
+            empty[s].arrive()
+        if k == 0:
+            lead_done.completed += 1
 
-    return read if run_sides(producer(), consumer()) else ["deadlock"]
+    if not run_sides(producer(), *(consumer(k, read) for k, read in enumerate(reads))):
+        return ["deadlock"]
+    assert all(read == reads[0] for read in reads)
+    return reads[0]
 
 
 @pytest.mark.parametrize("stages,overlap", [(2, False), (3, False), (2, True), (3, True)])
-def test_gluon_prefill_handoff_never_deadlocks(stages, overlap):
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_gluon_prefill_handoff_never_deadlocks(stages, overlap, consumers):
     """The stage hand-offs of the Gluon prefill kernel, modelled step for step (the
-    interpreter runs no Gluon and a GPU hangs rather than fails): both sides finish for 0 to
-    9 tiles and the consumer reads each tile in order (with the overlap: tile ``j + 1``'s
-    scores before tile ``j`` is released, the last tile twice); with one stage and the
-    overlap the two would wait on each other, which the kernel's ``static_assert``
-    (``OVERLAP < STAGES``) refuses."""
+    interpreter runs no Gluon and a GPU hangs rather than fails), with the two consumer
+    warpgroups as one partition or as two (``SPLIT``: a stage is free once both released
+    it): every side finishes for 0 to 9 tiles and each consumer reads each tile in order
+    (with the overlap: tile ``j + 1``'s scores before tile ``j`` is released, the last tile
+    twice); with one stage and the overlap the sides would wait on each other, which the
+    kernel's ``static_assert`` (``OVERLAP < STAGES``) refuses."""
     for n in range(10):
         want = list(range(n)) + ([n - 1] if overlap and n else [])
-        assert _handoff(n, stages, overlap) == want
+        assert _handoff(n, stages, overlap, consumers) == want
     if overlap:  # the configuration the kernel refuses: a deadlock once a tile waits a release
-        assert _handoff(5, 1, overlap) == ["deadlock"]
+        assert _handoff(5, 1, overlap, consumers) == ["deadlock"]
+    if consumers == 2:  # kv_empty expecting one release: the faster consumer frees the stage
+        with pytest.raises(AssertionError, match="overwritten"):
+            _handoff(9, stages, overlap, consumers, releases=1, lag=True)
 
 
 def test_gluon_prefill_kernel_compiles_for_sm90():
     """The Gluon prefill kernel (``kernels/prefill_gluon.py``, warp-specialized) compiles for
     sm_90 with its schedule kernel: 128- and 64-key tiles, head dims 128 and 64, the
-    consumers' overlap of the next tile's scores with the softmax; wgmma, within
+    consumers' overlap of the next tile's scores with the softmax, the consumer warpgroups
+    as two partitions (``split``); wgmma, within
     227 KB of shared memory, three warpgroups (``.reqntid 384``: a producer and two
     consumers), nothing spilled in the consumers' key loop (Triton 3.6's bound)."""
     import re
 
     cases = ("prefill-bf16-gluon", "prefill-n64s3-gluon", "prefill-hd64-gluon",
-             "prefill-overlap-gluon")
+             "prefill-overlap-gluon", "prefill-split-gluon")
     lines = compiled_sm90(cases)
     assert set(lines) == set(cases)
     for case, line in lines.items():
@@ -446,11 +468,13 @@ def test_gluon_prefill_kernel_compiles_for_sm90():
 @pytest.mark.parametrize("dtype,head_dim,page_size,tiles", [
     (torch.bfloat16, 128, 16, None), (torch.float16, 128, 1, (64, 3, False)),
     (torch.bfloat16, 64, 64, (128, 3, False)), (torch.bfloat16, 128, 5, (64, 2, True)),
-    (torch.float16, 128, 16, (128, 2, True))])
+    (torch.float16, 128, 16, (128, 2, True)), (torch.bfloat16, 128, 16, (64, 3, False, True)),
+    (torch.float16, 64, 1, (64, 2, True, True))])
 def test_gluon_prefill_path(monkeypatch, dtype, head_dim, page_size, tiles):
     """The Gluon prefill kernel (Hopper only) against the oracle, with ``out`` NaN-poisoned:
     long chunks over cached prefixes, a chunk shorter than a block, a sequence with no new
-    token, GQA 4, every tile config it takes and the consumers' overlap, the LSE; a length
+    token, GQA 4, every tile config it takes, the consumers' overlap and the consumer
+    warpgroups as two partitions (``split``), the LSE; a length
     past the table reports
     ``seq_lens`` (the schedule kernel's report)."""
     import dataclasses
@@ -462,7 +486,7 @@ def test_gluon_prefill_path(monkeypatch, dtype, head_dim, page_size, tiles):
         pytest.skip("the Gluon path is for sm_90 (H100/H200)")
     base = LP.prefill_config
     extra = {} if tiles is None else dict(block_n=tiles[0], num_stages=tiles[1],
-                                          overlap=tiles[2])
+                                          overlap=tiles[2], split=tiles[3:] == (True,))
     monkeypatch.setattr(LP, "prefill_config", lambda *a, **k: dataclasses.replace(
         base(*a, **k), gluon=True, **extra))
     seq_lens, q_lens = [700, 300, 0, 1100, 9], [300, 300, 0, 200, 9]

@@ -12,7 +12,10 @@ which plain Triton cannot express.
   copy, only for a stage the consumers have released (``kv_empty``). The consumers fence a
   landed stage for the tensor cores' proxy before their dots read it. Nothing else
   synchronizes the two sides, so later tiles' copies run under tile ``j``'s dots
-  (docs/perf-notes.md steps 54 and 56).
+  (docs/perf-notes.md steps 54 and 56). ``SPLIT`` makes each consumer warpgroup a partition
+  of its own (64 rows, four warps): each releases a stage itself (``kv_empty`` expects two
+  arrivals), so the two drift apart and one's softmax can run under the other's dots
+  (step 58).
 * **P stays in registers.** The probabilities are the second dot's A operand straight from
   the score's registers (wgmma's register-A form), not a trip through shared memory.
 
@@ -53,6 +56,7 @@ from pagedattn.kernels._gluon_compat import (
 _LN2 = gl.constexpr(0.6931471805599453)
 _ROWS_A_COPY = gl.constexpr(32)  # the producer copies the query 32 rows at a time
 _PRODUCER_THREADS = gl.constexpr(128)  # one warpgroup
+_SPLIT_CONSUMER_REGS = gl.constexpr(208)  # SPLIT: the second consumer partition's registers
 
 
 @gluon.jit
@@ -145,21 +149,25 @@ def _softmax_tile(sc, m_i, l_i, j, full_tiles, pos, tok0, kv_end, qk_scale):
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
-              out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles, full_tiles,
+              out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles,
               qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, DTYPE: gl.constexpr, HAS_LSE: gl.constexpr,
-              OVERLAP: gl.constexpr):
-    """The two consumer warpgroups (64 rows each): ``S = Q·Kᵀ``, the online softmax in the
-    exp2 domain (unmasked below the diagonal), ``O += P·V`` with ``P`` from registers; the
-    normalized output and the LSE. ``OVERLAP`` (FA3's intra-warpgroup overlap): tile
-    ``j + 1``'s ``Q·Kᵀ`` is issued before tile ``j``'s softmax, so the tensor cores work
-    while the softmax runs (one score tile more in registers; the last iteration recomputes
-    its own tile's scores rather than branch)."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+              OVERLAP: gl.constexpr, NW: gl.constexpr):
+    """``BLOCK_M`` query rows from ``row0`` (positions from ``p0``) on ``NW`` warps: the two
+    consumer warpgroups together (128 rows, eight warps, one release a stage), or one of
+    them as a partition of its own (64 rows, four warps: ``SPLIT``, each releases the stage
+    itself). ``S = Q·Kᵀ``, the online softmax in the exp2 domain (unmasked below the
+    diagonal: the tiles wholly at or below the first row's position), ``O += P·V`` with
+    ``P`` from registers; the normalized output and the LSE. ``OVERLAP`` (FA3's
+    intra-warpgroup overlap): tile ``j + 1``'s ``Q·Kᵀ`` is issued before tile ``j``'s
+    softmax, so the tensor cores work while the softmax runs (one score tile more in
+    registers; the last iteration recomputes its own tile's scores rather than branch)."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                   instr_shape=[16, HEAD_DIM, 16])
+    full_tiles = gl.maximum(p0 + 1, 0) // BLOCK_N  # tiles wholly at or below p0: unmasked
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     m_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
     n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
@@ -192,7 +200,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
             p_op = gl.convert_layout(p.to(DTYPE), P_L)
             acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
             sn, acc = warpgroup_mma_wait(0, deps=(sn, acc))
-            thread_barrier()  # both warpgroups' dots have read the stage
+            thread_barrier()  # this partition's warps' dots have read the stage
             mbarrier.arrive(kv_empty.index(s), count=1)
             sc = sn
     else:
@@ -209,7 +217,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
             p_op = gl.convert_layout(p.to(DTYPE), P_L)
             acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            thread_barrier()  # both warpgroups' dots have read the stage
+            thread_barrier()  # this partition's warps' dots have read the stage
             mbarrier.arrive(kv_empty.index(s), count=1)
 
     m_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
@@ -238,9 +246,11 @@ def _paged_prefill_gluon_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr,
     SCALE_FROM_PTR: gl.constexpr, HAS_LSE: gl.constexpr, OVERLAP: gl.constexpr,
-    num_warps: gl.constexpr,
+    SPLIT: gl.constexpr, num_warps: gl.constexpr,
 ):
-    gl.static_assert(num_warps == 8, "two consumer warpgroups")
+    gl.static_assert(num_warps == (4 if SPLIT else 8),
+                     "two consumer warpgroups: the default partition's eight warps, or four "
+                     "and a partition of four more (SPLIT)")
     gl.static_assert(OVERLAP < STAGES, "producer and consumers would wait on each other")
     gl.static_assert(BLOCK_M == 128, "64 rows a consumer warpgroup")
     r = gl.program_id(0)
@@ -257,7 +267,6 @@ def _paged_prefill_gluon_kernel(
     report_pages = gl.load(sched_ptr + r * 8 + 5) != 0
     valid = b >= 0
     n_tiles = gl.where(valid, gl.cdiv(kv_end, BLOCK_N), 0)
-    full_tiles = gl.maximum(p0 + 1, 0) // BLOCK_N  # tiles wholly at or below p0: unmasked
     rows_here = gl.where(valid, rows_here, 0)
     if SCALE_FROM_PTR:
         k_scale = gl.load(k_scale_ptr + kv_head * stride_k_scale).to(gl.float32)
@@ -277,21 +286,44 @@ def _paged_prefill_gluon_kernel(
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # the producer's every thread arrives when its copies land (_PRODUCER_THREADS arrivals);
-    # the consumers' release is one arrival, a partition's first thread after its barrier
+    # a consumer partition's release is one arrival, its first thread after its barrier
     mbarrier.init(q_ready, count=_PRODUCER_THREADS)
     for s in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(s), count=_PRODUCER_THREADS)
-        mbarrier.init(kv_empty.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=2 if SPLIT else 1)
 
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
-                     out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles, full_tiles,
-                     qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DTYPE, HAS_LSE, OVERLAP)),
-        (_producer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
-                     query_ptr, key_cache_ptr, value_cache_ptr, bt_row, errors_ptr,
-                     row0, rows_here, head, kv_head, kv_end, n_tiles, b, report_pages,
-                     num_pages, stride_q_t, stride_q_h, stride_k_page, stride_k_tok,
-                     stride_k_head, stride_v_page, stride_v_tok, stride_v_head, stride_bt_p,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES)),
-    ], [_PRODUCER_THREADS // 32], [80])
+    # the producer's entry is written out in both calls: Gluon 3.6 neither binds a tuple that
+    # holds a JIT function to a name nor keeps constexprs constant through a tuple of arguments
+    if SPLIT:  # a partition a warpgroup: they drift apart, one's softmax under the other's dots
+        HALF: gl.constexpr = BLOCK_M // 2
+        gl.warp_specialize([
+            (_consumer, (q_smem.slice(0, HALF, dim=0), k_smem, v_smem, q_ready, kv_ready,
+                         kv_empty, out_ptr, lse_ptr, row0, gl.minimum(rows_here, HALF), head,
+                         p0, kv_end, n_tiles, qk_scale, v_scale, num_q_heads, stride_o_t,
+                         stride_o_h, HEAD_DIM, HALF, BLOCK_N, STAGES, DTYPE, HAS_LSE,
+                         OVERLAP, 4)),
+            (_consumer, (q_smem.slice(HALF, HALF, dim=0), k_smem, v_smem, q_ready, kv_ready,
+                         kv_empty, out_ptr, lse_ptr, row0 + HALF,
+                         gl.maximum(rows_here - HALF, 0), head, p0 + HALF, kv_end, n_tiles,
+                         qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h, HEAD_DIM,
+                         HALF, BLOCK_N, STAGES, DTYPE, HAS_LSE, OVERLAP, 4)),
+            (_producer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, query_ptr,
+                         key_cache_ptr, value_cache_ptr, bt_row, errors_ptr, row0, rows_here,
+                         head, kv_head, kv_end, n_tiles, b, report_pages, num_pages,
+                         stride_q_t, stride_q_h, stride_k_page, stride_k_tok, stride_k_head,
+                         stride_v_page, stride_v_tok, stride_v_head, stride_bt_p, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES)),
+        ], [4, _PRODUCER_THREADS // 32], [_SPLIT_CONSUMER_REGS, 80])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
+                         out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles,
+                         qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DTYPE, HAS_LSE, OVERLAP, 8)),
+            (_producer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, query_ptr,
+                         key_cache_ptr, value_cache_ptr, bt_row, errors_ptr, row0, rows_here,
+                         head, kv_head, kv_end, n_tiles, b, report_pages, num_pages,
+                         stride_q_t, stride_q_h, stride_k_page, stride_k_tok, stride_k_head,
+                         stride_v_page, stride_v_tok, stride_v_head, stride_bt_p, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, PAGE_SIZE, STAGES)),
+        ], [_PRODUCER_THREADS // 32], [80])

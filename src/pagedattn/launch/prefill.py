@@ -51,6 +51,10 @@ class PrefillConfig:
     #: the Gluon kernel's consumers issue tile j + 1's scores before tile j's softmax
     #: (FA3's intra-warpgroup overlap; one score tile more in registers: 64-key tiles)
     overlap: bool = False
+    #: the Gluon kernel's two consumer warpgroups as partitions of their own, each releasing
+    #: a stage itself, so they drift apart (one's softmax under the other's dots; perf-notes
+    #: step 58); opt-in, not yet run
+    split: bool = False
 
     @property
     def tokens(self) -> int:
@@ -232,7 +236,8 @@ class PrefillLauncher:
             HEAD_DIM=self.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PAGE_SIZE=self.page_size, STAGES=cfg.num_stages,
             DTYPE=self.constexprs["DOT_DTYPE"], SCALE_FROM_PTR=tensor_scales,
-            HAS_LSE=lse is not None, OVERLAP=bool(cfg.overlap), num_warps=8)
+            HAS_LSE=lse is not None, OVERLAP=bool(cfg.overlap), SPLIT=bool(cfg.split),
+            num_warps=4 if cfg.split else 8)
         self.last_compiled = main
         return {"prefill_schedule": schedule, "paged_prefill_gluon": main}
 
