@@ -237,6 +237,66 @@ def _store_empty(b, hb, out_ptr, lse_ptr, sinks_ptr, num_q_heads, rows, stride_o
         gl.store(lse_ptr + b.to(gl.int64) * rows + rid_s, lse0, mask=mask_s)
 
 
+@gluon.jit
+def _latent_buffers(DTYPE: gl.constexpr, KV_DTYPE: gl.constexpr, BLOCK_H: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DR: gl.constexpr):
+    """The Gluon MLA kernels' shared memory, in this order: the query's latent and rope parts,
+    two stages of latent tiles (the cache's dtype), the converted 16-bit tile of an fp8
+    cache (a 16-bit cache: stage 0 stands in, unused), and ``P``:
+    ``(q, qr, k, r, kc, rc, p)``."""
+    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_D], DTYPE)
+    QR_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_DR], DTYPE)
+    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], DTYPE)
+    R_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DR], DTYPE)
+    P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], DTYPE)
+    q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_D], Q_SL)
+    qr_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_DR], QR_SL)
+    if KV_DTYPE == DTYPE:
+        k_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_D], K_SL)
+        r_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_DR], R_SL)
+        kc_smem = k_smem.index(0)  # unused: the dots read the stages
+        rc_smem = r_smem.index(0)
+    else:  # fp8 stages (16-byte copies of 16 elements), one converted 16-bit tile
+        K8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], KV_DTYPE)
+        R8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DR],
+                                                                   KV_DTYPE)
+        k_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_D], K8_SL)
+        r_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_DR], R8_SL)
+        kc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_D], K_SL)
+        rc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_DR], R_SL)
+    p_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_N], P_SL)
+    return q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem
+
+
+@gluon.jit
+def _part_record(sched_ptr, part, kv_scale_ptr, kv_scale_val, scale_log2,
+                 SCALE_FROM_PTR: gl.constexpr):
+    """A part's record from the schedule kernel (its tiles ``[lo, hi)``, its first sequence
+    ``b`` and that sequence's first tile ``start``, a part's ``share`` of tiles) and the
+    latent's scale: ``(lo, hi, b, start, share, kv_scale, qk_scale)``."""
+    lo = gl.load(sched_ptr + part * 8)
+    hi = gl.load(sched_ptr + part * 8 + 1)
+    b = gl.load(sched_ptr + part * 8 + 2)
+    start = gl.load(sched_ptr + part * 8 + 3)
+    share = gl.load(sched_ptr + part * 8 + 4)
+    if SCALE_FROM_PTR:
+        kv_scale = gl.load(kv_scale_ptr).to(gl.float32)
+    else:
+        kv_scale = kv_scale_val
+    return lo, hi, b, start, share, kv_scale, scale_log2 * kv_scale
+
+
+@gluon.jit
+def _sequence_tiles(context_lens_ptr, b, stride_ctx, capacity, lo, hi, start,
+                    BLOCK_N: gl.constexpr):
+    """Sequence ``b`` of a part's walk: its length clamped to the table, its tiles, and the
+    part's tiles of it, ``[t_lo, t_hi)``: ``(seq_len, tiles, t_lo, t_hi)``."""
+    raw_len = gl.load(context_lens_ptr + b * stride_ctx)
+    seq_len = gl.minimum(gl.maximum(raw_len, 0), capacity).to(gl.int32)
+    tiles = gl.cdiv(seq_len, BLOCK_N)
+    return seq_len, tiles, gl.maximum(lo - start, 0), gl.minimum(hi - start, tiles)
+
+
 @gluon.jit(do_not_specialize=["batch", "num_pages"])
 def _mla_decode_gluon_kernel(
     q_ptr, qpe_ptr, ckv_ptr, kpe_ptr, block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr,
@@ -272,36 +332,10 @@ def _mla_decode_gluon_kernel(
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_D // 2, 16])
-    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_D], DTYPE)
-    QR_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_DR], DTYPE)
-    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], DTYPE)
-    R_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DR], DTYPE)
-    P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], DTYPE)
-    q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_D], Q_SL)
-    qr_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_DR], QR_SL)
-    if KV_DTYPE == DTYPE:
-        k_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_D], K_SL)
-        r_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_DR], R_SL)
-    else:  # fp8 stages (16-byte copies of 16 elements), one converted 16-bit tile
-        K8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], KV_DTYPE)
-        R8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DR],
-                                                                   KV_DTYPE)
-        k_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_D], K8_SL)
-        r_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_DR], R8_SL)
-        kc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_D], K_SL)
-        rc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_DR], R_SL)
-    p_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_N], P_SL)
-
-    lo = gl.load(sched_ptr + part * 8)
-    hi = gl.load(sched_ptr + part * 8 + 1)
-    b = gl.load(sched_ptr + part * 8 + 2)
-    start = gl.load(sched_ptr + part * 8 + 3)
-    share = gl.load(sched_ptr + part * 8 + 4)
-    if SCALE_FROM_PTR:
-        kv_scale = gl.load(kv_scale_ptr).to(gl.float32)
-    else:
-        kv_scale = kv_scale_val
-    qk_scale = scale_log2 * kv_scale
+    q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem = _latent_buffers(
+        DTYPE, KV_DTYPE, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DR)
+    lo, hi, b, start, share, kv_scale, qk_scale = _part_record(
+        sched_ptr, part, kv_scale_ptr, kv_scale_val, scale_log2, SCALE_FROM_PTR)
 
     rows = Q_LEN * num_q_heads
     # the query rows in the gather layout, the score's rows, the output's rows
@@ -315,11 +349,8 @@ def _mla_decode_gluon_kernel(
     n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     bad_row = -1
     while (b < batch) & (start < hi):
-        raw_len = gl.load(context_lens_ptr + b * stride_ctx)
-        seq_len = gl.minimum(gl.maximum(raw_len, 0), capacity).to(gl.int32)
-        tiles = gl.cdiv(seq_len, BLOCK_N)
-        t_lo = gl.maximum(lo - start, 0)
-        t_hi = gl.minimum(hi - start, tiles)
+        seq_len, tiles, t_lo, t_hi = _sequence_tiles(context_lens_ptr, b, stride_ctx, capacity,
+                                                     lo, hi, start, BLOCK_N)
         whole = (t_lo == 0) & (t_hi == tiles)
         if (start >= lo) & (hb == 0):  # this part owns the sequence's start: its pieces
             gl.store(pieces_ptr + 2 * b, part * 2 + (start > lo).to(gl.int32))
@@ -425,11 +456,8 @@ def _ws_producer(q_smem, qr_smem, k_smem, r_smem, q_ready, q_empty, kv_ready, kv
     g = 0  # tiles issued so far: the stage and its phase
     nq = 0  # queries loaded so far
     while (b < batch) & (start < hi):
-        raw_len = gl.load(context_lens_ptr + b * stride_ctx)
-        seq_len = gl.minimum(gl.maximum(raw_len, 0), capacity).to(gl.int32)
-        tiles = gl.cdiv(seq_len, BLOCK_N)
-        t_lo = gl.maximum(lo - start, 0)
-        t_hi = gl.minimum(hi - start, tiles)
+        seq_len, tiles, t_lo, t_hi = _sequence_tiles(context_lens_ptr, b, stride_ctx, capacity,
+                                                     lo, hi, start, BLOCK_N)
         if t_lo < t_hi:
             b64 = b.to(gl.int64)
             bt_row = block_tables_ptr + b64 * stride_bt_b
@@ -489,11 +517,8 @@ def _ws_consumer(q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem, q_re
     g = 0
     nq = 0
     while (b < batch) & (start < hi):
-        raw_len = gl.load(context_lens_ptr + b * stride_ctx)
-        seq_len = gl.minimum(gl.maximum(raw_len, 0), capacity).to(gl.int32)
-        tiles = gl.cdiv(seq_len, BLOCK_N)
-        t_lo = gl.maximum(lo - start, 0)
-        t_hi = gl.minimum(hi - start, tiles)
+        seq_len, tiles, t_lo, t_hi = _sequence_tiles(context_lens_ptr, b, stride_ctx, capacity,
+                                                     lo, hi, start, BLOCK_N)
         whole = (t_lo == 0) & (t_hi == tiles)
         if (start >= lo) & (hb == 0):  # this part owns the sequence's start: its pieces
             gl.store(pieces_ptr + 2 * b, part * 2 + (start > lo).to(gl.int32))
@@ -565,27 +590,8 @@ def _mla_decode_gluon_ws_kernel(
     gl.static_assert(BLOCK_H == 64, "one wgmma M a warpgroup")
     part = gl.program_id(0)
     hb = gl.program_id(1)
-    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_D], DTYPE)
-    QR_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_DR], DTYPE)
-    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], DTYPE)
-    R_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DR], DTYPE)
-    P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], DTYPE)
-    q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_D], Q_SL)
-    qr_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_DR], QR_SL)
-    if KV_DTYPE == DTYPE:
-        k_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_D], K_SL)
-        r_smem = gl.allocate_shared_memory(DTYPE, [2, BLOCK_N, BLOCK_DR], R_SL)
-        kc_smem = k_smem.index(0)  # unused: the dots read the stages
-        rc_smem = r_smem.index(0)
-    else:  # fp8 stages, one converted 16-bit tile
-        K8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], KV_DTYPE)
-        R8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DR],
-                                                                   KV_DTYPE)
-        k_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_D], K8_SL)
-        r_smem = gl.allocate_shared_memory(KV_DTYPE, [2, BLOCK_N, BLOCK_DR], R8_SL)
-        kc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_D], K_SL)
-        rc_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_DR], R_SL)
-    p_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BLOCK_N], P_SL)
+    q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem = _latent_buffers(
+        DTYPE, KV_DTYPE, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DR)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -596,16 +602,8 @@ def _mla_decode_gluon_ws_kernel(
         mbarrier.init(kv_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=1)
 
-    lo = gl.load(sched_ptr + part * 8)
-    hi = gl.load(sched_ptr + part * 8 + 1)
-    b = gl.load(sched_ptr + part * 8 + 2)
-    start = gl.load(sched_ptr + part * 8 + 3)
-    share = gl.load(sched_ptr + part * 8 + 4)
-    if SCALE_FROM_PTR:
-        kv_scale = gl.load(kv_scale_ptr).to(gl.float32)
-    else:
-        kv_scale = kv_scale_val
-    qk_scale = scale_log2 * kv_scale
+    lo, hi, b, start, share, kv_scale, qk_scale = _part_record(
+        sched_ptr, part, kv_scale_ptr, kv_scale_val, scale_log2, SCALE_FROM_PTR)
     gl.warp_specialize([
         (_ws_consumer, (q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem, q_ready,
                         q_empty, kv_ready, kv_empty, context_lens_ptr, out_ptr, lse_ptr,
