@@ -3,7 +3,8 @@
 #   usage: bash scripts/gpu_check.sh PHASE          (repo root; no install needed)
 # Phases:
 #   correctness  the gate every kernel or launch change passes before it is called done
-#             (under 5 minutes): scripts/gpu_correctness.py --all (every kernel family x cache
+#             (about 7 minutes on a cold machine, 4.5 on a warm one: give it a call of its
+#             own): scripts/gpu_correctness.py --all (every kernel family x cache
 #             dtype x layout x page size x head dim against the float64 oracle, a process a
 #             family), then compute-sanitizer memcheck and initcheck over
 #             scripts/sanitize_driver.py (every family once, and metadata past the tables)
@@ -43,9 +44,11 @@
 #   PAGEDATTN_GIT_SHA: the commit sent (the device's copy has no history; the pages name it).
 #   BENCH_S, HOST_S, VARIANTS_S, TESTS_S, SERVING_S, SANITIZE_S, DROPIN_S: per-step limits
 #     (s); BENCH_ARGS and SHAPES: more harness options (a CPU smoke: BENCH_ARGS=--dry-run TRITON_INTERPRET=1).
-#   BENCH_STEPS="harness host variants": a cold machine spends minutes in FlashInfer's JIT
-#     (cached in .fi_ws/ on a warm machine): split the phase over two calls if needed, then run
-#     `scripts/results.py page` here once every file is in docs/results/.
+#   BENCH_STEPS="warm harness host variants": `warm` builds FlashInfer's JIT modules first,
+#     side by side (WARM_S per row, default 170; cached in .fi_ws/ on a warm machine); the
+#     harness on every row then takes about 5 minutes on an H100. If the phase does not fit a
+#     call, split it over two and run `scripts/results.py page` here once every file is in
+#     docs/results/.
 #   MODEL=.model/smollm2.gguf, GGUF_PARTS="a b" (parts concatenated into MODEL), WHEELS=.whl
 #   NCU_SHAPES, AB_OLD, AB_SHAPES, AB_ROUNDS: see profile and ab. The GPU fuzz test (tests)
 #     takes PAGEDATTN_FUZZ_EXAMPLES, and PYTEST_ADDOPTS=--hypothesis-seed=N to replay a seed.
@@ -92,7 +95,7 @@ phase_correctness() {
   { echo "# GPU correctness gate, commit ${PAGEDATTN_GIT_SHA:-unknown} ($(date -u +%FT%H:%MZ))"
     echo; head -1 "$OUT/env.txt"; echo; } > "$OUT/correctness-summary.md"
   stamp "every family against the oracle"
-  timeout "${CORRECTNESS_S:-200}" python3 scripts/gpu_correctness.py --all --jobs 10 \
+  timeout "${CORRECTNESS_S:-260}" python3 scripts/gpu_correctness.py --all --jobs 10 \
     --json "$OUT/gpu-correctness.json" > "$OUT/gpu-correctness.log" 2>&1
   local rc=$?
   grep -E "FAIL|CRASH" "$OUT/gpu-correctness.log" | head -20
@@ -128,7 +131,36 @@ phase_bench() {
   env_info
   setup_flashinfer
   peer_files
-  local steps=${BENCH_STEPS:-harness host variants}
+  local steps=${BENCH_STEPS:-warm harness host variants}
+  if [[ " $steps " == *" warm "* ]] && [ "$FI_PEERS" != none ]; then
+    # FlashInfer JIT-builds a module per (dtype, head_dim, group) on first use, 10-35 s each,
+    # one after another inside the harness (about 4 of its minutes on a cold machine): one
+    # small run per module set, side by side, builds them all first (about 100 s cold on an
+    # H100 machine's 16 cores, 1ee97d9; a warm machine's .fi_ws/ has them)
+    stamp "warm: FlashInfer's JIT modules, a row per module set, side by side"
+    local rows
+    rows=$(python3 - "${SHAPES:-peers}" <<'PY'
+import sys
+from pagedattn.bench.shapes import PEER_SHAPES, SHAPES, get_shape
+arg = sys.argv[1]
+names = {"peers": PEER_SHAPES, "all": SHAPES}.get(arg) or arg.split(",")
+rows = {}
+for name in names:
+    s = get_shape(name)
+    m = s.model
+    key = (s.dtype, s.cache_dtype, m.head_dim, m.num_q_heads // m.num_kv_heads, s.page_size)
+    if key not in rows or s.kv_bytes < get_shape(rows[key]).kv_bytes:
+        rows[key] = name
+print(" ".join(rows.values()))
+PY
+)
+    mkdir -p /tmp/pagedattn-warm  # its logs stay there: a call brings back at most 8 files
+    # shellcheck disable=SC2086
+    printf "%s\n" $rows | xargs -P 8 -I{} sh -c "timeout ${WARM_S:-170} python3 -m pagedattn.cli \
+      bench --shapes {} --impls auto --peers $FI_PEERS --reps 1 --warmup 1 --layers 0 \
+      --no-check --host-calls 1 --allow-errors --out-dir /tmp/pagedattn-warm/{} \
+      > /tmp/pagedattn-warm/{}.log 2>&1; echo \"warm {}: exit \$?\""
+  fi
   if [[ " $steps " == *" harness "* ]]; then
     stamp "benchmark: auto beside $FI_PEERS and the peer files, eager and graph"
     rm -rf /tmp/pagedattn-bench  # a warm machine's last run

@@ -14,6 +14,9 @@ peer's on the same batch, side by side. Two forms:
 
   (FA3's kernels are CUTLASS ``device_kernel`` instances.)
 
+  ``--peer NAME`` adds a built-in peer of ``pagedattn bench --peers`` (FlashInfer's TC
+  decode is ``flashinfer-tc``: its kernels match ``Prefill|Decode``).
+
 * ``--row NAME``: a row of ``scripts/bench_variants.py`` (a variant such as a sliding window),
   ``auto`` beside FlashInfer's same variant (when ``import flashinfer`` works)::
 
@@ -36,9 +39,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_variants as bv  # noqa: E402  (a sibling script: its rows and runners)
 
 
-def _shape_runs(shape_name: str, peer_files: list[str]) -> list:
-    """``plan.run`` of ``auto`` and each peer file's runner on a benchmark shape."""
-    from pagedattn.bench.peers import load_peer_file
+def _shape_runs(shape_name: str, peer_files: list[str], peers: list[str] = ()) -> list:
+    """``plan.run`` of ``auto``, each peer file's runner, then each built-in peer's
+    (``pagedattn bench --peers`` names: ``flashinfer-tc``, ``flashinfer-xqa``, ...) on a
+    benchmark shape."""
+    from pagedattn.bench.peers import PEERS, load_peer_file
 
     shape = get_shape(shape_name)
     m = shape.model
@@ -50,7 +55,8 @@ def _shape_runs(shape_name: str, peer_files: list[str]) -> list:
                                  host_context_lens=list(shape.context_lens))
     # planned with the host copy of the lengths, as `pagedattn bench` plans `auto`
     return [lambda: plan.run(*b.tensors[:3], **b.scales)] + [
-        load_peer_file(p).factory(shape, b) for p in peer_files]
+        load_peer_file(p).factory(shape, b) for p in peer_files] + [
+        PEERS[p](shape, b) for p in peers]
 
 
 def _row_runs(row: str) -> list:
@@ -70,13 +76,22 @@ def main() -> int:
     ap.add_argument("--shape", help="a benchmark shape (with --peer-file)")
     ap.add_argument("--peer-file", action="append", default=[],
                     help="[NAME=]PATH[:FUNC] of a measuring peer (with --shape; repeatable)")
+    ap.add_argument("--peer", action="append", default=[],
+                    help="a built-in peer of `pagedattn bench --peers` (with --shape; "
+                         "repeatable), e.g. flashinfer-tc")
     ap.add_argument("--row", choices=sorted(bv.ALL_ROWS),
                     help="a variant row, beside FlashInfer")
     args = ap.parse_args()
+    from pagedattn.bench.peers import PEERS  # noqa: PLC0415
+
     if (args.row is None) == (args.shape is None) or (args.shape is None) != (
-            not args.peer_file):
-        ap.error("give either --shape and --peer-file, or --row")
-    runs = _row_runs(args.row) if args.row else _shape_runs(args.shape, args.peer_file)
+            not (args.peer_file or args.peer)):
+        ap.error("give either --shape and --peer-file or --peer, or --row")
+    unknown = [p for p in args.peer if p not in PEERS]
+    if unknown:
+        ap.error(f"--peer: unknown {unknown[0]!r} (one of {', '.join(PEERS)})")
+    runs = _row_runs(args.row) if args.row else _shape_runs(args.shape, args.peer_file,
+                                                            args.peer)
     for run in runs:
         for _ in range(2):
             run()

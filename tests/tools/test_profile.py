@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -327,3 +329,22 @@ def test_ladder_on_cpu_refuses_then_dry_runs_honestly(tmp_path, capsys):
     assert "figures come from the H200 run" not in md and "compile metadata only" not in md
     assert "Nothing was measured for this shape" in md and "No chart: nothing was measured" in md
     assert not list(out.parent.glob("ladder-*.png"))  # no chart without data
+
+
+# --- scripts/ncu_prefill_mla.py ---------------------------------------------------------------
+NCU_RANGE = Path(__file__).resolve().parents[2] / "scripts" / "ncu_prefill_mla.py"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["prefill", "--row", "prompt-9k"], "unknown prefill row 'prompt-9k'"),
+    (["mla", "--rows", "ds-tp1-b64-c4k,ds-tp3"], "unknown mla row 'ds-tp3'"),
+    (["prefill"], "needs a CUDA GPU"),
+    (["mla"], "needs a CUDA GPU"),
+])
+def test_the_ncu_range_driver_refuses_in_one_line(argv, says):
+    """Without a GPU (or for a row the lab lacks) the ncu driver says why in one line and
+    exits 2, before building anything."""
+    r = subprocess.run([sys.executable, str(NCU_RANGE), *argv], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
