@@ -3,8 +3,9 @@
 Two kinds of quoted figure:
 
 * **Results table rows** (README's ``## Results`` table): every number in a row's cells must
-  appear, as printed (thousands separators ignored), in a row of ``docs/results/bench-h200.md``
-  (the run's full table) that starts with the same shape name.
+  appear, as printed (thousands separators ignored), in a row of ``docs/results/bench-<gpu>.md``
+  (the run's full table) that starts with the same shape name; ``<gpu>`` comes from the
+  section's heading (``## Results (NVIDIA H100, ...)``: ``h100``; ``h200`` if it names none).
 * **Prose figures**: in README.md, DESIGN.md and the pages of ``PROSE_DOCS``, every number followed
   by a unit (``µs``, ``GB/s``, ``tokens/s``, ``×``) must match some number in a file under
   ``docs/results/`` (not counting ``bench-runs.csv``, the lines of past runs) once that
@@ -110,11 +111,18 @@ def check_prose(name: str, text: str, numbers: list[float]) -> tuple[list[str], 
     return problems, count
 
 
+def results_gpu(readme: str) -> str:
+    """The GPU slug of README's results table, from its heading (``h200`` if it names none)."""
+    match = re.search(r"^## Results \(NVIDIA (H\d+)", readme, re.M)
+    return match.group(1).lower() if match else "h200"
+
+
 def check(root: Path) -> tuple[list[str], int]:
     readme = (root / "README.md").read_text(encoding="utf-8")
     design = (root / "DESIGN.md").read_text(encoding="utf-8")
     results = root / "docs" / "results"
-    problems, count = check_table(readme, (results / "bench-h200.md").read_text(encoding="utf-8"))
+    bench_md = results / f"bench-{results_gpu(readme)}.md"
+    problems, count = check_table(readme, bench_md.read_text(encoding="utf-8"))
     numbers = _result_numbers(results)
     prose = [("README.md", readme), ("DESIGN.md", design)]
     prose += [(f"docs/{doc}", (root / "docs" / doc).read_text(encoding="utf-8"))

@@ -425,6 +425,17 @@ def _command(rows: list[dict]) -> str:
             + f"{files} --graph --reps 40")
 
 
+def _missing_rows(rows: list[dict]) -> list[str]:
+    """The rows of the peers set (``pagedattn bench --shapes peers``) this run does not hold:
+    a run the call's time limit stopped, or one given fewer shapes."""
+    try:
+        from pagedattn.bench.shapes import PEER_SHAPES  # noqa: PLC0415 (torch: only here)
+    except ImportError:  # a results folder read without the package
+        return []
+    have = {r["shape"] for r in rows}
+    return [s for s in PEER_SHAPES if s not in have]
+
+
 def _older(results: Path) -> dict[str, str]:
     """The files of ``results`` that measured another commit than its bench run (older, or
     newer where a section was re-measured after it)."""
@@ -432,12 +443,23 @@ def _older(results: Path) -> dict[str, str]:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
-def _since(results: Path) -> list[str]:
-    """The quoted lines of :data:`SINCE`, and a blank line, or nothing."""
+def _since_applies(results: Path, short: str) -> bool:
+    """Whether :data:`SINCE` is about the bench run of commit ``short``: its first line names
+    the run it counts from ("`src/` has changed since 61af690 ..."); a run of another commit
+    (a newer GPU's page measured the shipped tree) takes no "older" banner from it."""
     path = results / SINCE
     if not path.exists():
+        return False
+    first = re.search(r"changed since ([0-9a-f]{7})", path.read_text(encoding="utf-8"))
+    return first is None or first.group(1) == short
+
+
+def _since(results: Path, short: str) -> list[str]:
+    """The quoted lines of :data:`SINCE`, and a blank line, or nothing (see
+    :func:`_since_applies`)."""
+    if not _since_applies(results, short):
         return []
-    lines = path.read_text(encoding="utf-8").strip().splitlines()
+    lines = (results / SINCE).read_text(encoding="utf-8").strip().splitlines()
     return [f"> {line}".rstrip() for line in lines] + [""]
 
 
@@ -458,8 +480,8 @@ def page(results: Path, gpu: str) -> str:
            *([f"> **Older than the shipped `src/`.** This page measured the commit it names; "
               f"`src/` has changed since (`{SINCE}`, quoted below, lists the changes and "
               "whether any touches what was measured here).", ""]
-             if (results / SINCE).exists() else []),
-           *_since(results),
+             if _since_applies(results, short) else []),
+           *_since(results, short),
            f"One {meta.get('gpu', gpu)}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
            f"run of {meta.get('date')}. Read roofline measured in the same run by a "
            f"streaming-read kernel: {roof:,.0f} GB/s (the % columns use it). "
@@ -472,7 +494,9 @@ def page(results: Path, gpu: str) -> str:
            " (floor: the plain-Triton measuring peer, best of its config sweep per batch, not "
            "graph-safe). A peer whose output fails its accuracy check is not counted as "
            f"fastest. Full table: `bench-{gpu}.md` (errors, host µs; CSV and JSON beside it; "
-           f"chart `bench-{gpu}-roofline.png`).", "",
+           f"chart `bench-{gpu}-roofline.png`)."
+           + (f" **Partial:** {len(_missing_rows(rows))} rows of the peers set are not in this"
+              f" run ({', '.join(_missing_rows(rows))})." if _missing_rows(rows) else ""), "",
            "## Every row against the fastest peer of the same run", "",
            *_peer_table(rows), "", _reached_line(rows), "",
            "## Roofline targets (% of the read roofline, same run)", "", *_targets_table(rows),

@@ -24,6 +24,9 @@ CHECK = ROOT / "scripts" / "check_doc_figures.py"
 _spec = importlib.util.spec_from_file_location("results_script", SCRIPT)
 results = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(results)
+_fspec = importlib.util.spec_from_file_location("check_doc_figures_script", CHECK)
+figures = importlib.util.module_from_spec(_fspec)
+_fspec.loader.exec_module(figures)
 
 
 def _fake_run(commit: str, date: str) -> list[dict]:
@@ -150,26 +153,42 @@ def test_the_pages_put_a_clean_run_in_its_columns(tmp_path):
             f"83.7 / 84.2 | {floor - 3.1:.1f} (32) |") in page
 
 
-def test_the_runs_csv_holds_the_current_run():
-    """Every (shape, impl) of the current bench page is a line of bench-runs.csv."""
-    rows, meta = results.read_bench(ROOT / "docs" / "results" / "bench-h200.json")
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_the_runs_csv_holds_the_current_run(gpu):
+    """Every (shape, impl) of a GPU's current bench page is a line of bench-runs.csv."""
+    rows, meta = results.read_bench(ROOT / "docs" / "results" / f"bench-{gpu}.json")
     lines = _lines(ROOT / "docs" / "results" / "bench-runs.csv")
     have = {(r["commit"], r["date"], r["shape"], r["impl"]) for r in lines}
     want = {(meta["git_commit"], r["date"], r["shape"], r["impl"]) for r in rows}
-    assert want <= have
+    assert want and want <= have
 
 
-def test_the_h200_page_and_readme_table_are_regenerated_from_the_results():
-    """docs/results/h200.md is what ``results.py page`` makes from the files beside it, and
-    README's Results table is what ``results.py readme-table`` prints."""
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_each_gpu_page_is_regenerated_from_the_results(gpu):
+    """docs/results/<gpu>.md is what ``results.py page`` makes from the files beside it."""
     results_dir = ROOT / "docs" / "results"
-    page = results.page(results_dir, "h200")
-    assert (results_dir / "h200.md").read_text(encoding="utf-8") == page
-    _, meta = results.read_bench(results_dir / "bench-h200.json")
+    page = results.page(results_dir, gpu)
+    assert (results_dir / f"{gpu}.md").read_text(encoding="utf-8") == page
+    _, meta = results.read_bench(results_dir / f"bench-{gpu}.json")
     assert page.splitlines()[2].startswith(f"> Measured on commit {meta['git_commit'][:7]}")
-    table = results.readme_table(results_dir, "h200")
+
+
+def test_the_readme_table_is_regenerated_from_the_gpu_its_heading_names():
+    """README's Results table is what ``results.py readme-table`` prints for the GPU the
+    section's heading names (``check_doc_figures.results_gpu``), and only for that one."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert table in readme.split("## Results", 1)[1]
+    gpu = figures.results_gpu(readme)
+    assert gpu in ("h100", "h200")
+    section = readme.split("## Results", 1)[1]
+    assert results.readme_table(ROOT / "docs" / "results", gpu) in section
+    other = "h200" if gpu == "h100" else "h100"
+    assert results.readme_table(ROOT / "docs" / "results", other) not in section
+
+
+def test_the_results_gpu_comes_from_the_heading():
+    assert figures.results_gpu("x\n## Results (NVIDIA H100, one run)\n") == "h100"
+    assert figures.results_gpu("x\n## Results (NVIDIA H200, one run)\n") == "h200"
+    assert figures.results_gpu("x\n## Results\n") == "h200"
 
 
 # --- scripts/check_doc_figures.py ------------------------------------------------------------
@@ -242,3 +261,22 @@ def test_a_figure_of_an_older_run_is_no_source(tmp_path):
     (root / "README.md").write_text(readme.replace(old, "9,877 GB/s", 1), encoding="utf-8")
     result = _check_figures(root)
     assert result.returncode == 1 and "9,877" in result.stdout
+
+
+def test_the_since_file_bans_only_the_run_it_names(tmp_path):
+    """``src-since-run.md`` counts from one bench run: that run's page says "older", a page of
+    another GPU's run of another commit does not."""
+    (tmp_path / results.SINCE).write_text("`src/` has changed since abcdef1 (this bench run) "
+                                          "by one refactor.\n", encoding="utf-8")
+    assert results._since_applies(tmp_path, "abcdef1")
+    assert results._since(tmp_path, "abcdef1")[0].startswith("> `src/` has changed since")
+    assert not results._since_applies(tmp_path, "1234567")
+    assert results._since(tmp_path, "1234567") == []
+
+
+def test_a_partial_run_names_the_rows_it_lacks():
+    from pagedattn.bench.shapes import PEER_SHAPES
+
+    rows = [{"shape": PEER_SHAPES[0], "impl": "auto"}]
+    assert results._missing_rows(rows) == list(PEER_SHAPES[1:])
+    assert results._missing_rows([{"shape": s, "impl": "auto"} for s in PEER_SHAPES]) == []
