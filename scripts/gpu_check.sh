@@ -31,6 +31,12 @@
 #   profile   ncu, auto beside the floor and FA3 on $NCU_SHAPES (scripts/ncu_side_by_side.py);
 #             NCU_SECTIONS replaces the sections (e.g. "--section InstructionStats
 #             --section SourceCounters --section WarpStateStats": instructions and stalls)
+#   compute   paged prefill and MLA decode beside their peers (scripts/bench_prefill.py every
+#             row beside FA3 and FlashInfer, with $PREFILL_VARIANTS; scripts/bench_mla.py every
+#             row beside FlashInfer's MLA, ours $MLA_OURS), then ncu of ours beside the peers
+#             (scripts/ncu_prefill_mla.py: prefill on $NCU_ROW, MLA at TP1 and TP8 b64-c4k)
+#             -> $OUT/prefill.{json,log}, mla.{json,log}, ncu-prefill.csv, ncu-mla.csv
+#             (about 8 minutes cold; PREFILL_S, MLA_S, NCU_S, WARM_S: per-step limits)
 #   dropin    the FA drop-in per call, eager, beside FA3 in three calling patterns (the same
 #             tensors, fresh views, fresh tensors; scripts/fa_dropin_per_call.py)
 #             -> $OUT/results/fa-dropin-per-call-$GPU.{json,log}
@@ -272,6 +278,48 @@ for k in read_ncu_csv(sys.argv[1]): print(k.name[:40], k.grid, k.values)" "$OUT/
   done
 }
 
+phase_compute() {  # the compute-bound kernels: paged prefill and MLA beside their peers, ncu
+  env_info
+  setup_flashinfer
+  export PYTHONPATH=$PYTHONPATH:$PWD/scripts  # bench_prefill's --variants: policy_patch
+  local fa3=() log=/tmp/pagedattn-compute
+  mkdir -p "$log"
+  [ -f "$PEERS/fa3_peer.py" ] && [ -f "$PEERS/fa3.tar" ] && fa3=(--fa3 "$PEERS/fa3_peer.py")
+  # FlashInfer's sm_90 prefill and MLA modules are JIT builds of a minute or two each: one
+  # untimed run of each first, side by side, so neither lands inside a timed row
+  stamp "warm: FlashInfer's prefill and MLA modules, our kernels"
+  timeout "${WARM_S:-170}" python3 scripts/bench_prefill.py "${fa3[@]}" --reps 1 \
+    --rows chunks-b8-q512-c4k > "$log/warm-prefill.log" 2>&1 &
+  timeout "${WARM_S:-170}" python3 scripts/bench_mla.py --reps 1 --rows ds-tp8-b64-c4k \
+    > "$log/warm-mla.log" 2>&1 &
+  wait
+  stamp "prefill: every row beside FA3 and FlashInfer (variants: ${PREFILL_VARIANTS:-none})"
+  timeout "${PREFILL_S:-260}" python3 scripts/bench_prefill.py "${fa3[@]}" --reps 10 \
+    --variants "${PREFILL_VARIANTS:-}" --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+  echo "exit $?"; grep -v Warning "$OUT/prefill.log" | tail -9 | cut -c1-700
+  stamp "MLA: every row beside FlashInfer (ours: ${MLA_OURS:-default})"
+  timeout "${MLA_S:-150}" python3 scripts/bench_mla.py --reps 15 --ours "${MLA_OURS:-default}" \
+    --json "$OUT/mla.json" > "$OUT/mla.log" 2>&1
+  echo "exit $?"; grep -v Warning "$OUT/mla.log" | tail -11 | cut -c1-600
+  local what
+  for what in prefill mla; do
+    stamp "ncu: $what, ours beside the peers, one call each"
+    local args=("$what")
+    [ "$what" = prefill ] && args+=(--row "${NCU_ROW:-prompt-8k}" --variants "${PREFILL_VARIANTS:-}" "${fa3[@]}")
+    [ "$what" = mla ] && args+=(--ours "${MLA_OURS:-default}")
+    # shellcheck disable=SC2086
+    timeout "${NCU_S:-120}" ncu --clock-control none ${NCU_SECTIONS:---section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section WarpStateStats} --profile-from-start off \
+      --csv --page details python3 scripts/ncu_prefill_mla.py "${args[@]}" \
+      > "$OUT/ncu-$what.csv" 2> "$log/ncu-$what.err"
+    echo "exit $?"; tail -2 "$log/ncu-$what.err" | cut -c1-300
+    grep -q '^"ID"' "$OUT/ncu-$what.csv" && python3 -c "import sys; from pagedattn.bench.ncu import read_ncu_csv
+for k in read_ncu_csv(sys.argv[1]): print(k.name[:40], k.grid, k.values)" "$OUT/ncu-$what.csv" \
+      | cut -c1-900
+  done
+}
+
 phase_dropin() {  # the FA drop-in per call beside FA3, three calling patterns (one process)
   env_info
   mkdir -p "$OUT/results"
@@ -305,6 +353,6 @@ PY
 
 phase=${1:-}
 case "$phase" in
-  correctness|tests|bench|serving|sanitize|profile|dropin|ab) "phase_$phase"; rc=$?; stamp "$phase: exit $rc"; exit $rc ;;
+  correctness|tests|bench|serving|sanitize|profile|compute|dropin|ab) "phase_$phase"; rc=$?; stamp "$phase: exit $rc"; exit $rc ;;
   *) sed -n '2,30p' "$0"; exit 2 ;;
 esac
