@@ -103,6 +103,8 @@ CASES = {
                                    num_stages=2), (), torch.bfloat16, None, 8, 8),
     "prefill-split-gluon": (dict(num_tokens=512, gluon=True, split=True, block_n=64,
                                  num_stages=3), (), torch.bfloat16, None, 8, 8),
+    "prefill-pingpong-gluon": (dict(num_tokens=512, gluon=True, split=True, ping_pong=True,
+                                    block_n=64, num_stages=3), (), torch.bfloat16, None, 8, 8),
 }
 
 #: the MLA kernel (kernels/mla.py, launch/mla.py; pagedattn.mla's default) and its Gluon
@@ -201,7 +203,8 @@ def prefill_case_launcher(options, per_call, dtype, kv_dtype, batch, kv_heads, n
     options = dict(options)
     gluon = options.pop("gluon", False)
     head_dim = options.pop("head_dim", 128)
-    tiles = {k: options.pop(k) for k in ("block_n", "num_stages", "overlap", "split")
+    tiles = {k: options.pop(k) for k in ("block_n", "num_stages", "overlap", "split",
+                                         "ping_pong")
              if k in options}
     config = None
     if gluon:

@@ -183,7 +183,8 @@ def _prefill_gluon():
     """The Gluon prefill kernel (``kernels/prefill_gluon.py``, opt-in: forced here through the
     policy) on the cases it takes: bf16 and fp16 caches of the query's dtype, every layout and
     page size, head dims 64 and 128, long chunks and short ones, its tile configs, the
-    consumers' overlap and the consumer warpgroups as two partitions (``split``); on a GPU
+    consumers' overlap and the consumer warpgroups as two partitions (``split``), also in
+    turns (``ping_pong``); on a GPU
     where it does not apply (not sm_90) or in the interpreter, the plain kernel runs and the
     case says so."""
     from policy_patch import patched_config  # noqa: PLC0415 (scripts/: the script's path)
@@ -193,12 +194,13 @@ def _prefill_gluon():
         itertools.product(PAGES, (64, 128), ("bf16", "fp16")))]  # every page size x head dim
     if SMOKE:
         grid = _grid(dtypes=("bf16", "fp16"))
-    for (dt, layout, page, hd), tiles in itertools.product(grid, ((128, 2, False, False),
-                                                                  (64, 3, False, False),
-                                                                  (64, 2, True, False),
-                                                                  (64, 3, False, True))):
+    for (dt, layout, page, hd), tiles in itertools.product(grid, ((128, 2, False, False, False),
+                                                                  (64, 3, False, False, False),
+                                                                  (64, 2, True, False, False),
+                                                                  (64, 3, False, True, False),
+                                                                  (64, 3, False, True, True))):
         with patched_config(dict(gluon=True, block_n=tiles[0], num_stages=tiles[1],
-                                 overlap=tiles[2], split=tiles[3])):
+                                 overlap=tiles[2], split=tiles[3], ping_pong=tiles[4])):
             inputs, kv_layout, scales = _inputs(seq_lens, dt, layout, page, hd, seed=page)
             dtype = inputs.query.dtype
             query, qsl, lens = _varlen_query(seq_lens, q_lens, hd, dtype, seed=hd + page)
@@ -217,7 +219,7 @@ def _prefill_gluon():
         hopper = not SMOKE and torch.cuda.get_device_capability()[0] == 9
         ok &= path == "gluon" or not hopper  # on sm_90 the Gluon kernel must have run
         yield (dt, layout, page, hd, f"n{tiles[0]}s{tiles[1]}" + "o" * tiles[2]
-               + "-split" * tiles[3], path), ok, err
+               + "-split" * tiles[3] + "-pingpong" * tiles[4], path), ok, err
 
 
 def _mla(single=False):

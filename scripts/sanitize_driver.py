@@ -284,17 +284,19 @@ def _gluon_prefill_runs() -> int:
     """The Gluon prefill kernel (opt-in: forced through the policy; sm_90 only, else the
     plain kernel runs and the check says which): bf16 NHD pages of 16 on 128-key tiles, fp16
     HND pages of 1 on 64-key tiles three deep, bf16 with the consumer warpgroups as two
-    partitions (``split``), head dim 64, the LSE, a chunk over a cached
-    prefix, an empty sequence and padding rows; then a length past the table (reported)."""
+    partitions (``split``), fp16 with them in turns (``ping_pong``), head dim 64, the LSE, a
+    chunk over a cached prefix, an empty sequence and padding rows; then a length past the
+    table (reported)."""
     from policy_patch import patched_config  # noqa: PLC0415 (scripts/: the script's path)
 
     failures = 0
     seq_lens, q_lens = [200, 0, 150, 9], [130, 0, 150, 9]
-    for dtype, layout, page, tiles in ((torch.bfloat16, "NHD", 16, (128, 2, False)),
-                                       (torch.float16, "HND", 1, (64, 3, False)),
-                                       (torch.bfloat16, "NHD", 16, (64, 3, True))):
+    for dtype, layout, page, tiles in ((torch.bfloat16, "NHD", 16, (128, 2, False, False)),
+                                       (torch.float16, "HND", 1, (64, 3, False, False)),
+                                       (torch.bfloat16, "NHD", 16, (64, 3, True, False)),
+                                       (torch.float16, "NHD", 16, (64, 3, True, True))):
         with patched_config(dict(gluon=True, block_n=tiles[0], num_stages=tiles[1],
-                                 split=tiles[2])):
+                                 split=tiles[2], ping_pong=tiles[3])):
             inputs = make_paged_inputs(seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
                                        page_size=page, dtype=dtype, kv_layout=layout,
                                        seed=page, device=DEVICE)

@@ -368,7 +368,8 @@ def test_gluon_schedule_kernel(device, tokens):
 
 
 def _handoff(n_tiles: int, stages: int, overlap: bool, consumers: int = 1,
-             releases: int | None = None, lag: bool = False) -> list[str]:
+             releases: int | None = None, lag: bool = False, ping_pong: bool = False,
+             turn_parity_shift: int = 0, order: list | None = None) -> list[str]:
     """The Gluon prefill kernel's stage hand-offs (``_producer``, ``_consumer``), step for
     step, as coroutines over mbarriers: the order of the first consumer's reads (each
     consumer must read the same), or ``["deadlock"]``. A wait names its barrier and parity.
@@ -378,11 +379,16 @@ def _handoff(n_tiles: int, stages: int, overlap: bool, consumers: int = 1,
     2: ``SPLIT``, the warpgroups apart; ``releases``: the arrivals ``kv_empty`` expects, as
     the kernel initializes it; ``lag``: the second consumer starts once the first has
     finished, as far apart as two partitions can drift). A tile issued into a stage that a
-    consumer has not released fails an assertion."""
+    consumer has not released fails an assertion. ``ping_pong`` (two consumers): the turns
+    of step 59, consumer 1 waiting its turn barrier at parity ``j % 2`` (shifted by
+    ``turn_parity_shift``, a wrong kernel) and consumer 0 at ``(j + 1) % 2`` from tile 1;
+    ``order`` collects ``(consumer, tile)`` as each issues its scores' dots."""
     q_ready, ready = MBarrier(), [MBarrier() for _ in range(stages)]
     empty = [MBarrier(releases or consumers) for _ in range(stages)]
     issued, reads, released = [], [[] for _ in range(consumers)], [0] * consumers
     lead_done = MBarrier()
+    turn = [MBarrier(), MBarrier()]
+    order = [] if order is None else order
 
     def producer():
         q_ready.completed += 1
@@ -412,7 +418,14 @@ def _handoff(n_tiles: int, stages: int, overlap: bool, consumers: int = 1,
             else:
                 yield ready[s], (j // stages) % 2
                 assert j in issued
+                if ping_pong and k == 1:
+                    yield turn[1], (j + turn_parity_shift) % 2
+                elif ping_pong and j > 0:
+                    yield turn[0], (j + 1) % 2
                 read.append(j)
+                order.append((k, j))
+                if ping_pong:
+                    turn[1 - k].arrive()
             released[k] += 1
             empty[s].arrive()
         if k == 0:
@@ -444,6 +457,25 @@ def test_gluon_prefill_handoff_never_deadlocks(stages, overlap, consumers):
             _handoff(9, stages, overlap, consumers, releases=1, lag=True)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gluon_prefill_ping_pong_alternates_and_never_deadlocks(stages):
+    """Step 59's turns, modelled with the stage hand-offs: the two consumer partitions
+    finish for 0 to 9 tiles, each reads every tile in order, and they issue their scores'
+    dots strictly in turn (consumer 0's tile 0, consumer 1's tile 0, consumer 0's tile 1,
+    ...). Consumer 1 waiting one phase early (a fresh barrier passes parity 1) would issue
+    before consumer 0: the order check catches it."""
+    for n in range(10):
+        order = []
+        assert _handoff(n, stages, False, 2, ping_pong=True, order=order) == list(range(n))
+        assert order == [(k, j) for j in range(n) for k in (0, 1)]
+    order = []
+    _handoff(4, stages, False, 2, ping_pong=True, turn_parity_shift=1, order=order)
+    assert order != [(k, j) for j in range(4) for k in (0, 1)]
+    # the partitions cannot drift apart under the turns: one that waits for the other's end
+    # (lag) never gets its turn
+    assert _handoff(4, stages, False, 2, lag=True, ping_pong=True) == ["deadlock"]
+
+
 def test_gluon_prefill_kernel_compiles_for_sm90():
     """The Gluon prefill kernel (``kernels/prefill_gluon.py``, warp-specialized) compiles for
     sm_90 with its schedule kernel: 128- and 64-key tiles, head dims 128 and 64, the
@@ -454,7 +486,7 @@ def test_gluon_prefill_kernel_compiles_for_sm90():
     import re
 
     cases = ("prefill-bf16-gluon", "prefill-n64s3-gluon", "prefill-hd64-gluon",
-             "prefill-overlap-gluon", "prefill-split-gluon")
+             "prefill-overlap-gluon", "prefill-split-gluon", "prefill-pingpong-gluon")
     lines = compiled_sm90(cases)
     assert set(lines) == set(cases)
     for case, line in lines.items():
@@ -469,7 +501,9 @@ def test_gluon_prefill_kernel_compiles_for_sm90():
     (torch.bfloat16, 128, 16, None), (torch.float16, 128, 1, (64, 3, False)),
     (torch.bfloat16, 64, 64, (128, 3, False)), (torch.bfloat16, 128, 5, (64, 2, True)),
     (torch.float16, 128, 16, (128, 2, True)), (torch.bfloat16, 128, 16, (64, 3, False, True)),
-    (torch.float16, 64, 1, (64, 2, True, True))])
+    (torch.float16, 64, 1, (64, 2, True, True)),
+    (torch.bfloat16, 128, 16, (64, 3, False, True, True)),
+    (torch.float16, 64, 5, (128, 2, False, True, True))])
 def test_gluon_prefill_path(monkeypatch, dtype, head_dim, page_size, tiles):
     """The Gluon prefill kernel (Hopper only) against the oracle, with ``out`` NaN-poisoned:
     long chunks over cached prefixes, a chunk shorter than a block, a sequence with no new
@@ -486,7 +520,8 @@ def test_gluon_prefill_path(monkeypatch, dtype, head_dim, page_size, tiles):
         pytest.skip("the Gluon path is for sm_90 (H100/H200)")
     base = LP.prefill_config
     extra = {} if tiles is None else dict(block_n=tiles[0], num_stages=tiles[1],
-                                          overlap=tiles[2], split=tiles[3:] == (True,))
+                                          overlap=tiles[2], split=tiles[3:4] == (True,),
+                                          ping_pong=tiles[4:] == (True,))
     monkeypatch.setattr(LP, "prefill_config", lambda *a, **k: dataclasses.replace(
         base(*a, **k), gluon=True, **extra))
     seq_lens, q_lens = [700, 300, 0, 1100, 9], [300, 300, 0, 200, 9]

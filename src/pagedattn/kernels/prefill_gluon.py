@@ -15,7 +15,8 @@ which plain Triton cannot express.
   (docs/perf-notes.md steps 54 and 56). ``SPLIT`` makes each consumer warpgroup a partition
   of its own (64 rows, four warps): each releases a stage itself (``kv_empty`` expects two
   arrivals), so the two drift apart and one's softmax can run under the other's dots
-  (step 58).
+  (step 58); ``PING_PONG`` orders them so it does: they take turns issuing their scores'
+  dots (FA3's ping-pong, through two mbarriers; step 59).
 * **P stays in registers.** The probabilities are the second dot's A operand straight from
   the score's registers (wgmma's register-A form), not a trip through shared memory.
 
@@ -148,12 +149,13 @@ def _softmax_tile(sc, m_i, l_i, j, full_tiles, pos, tok0, kv_end, qk_scale):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
+def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, turn,
               out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles,
               qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, DTYPE: gl.constexpr, HAS_LSE: gl.constexpr,
-              OVERLAP: gl.constexpr, NW: gl.constexpr):
+              OVERLAP: gl.constexpr, NW: gl.constexpr, PING_PONG: gl.constexpr = False,
+              ME: gl.constexpr = 0):
     """``BLOCK_M`` query rows from ``row0`` (positions from ``p0``) on ``NW`` warps: the two
     consumer warpgroups together (128 rows, eight warps, one release a stage), or one of
     them as a partition of its own (64 rows, four warps: ``SPLIT``, each releases the stage
@@ -162,7 +164,13 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
     ``P`` from registers; the normalized output and the LSE. ``OVERLAP`` (FA3's
     intra-warpgroup overlap): tile ``j + 1``'s ``Q·Kᵀ`` is issued before tile ``j``'s
     softmax, so the tensor cores work while the softmax runs (one score tile more in
-    registers; the last iteration recomputes its own tile's scores rather than branch)."""
+    registers; the last iteration recomputes its own tile's scores rather than branch).
+    ``PING_PONG`` (``SPLIT`` without the overlap; FA3's ordering of its two consumer
+    warpgroups): consumer ``ME`` issues tile ``j``'s ``Q·Kᵀ`` only in its turn and then hands
+    the turn to the other (``turn``: two mbarriers, one arrival a phase), so the two
+    alternate on the tensor cores and one's softmax runs under the other's dots: consumer 0
+    goes first, and waits before tile ``j > 0`` for consumer 1 to have issued tile ``j - 1``;
+    consumer 1 waits before tile ``j`` for consumer 0 to have issued it."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -208,8 +216,16 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
             s = j % STAGES
             mbarrier.wait(kv_ready.index(s), (j // STAGES) % 2)
             fence_async_shared()
+            if PING_PONG:  # consumer ME's turn: phase j - 1 + ME of its barrier complete
+                if ME == 1:  # consumer 0 has issued tile j
+                    mbarrier.wait(turn.index(1), j % 2)
+                elif j > 0:  # consumer 1 has issued tile j - 1 (consumer 0 goes first)
+                    mbarrier.wait(turn.index(0), (j + 1) % 2)
             sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zeros_s,
                                use_acc=False, is_async=True)
+            if PING_PONG:  # every warp of the partition has issued: the other's turn
+                thread_barrier()
+                mbarrier.arrive(turn.index(1 - ME), count=1)
             sc = warpgroup_mma_wait(0, deps=(sc,))
             p, alpha, m_i, l_i = _softmax_tile(sc, m_i, l_i, j, full_tiles, pos, n_s, kv_end,
                                                qk_scale)
@@ -246,12 +262,14 @@ def _paged_prefill_gluon_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr,
     SCALE_FROM_PTR: gl.constexpr, HAS_LSE: gl.constexpr, OVERLAP: gl.constexpr,
-    SPLIT: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT: gl.constexpr, num_warps: gl.constexpr, PING_PONG: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == (4 if SPLIT else 8),
                      "two consumer warpgroups: the default partition's eight warps, or four "
                      "and a partition of four more (SPLIT)")
     gl.static_assert(OVERLAP < STAGES, "producer and consumers would wait on each other")
+    gl.static_assert(not PING_PONG or (SPLIT and not OVERLAP),
+                     "the ping-pong orders two consumer partitions (SPLIT), without the overlap")
     gl.static_assert(BLOCK_M == 128, "64 rows a consumer warpgroup")
     r = gl.program_id(0)
     head = gl.program_id(1)
@@ -285,6 +303,11 @@ def _paged_prefill_gluon_kernel(
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = kv_empty  # PING_PONG: consumer c's turn, one arrival (the other consumer's) a phase
+    if PING_PONG:
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(turn.index(c), count=1)
     # the producer's every thread arrives when its copies land (_PRODUCER_THREADS arrivals);
     # a consumer partition's release is one arrival, its first thread after its barrier
     mbarrier.init(q_ready, count=_PRODUCER_THREADS)
@@ -298,15 +321,15 @@ def _paged_prefill_gluon_kernel(
         HALF: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, HALF, dim=0), k_smem, v_smem, q_ready, kv_ready,
-                         kv_empty, out_ptr, lse_ptr, row0, gl.minimum(rows_here, HALF), head,
-                         p0, kv_end, n_tiles, qk_scale, v_scale, num_q_heads, stride_o_t,
-                         stride_o_h, HEAD_DIM, HALF, BLOCK_N, STAGES, DTYPE, HAS_LSE,
-                         OVERLAP, 4)),
+                         kv_empty, turn, out_ptr, lse_ptr, row0, gl.minimum(rows_here, HALF),
+                         head, p0, kv_end, n_tiles, qk_scale, v_scale, num_q_heads,
+                         stride_o_t, stride_o_h, HEAD_DIM, HALF, BLOCK_N, STAGES, DTYPE,
+                         HAS_LSE, OVERLAP, 4, PING_PONG, 0)),
             (_consumer, (q_smem.slice(HALF, HALF, dim=0), k_smem, v_smem, q_ready, kv_ready,
-                         kv_empty, out_ptr, lse_ptr, row0 + HALF,
+                         kv_empty, turn, out_ptr, lse_ptr, row0 + HALF,
                          gl.maximum(rows_here - HALF, 0), head, p0 + HALF, kv_end, n_tiles,
                          qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h, HEAD_DIM,
-                         HALF, BLOCK_N, STAGES, DTYPE, HAS_LSE, OVERLAP, 4)),
+                         HALF, BLOCK_N, STAGES, DTYPE, HAS_LSE, OVERLAP, 4, PING_PONG, 1)),
             (_producer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, query_ptr,
                          key_cache_ptr, value_cache_ptr, bt_row, errors_ptr, row0, rows_here,
                          head, kv_head, kv_end, n_tiles, b, report_pages, num_pages,
@@ -316,7 +339,7 @@ def _paged_prefill_gluon_kernel(
         ], [4, _PRODUCER_THREADS // 32], [_SPLIT_CONSUMER_REGS, 80])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, turn,
                          out_ptr, lse_ptr, row0, rows_here, head, p0, kv_end, n_tiles,
                          qk_scale, v_scale, num_q_heads, stride_o_t, stride_o_h,
                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DTYPE, HAS_LSE, OVERLAP, 8)),

@@ -46,15 +46,18 @@ class PrefillConfig:
     #: the Gluon kernel (kernels/prefill_gluon.py: a producer warpgroup, two consumer
     #: warpgroups, P in registers) where it applies (:func:`gluon_applies`), else the plain
     #: one; opt-in: correct on an H100, slower than the plain kernel there (perf-notes step
-    #: 54); step 56's producer not yet run
+    #: 54); step 56's producer correct on an H100, not yet timed
     gluon: bool = False
     #: the Gluon kernel's consumers issue tile j + 1's scores before tile j's softmax
     #: (FA3's intra-warpgroup overlap; one score tile more in registers: 64-key tiles)
     overlap: bool = False
     #: the Gluon kernel's two consumer warpgroups as partitions of their own, each releasing
     #: a stage itself, so they drift apart (one's softmax under the other's dots; perf-notes
-    #: step 58); opt-in, not yet run
+    #: step 58); opt-in, correct on an H100 (the gate's prefill-gluon family), not yet timed
     split: bool = False
+    #: with ``split`` (and without ``overlap``): the two consumer partitions take turns
+    #: issuing their scores' dots (FA3's ping-pong, perf-notes step 59); opt-in, not yet run
+    ping_pong: bool = False
 
     @property
     def tokens(self) -> int:
@@ -237,7 +240,7 @@ class PrefillLauncher:
             PAGE_SIZE=self.page_size, STAGES=cfg.num_stages,
             DTYPE=self.constexprs["DOT_DTYPE"], SCALE_FROM_PTR=tensor_scales,
             HAS_LSE=lse is not None, OVERLAP=bool(cfg.overlap), SPLIT=bool(cfg.split),
-            num_warps=4 if cfg.split else 8)
+            num_warps=4 if cfg.split else 8, PING_PONG=bool(cfg.ping_pong))
         self.last_compiled = main
         return {"prefill_schedule": schedule, "paged_prefill_gluon": main}
 
