@@ -443,23 +443,31 @@ def _older(results: Path) -> dict[str, str]:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
-def _since_applies(results: Path, short: str) -> bool:
-    """Whether :data:`SINCE` is about the bench run of commit ``short``: its first line names
-    the run it counts from ("`src/` has changed since 61af690 ..."); a run of another commit
-    (a newer GPU's page measured the shipped tree) takes no "older" banner from it."""
+def _since_file(results: Path, short: str) -> Path | None:
+    """What says how ``src/`` changed since the bench run of commit ``short``, or None (the
+    run measured the shipped code): ``src-since-<short>.md`` if there is one, else
+    :data:`SINCE` where its first line names that run ("`src/` has changed since 61af690
+    ..."); a run of another commit takes no "older" banner from it."""
+    own = results / f"src-since-{short}.md"
+    if own.exists():
+        return own
     path = results / SINCE
     if not path.exists():
-        return False
+        return None
     first = re.search(r"changed since ([0-9a-f]{7})", path.read_text(encoding="utf-8"))
-    return first is None or first.group(1) == short
+    return path if first is None or first.group(1) == short else None
+
+
+def _since_applies(results: Path, short: str) -> bool:
+    return _since_file(results, short) is not None
 
 
 def _since(results: Path, short: str) -> list[str]:
-    """The quoted lines of :data:`SINCE`, and a blank line, or nothing (see
-    :func:`_since_applies`)."""
-    if not _since_applies(results, short):
+    """The quoted lines of :func:`_since_file`, and a blank line, or nothing."""
+    path = _since_file(results, short)
+    if path is None:
         return []
-    lines = (results / SINCE).read_text(encoding="utf-8").strip().splitlines()
+    lines = path.read_text(encoding="utf-8").strip().splitlines()
     return [f"> {line}".rstrip() for line in lines] + [""]
 
 
@@ -478,8 +486,8 @@ def page(results: Path, gpu: str) -> str:
               + ", ".join(f"`{f}` ({c})" for f, c in _older(results).items()) + "."
               if _older(results) else ""), "",
            *([f"> **Older than the shipped `src/`.** This page measured the commit it names; "
-              f"`src/` has changed since (`{SINCE}`, quoted below, lists the changes and "
-              "whether any touches what was measured here).", ""]
+              f"`src/` has changed since (`{_since_file(results, short).name}`, quoted below, "
+              "lists the changes and whether any touches what was measured here).", ""]
              if _since_applies(results, short) else []),
            *_since(results, short),
            f"One {meta.get('gpu', gpu)}, torch {meta.get('torch')}, triton {meta.get('triton')}, "

@@ -272,6 +272,13 @@ def test_the_since_file_bans_only_the_run_it_names(tmp_path):
     assert results._since(tmp_path, "abcdef1")[0].startswith("> `src/` has changed since")
     assert not results._since_applies(tmp_path, "1234567")
     assert results._since(tmp_path, "1234567") == []
+    # a run's own file, src-since-<commit>.md, speaks for that run
+    (tmp_path / "src-since-1234567.md").write_text("`src/` has changed since 1234567 by an "
+                                                   "opt-in flag.\n", encoding="utf-8")
+    assert results._since_file(tmp_path, "1234567").name == "src-since-1234567.md"
+    assert results._since(tmp_path, "1234567") == [
+        "> `src/` has changed since 1234567 by an opt-in flag.", ""]
+    assert results._since_file(tmp_path, "abcdef1").name == results.SINCE
 
 
 def test_a_partial_run_names_the_rows_it_lacks():
