@@ -131,6 +131,9 @@ MLAK_CASES = {
     "mlak-tp1-q_len2-everything-ws-gluon": (128, 64, 2, True, torch.bfloat16, ("sinks",),
                                             {"logits_soft_cap": 30.0}),
     "mlak-tp8-fp8-ws-gluon": (16, 64, 1, True, torch.float8_e5m2, (), {}),
+    # ... whose producer never waits for its own copies (MLAKernelConfig.land, opt-in)
+    "mlak-tp1-ws-land-gluon": (128, 64, 1, False, torch.bfloat16, (), {}),
+    "mlak-tp1-fp8-ws-land-gluon": (128, 64, 1, False, torch.float8_e4m3fn, (), {}),
 }
 
 #: an option that no case above switches on gets a case of its own, ``option-<name>`` (its
@@ -241,7 +244,7 @@ def mlak_case_launcher(name: str):
     gluon = name.endswith("-gluon")
     config = replace(LM.mla_kernel_config(num_heads=heads, q_len=q_len, latent_dim=latent,
                                           kv_dtype=kv_dtype, num_sms=132, interpret=False),
-                     gluon=gluon, ws="-ws-" in name)
+                     gluon=gluon, ws="-ws-" in name, land="-land-" in name)
     real_applies = LM.gluon_applies
     LM.gluon_applies = lambda **kw: gluon  # a CPU device: the policy would say no
     try:

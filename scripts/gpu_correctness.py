@@ -9,7 +9,8 @@ loses one CUDA context does not hide the others' results):
   ``mixed``: ``plan_attention`` with ``num_decodes`` (decodes through the decode plan, the
   rest through the prefill kernel);
 * ``mla``: ``mla_decode`` (576/512 dims; 128 and 16 heads; on sm_90 the Gluon kernel,
-  warp-specialized); ``mla-single``: the same on its single-partition form;
+  warp-specialized); ``mla-single``: the same on its single-partition form; ``mla-land``:
+  the warp-specialized kernel whose producer never waits for its copies (opt-in, ``land``);
 * ``prefill-gluon``: the opt-in Gluon prefill kernel, forced through the policy;
 * ``append``: ``append_kv`` (each written row against torch's own cast, unwritten slots
   untouched); ``merge``: ``merge_states`` against the state over the union;
@@ -47,7 +48,7 @@ import pagedattn
 from pagedattn.testing import make_mla_inputs, make_paged_inputs, rel_l2_error, tolerance_for
 
 FAMILIES = ("decode", "one-shot", "prefill", "mixed", "prefill-gluon", "mla", "mla-single",
-            "append", "merge", "stages")
+            "mla-land", "append", "merge", "stages")
 DTYPES = {"fp32": (torch.float32, None), "fp16": (torch.float16, None),
           "bf16": (torch.bfloat16, None), "e4m3": (torch.bfloat16, torch.float8_e4m3fn),
           "e5m2": (torch.float16, torch.float8_e5m2)}
@@ -222,11 +223,12 @@ def _prefill_gluon():
                + "-split" * tiles[3] + "-pingpong" * tiles[4], path), ok, err
 
 
-def _mla(single=False):
+def _mla(single=False, land=False):
     """MLA decode (a plan: ``mla_decode``'s path) on bf16, fp16 and fp8 latents, TP1 and TP8
     heads, several tokens. On sm_90 the policy's Gluon kernel in its warp-specialized form
     must have run; ``single``: its single-partition form instead, through the plan's
-    ``kernel_config`` (opt-out, kept as the fallback of perf-notes step 55)."""
+    ``kernel_config`` (opt-out, kept as the fallback of perf-notes step 55); ``land``: the
+    warp-specialized form whose producer never waits for its copies (opt-in, step 60)."""
     import dataclasses
 
     for (dt, _, page, _), (heads, q_len) in itertools.product(
@@ -246,17 +248,20 @@ def _mla(single=False):
             inputs.block_tables, inputs.context_lens, num_q_heads=inputs.q_nope.shape[-2],
             latent_dim=latent, rope_dim=rope, page_size=page, q_dtype=dtype, kv_dtype=cache,
             q_len=q_len)
-        if single:
-            plan.kernel_config = dataclasses.replace(plan.policy_config(), ws=False)
+        if single or land:
+            plan.kernel_config = dataclasses.replace(plan.policy_config(), ws=not single,
+                                                     land=land)
         res = plan.run(*inputs[:4], scale=scale, kv_scale=kv_scale, out=out, return_lse=True)
         launcher = plan._engine()
         _sync()
         ref = pagedattn.mla_decode_reference(*inputs, scale=scale, kv_scale=kv_scale)
         ok, err = _check("mla", out, ref.out, res.lse, ref.lse, cache or dtype)
         hopper = not SMOKE and torch.cuda.get_device_capability()[0] == 9
-        ok &= (launcher.gluon and launcher.config.ws != single) or not hopper
+        ok &= (launcher.gluon and launcher.config.ws != single
+               and launcher.config.land == land) or not hopper
         yield (dt, page, f"heads{heads}" + (f"-q{q_len}" if q_len > 1 else ""),
-               ("gluon-single" if single else "gluon-ws") if launcher.gluon else ""), ok, err
+               ("gluon-single" if single else "gluon-ws" + "-land" * land)
+               if launcher.gluon else ""), ok, err
 
 
 def _append():
@@ -333,6 +338,7 @@ def _stages():
 RUNS = {"decode": lambda: _decode(), "one-shot": lambda: _decode(one_shot=True),
         "prefill": lambda: _prefill(), "mixed": lambda: _prefill(mixed=True),
         "prefill-gluon": _prefill_gluon, "mla": _mla, "mla-single": lambda: _mla(single=True),
+        "mla-land": lambda: _mla(land=True),
         "append": _append, "merge": _merge, "stages": _stages}
 
 

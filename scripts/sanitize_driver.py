@@ -345,7 +345,9 @@ def _mla_runs() -> int:
     failures = 0
     for heads, cache, page, single in ((16, None, 64, False), (128, None, 64, False),
                                        (16, torch.float8_e4m3fn, 1, False),
-                                       (128, None, 64, True), (16, torch.float8_e4m3fn, 1, True)):
+                                       (128, None, 64, True), (16, torch.float8_e4m3fn, 1, True),
+                                       (128, None, 64, "land"),
+                                       (16, torch.float8_e4m3fn, 1, "land")):
         inputs = make_mla_inputs([0, 1, 90, 130], num_q_heads=heads, page_size=page,
                                  dtype=torch.bfloat16, cache_dtype=cache, device=DEVICE)
         kv_scale = 0.5 if cache is not None else None
@@ -353,8 +355,9 @@ def _mla_runs() -> int:
         plan = pagedattn.plan_mla_decode(
             inputs.block_tables, inputs.context_lens, num_q_heads=heads, latent_dim=512,
             rope_dim=64, page_size=page, q_dtype=torch.bfloat16, kv_dtype=cache)
-        if single:
-            plan.kernel_config = dataclasses.replace(plan.policy_config(), ws=False)
+        if single:  # True: the single partition; "land": step 60's producer (both opt-in)
+            plan.kernel_config = dataclasses.replace(plan.policy_config(),
+                                                     ws=single == "land", land=single == "land")
         res = plan.run(*inputs[:4], scale=0.07, kv_scale=kv_scale, out=out, return_lse=True)
         _sync()
         ref = pagedattn.mla_decode_reference(*inputs, scale=0.07, kv_scale=kv_scale)

@@ -50,7 +50,8 @@ SM90_OVER: dict[tuple[int, int], dict[tuple[str, str], int]] = {
     (3, 9): {("prefill-bf16-gluon", "loop spills"): 1, ("prefill-n64s3-gluon", "loop spills"): 1,
              ("mlak-tp1-ws-gluon", "loop spills"): 1,
              ("mlak-tp1-q_len2-everything-ws-gluon", "loop spills"): 6,
-             ("mlak-tp8-fp8-ws-gluon", "loop spills"): 6},
+             ("mlak-tp8-fp8-ws-gluon", "loop spills"): 6,
+             ("mlak-tp1-fp8-ws-land-gluon", "loop spills"): 2},
 }
 
 

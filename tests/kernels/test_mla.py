@@ -384,11 +384,13 @@ def test_gluon_ws_handoff_never_deadlocks(tiles):
 def test_gluon_ws_kernel_compiles_for_sm90():
     """The Gluon MLA kernel's warp-specialized form (``MLAKernelConfig.ws``: a producer
     warpgroup issues the copies) compiles for sm_90: TP1 bf16, two tokens with soft-cap, sinks
-    and LSE, TP8 fp8; wgmma, within 227 KB of shared memory, nothing spilled in the
+    and LSE, TP8 fp8, and its producer that never waits for its copies (``land``) at TP1 bf16
+    and fp8; wgmma, within 227 KB of shared memory, nothing spilled in the
     consumers' tile loop (Triton 3.6's bound; another Triton's own where measured)."""
     from _scripts import sm90_bound
 
-    cases = ("mlak-tp1-ws-gluon", "mlak-tp1-q_len2-everything-ws-gluon", "mlak-tp8-fp8-ws-gluon")
+    cases = ("mlak-tp1-ws-gluon", "mlak-tp1-q_len2-everything-ws-gluon", "mlak-tp8-fp8-ws-gluon",
+             "mlak-tp1-ws-land-gluon", "mlak-tp1-fp8-ws-land-gluon")
     run = run_script("compile_sm90.py", "--cases", ",".join(cases), interpret=False,
                      timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -433,13 +435,16 @@ def test_racecheck_probe_refuses_in_one_line():
     (128, 2, 16, None, False), (128, 1, 64, torch.float8_e4m3fn, False),
     (16, 2, 1, torch.float8_e5m2, False), (128, 1, 64, None, True), (16, 3, 1, None, True),
     (128, 2, 16, None, True), (16, 2, 1, torch.float8_e5m2, True),
-    (128, 1, 64, torch.float8_e4m3fn, True)])
+    (128, 1, 64, torch.float8_e4m3fn, True), (128, 1, 64, None, "land"),
+    (16, 3, 1, None, "land"), (128, 2, 16, None, "land"), (16, 2, 1, torch.float8_e5m2, "land"),
+    (128, 1, 64, torch.float8_e4m3fn, "land")])
 def test_gluon_path(num_q_heads, q_len, page_size, cache, ws):
     """The Gluon path (Hopper only: the interpreter runs no Gluon) against the oracle at
     DeepSeek's 512 + 64 dims: TP1 and TP8 heads, several query tokens, one-token pages, fp8
     latents (converted in shared memory) with a scale, with the workspace poisoned and a
     NaN-filled ``out``; soft-cap, sinks and LSE on one case; ``ws``: its warp-specialized
-    form (a producer warpgroup)."""
+    form (a producer warpgroup); ``"land"``: that form with the producer that never waits for
+    its copies (perf-notes step 60)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon path is for sm_90 (H100/H200)")
     inputs = make_mla_inputs([0, 1, 300, 4100, 65, 64], num_q_heads=num_q_heads,
@@ -450,9 +455,11 @@ def test_gluon_path(num_q_heads, q_len, page_size, cache, ws):
                            num_q_heads=num_q_heads, latent_dim=512, rope_dim=64,
                            page_size=page_size, q_dtype=torch.bfloat16, kv_dtype=cache,
                            q_len=q_len, logits_soft_cap=30.0 if everything else None)
-    plan.kernel_config = dataclasses.replace(plan.policy_config(), gluon=True, ws=ws)
+    land = ws == "land"
+    plan.kernel_config = dataclasses.replace(plan.policy_config(), gluon=True, ws=bool(ws),
+                                             land=land)
     launcher = plan._engine()
-    assert launcher.gluon and launcher.config.ws == ws
+    assert launcher.gluon and launcher.config.ws == bool(ws) and launcher.config.land == land
     part_o, part_lse, pieces = launcher.workspace
     part_o.fill_(float("nan"))
     part_lse.fill_(float("nan"))

@@ -127,8 +127,9 @@ Runner = Callable[[], torch.Tensor]
 def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") -> Runner:
     """``plan_mla_decode`` once (outside the timing), ``plan.run`` per call. ``variant``
     (``--ours``): ``default``; ``gluon-ws``, the MLA kernel's Hopper path (the default where
-    it applies: the Gluon kernel, warp-specialized); ``gluon``, its single-partition form;
-    ``plain``, the plain Triton
+    it applies: the Gluon kernel, warp-specialized); ``gluon-ws-land``, that kernel with the
+    producer that never waits for its copies (opt-in, perf-notes step 60); ``gluon``, its
+    single-partition form; ``plain``, the plain Triton
     MLA kernel; or the plain kernel with other tiles, ``bn<tokens>s<stages>[w<warps>]``
     (A/B tuning)."""
     plan = pagedattn.plan_mla_decode(
@@ -146,15 +147,17 @@ def ours(shape: MLAShape, inputs: MLAInputs, sinks, variant: str = "default") ->
 
 def _variant_config(plan, variant: str):
     """An ``--ours`` variant as the plan's kernel config: ``gluon-ws`` (the Hopper path, where
-    it applies), ``gluon`` (its single-partition form), ``plain`` (the plain Triton
-    kernel) or its tiles ``bn<N>s<S>[w<W>]``."""
+    it applies), ``gluon-ws-land`` (its producer never waiting for its copies), ``gluon`` (its
+    single-partition form), ``plain`` (the plain Triton kernel) or its tiles
+    ``bn<N>s<S>[w<W>]``."""
     base = plan.policy_config()  # through the API layer (tests/package/test_layers.py)
-    if variant in ("gluon", "gluon-ws", "plain"):
-        return replace(base, gluon=variant != "plain", ws=variant == "gluon-ws")
+    if variant in ("gluon", "gluon-ws", "gluon-ws-land", "plain"):
+        return replace(base, gluon=variant != "plain", ws=variant.startswith("gluon-ws"),
+                       land=variant == "gluon-ws-land")
     m = re.fullmatch(r"bn(\d+)s(\d+)(?:w(\d+))?", variant)
     if m is None:
         raise ValueError(f"--ours: unknown variant {variant!r} (default, gluon, gluon-ws, "
-                         "plain, or bn<tokens>s<stages>[w<warps>])")
+                         "gluon-ws-land, plain, or bn<tokens>s<stages>[w<warps>])")
     bn, st, w = int(m[1]), int(m[2]), int(m[3]) if m[3] else base.num_warps
     return replace(base, block_n=bn, num_stages=st, num_warps=w, gluon=False)
 
@@ -257,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="pagedattn alone")
     ap.add_argument("--ours", default="default",
                     help="comma list of our variants: default, gluon-ws (the Hopper path), "
+                         "gluon-ws-land (its producer never waiting for its copies), "
                          "gluon (its single-partition form), "
                          "plain (the plain Triton MLA kernel), "
                          "bn<tokens>s<stages>[w<warps>] (the plain kernel's tiles)")

@@ -39,6 +39,7 @@ from pagedattn.kernels._gluon_compat import (
     fence_async_shared,
     landed,
     mbarrier,
+    mbarrier_arrive,
     report_block_tables,
     thread_barrier,
     wait_group,
@@ -47,6 +48,7 @@ from pagedattn.kernels._gluon_compat import (
 )
 
 _LOG2E = gl.constexpr(1.4426950408889634)
+_PRODUCER_THREADS = gl.constexpr(128)  # the warp-specialized kernel's producer warpgroup
 _LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -436,11 +438,16 @@ def _ws_producer(q_smem, qr_smem, k_smem, r_smem, q_ready, q_empty, kv_ready, kv
                  LATENT_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROPE_DIM: gl.constexpr,
                  BLOCK_DR: gl.constexpr, Q_LEN: gl.constexpr, HEADS: gl.constexpr,
                  BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                 OVERHEAD: gl.constexpr, DTYPE: gl.constexpr, KV_DTYPE: gl.constexpr):
+                 OVERHEAD: gl.constexpr, DTYPE: gl.constexpr, KV_DTYPE: gl.constexpr,
+                 LAND: gl.constexpr = False):
     """The producer warpgroup: the part's sequences in the consumers' order; for each, the
     query once the consumers are done with the last one (``q_empty``), then each latent tile
     into stage ``g % 2`` (``g``: tiles so far) once released (``kv_empty``), signalled as it
-    lands; reports a clamped page id."""
+    lands; reports a clamped page id. ``LAND`` (perf-notes step 60): the producer does not
+    wait for a tile's copies; each of its threads arrives on the stage's ``kv_ready`` when
+    its own copies land (``cp.async.mbarrier.arrive.noinc``: the barrier expects the
+    warpgroup's 128 arrivals), so the next tile's copies are issued as soon as its stage is
+    free, as step 56 does for prefill; the consumers fence the landed stage."""
     NW: gl.constexpr = gl.num_warps()
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
     LD_R: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
@@ -479,13 +486,19 @@ def _ws_producer(q_smem, qr_smem, k_smem, r_smem, q_ready, q_empty, kv_ready, kv
                                         stride_c_page, stride_c_tok, stride_r_page,
                                         stride_r_tok, LD_K, LD_KR, PAGE_SIZE, BLOCK_N,
                                         BLOCK_D, BLOCK_DR, LATENT_DIM, ROPE_DIM)
-                commit_group()
-                wait_group(0)
-                landed(kv_ready.index(s))
+                if LAND:
+                    mbarrier_arrive(kv_ready.index(s), increment_count=False)
+                else:
+                    commit_group()
+                    wait_group(0)
+                    landed(kv_ready.index(s))
                 g += 1
             bad_row = gl.where(page_bad & (bad_row < 0), b, bad_row)
         start += tiles + OVERHEAD
         b += 1
+    if LAND:  # the warpgroup's last copies have landed before it exits
+        commit_group()
+        wait_group(0)
     if bad_row >= 0:
         report_block_tables(errors_ptr, bad_row)
 
@@ -500,7 +513,7 @@ def _ws_consumer(q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem, q_re
                  BLOCK_DR: gl.constexpr, Q_LEN: gl.constexpr, HEADS: gl.constexpr,
                  BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, OVERHEAD: gl.constexpr,
                  DTYPE: gl.constexpr, KV_DTYPE: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                 HAS_SINKS: gl.constexpr, HAS_LSE: gl.constexpr):
+                 HAS_SINKS: gl.constexpr, HAS_LSE: gl.constexpr, LAND: gl.constexpr = False):
     """The two consumer warpgroups: the kernel's per-tile math and epilogue
     (:func:`_mla_decode_gluon_kernel`) with the copies left to the producer; an fp8 stage is
     released as soon as it is converted (the dots read the converted tile)."""
@@ -533,6 +546,8 @@ def _ws_consumer(q_smem, qr_smem, k_smem, r_smem, kc_smem, rc_smem, p_smem, q_re
             for i in range(t_lo, t_hi):
                 s = g % 2
                 mbarrier.wait(kv_ready.index(s), (g // 2) % 2)
+                if LAND:  # cp.async wrote through the generic proxy; wgmma reads the async one
+                    fence_async_shared()
                 k_buf = k_smem.index(s)
                 r_buf = r_smem.index(s)
                 if KV_DTYPE != DTYPE:  # convert, then the stage is free for the next copy
@@ -580,12 +595,14 @@ def _mla_decode_gluon_ws_kernel(
     OVERHEAD: gl.constexpr, DTYPE: gl.constexpr, KV_DTYPE: gl.constexpr,
     SCALE_FROM_PTR: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr,
     HAS_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    LAND: gl.constexpr = False,
 ):
     """:func:`_mla_decode_gluon_kernel`'s parts, schedule, workspace and math, warp-specialized:
     a producer warpgroup (``PRODUCER_REGS`` registers a thread) issues every copy, the two
     consumer warpgroups (the registers it gives up) only convert and compute; two latent
     stages and the query hand over through mbarriers (``q_ready``/``q_empty``,
-    ``kv_ready``/``kv_empty``)."""
+    ``kv_ready``/``kv_empty``). ``LAND``: the producer never waits for its own tile copies
+    (``_ws_producer``; opt-in, perf-notes step 60)."""
     gl.static_assert(num_warps == 8, "two consumer warpgroups")
     gl.static_assert(BLOCK_H == 64, "one wgmma M a warpgroup")
     part = gl.program_id(0)
@@ -599,7 +616,8 @@ def _mla_decode_gluon_ws_kernel(
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=1)
     for s in gl.static_range(2):
-        mbarrier.init(kv_ready.index(s), count=1)
+        # LAND: every producer thread arrives as its copies land; else one, after them all
+        mbarrier.init(kv_ready.index(s), count=_PRODUCER_THREADS if LAND else 1)
         mbarrier.init(kv_empty.index(s), count=1)
 
     lo, hi, b, start, share, kv_scale, qk_scale = _part_record(
@@ -612,7 +630,7 @@ def _mla_decode_gluon_ws_kernel(
                         num_q_heads, stride_ctx, stride_o_b, stride_o_t, stride_o_h,
                         stride_o_d, LATENT_DIM, BLOCK_D, ROPE_DIM, BLOCK_DR, Q_LEN, HEADS,
                         BLOCK_H, BLOCK_N, OVERHEAD, DTYPE, KV_DTYPE, HAS_SOFTCAP, HAS_SINKS,
-                        HAS_LSE)),
+                        HAS_LSE, LAND)),
         (_ws_producer, (q_smem, qr_smem, k_smem, r_smem, q_ready, q_empty, kv_ready, kv_empty,
                         q_ptr, qpe_ptr, ckv_ptr, kpe_ptr, block_tables_ptr, context_lens_ptr,
                         errors_ptr, lo, hi, b, start, hb, batch, num_pages, capacity,
@@ -621,5 +639,5 @@ def _mla_decode_gluon_ws_kernel(
                         stride_c_page, stride_c_tok, stride_r_page, stride_r_tok,
                         stride_bt_b, stride_bt_p, stride_ctx, LATENT_DIM, BLOCK_D, ROPE_DIM,
                         BLOCK_DR, Q_LEN, HEADS, BLOCK_H, BLOCK_N, PAGE_SIZE, OVERHEAD, DTYPE,
-                        KV_DTYPE)),
+                        KV_DTYPE, LAND)),
     ], [4], [PRODUCER_REGS])

@@ -187,7 +187,8 @@ class MLALauncher:
             num_warps=4)
         kernel, extra = _mla_decode_gluon_kernel, {}
         if self.config.ws:  # 80 registers a producer thread (its address math), 216 a consumer
-            kernel, extra = _mla_decode_gluon_ws_kernel, {"PRODUCER_REGS": 80}
+            kernel, extra = _mla_decode_gluon_ws_kernel, {"PRODUCER_REGS": 80,
+                                                          "LAND": bool(self.config.land)}
         return sched, kernel[self.grid](
             q_ptr=q_nope, qpe_ptr=q_pe, ckv_ptr=ckv_cache, kpe_ptr=kpe_cache,
             block_tables_ptr=block_tables, context_lens_ptr=context_lens,

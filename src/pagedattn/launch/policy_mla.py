@@ -60,6 +60,9 @@ class MLAKernelConfig:
     #: the Gluon kernel's warp-specialized form (a producer warpgroup issues the copies):
     #: :func:`mla_kernel_config` asks for it with the Gluon kernel (docs/perf-notes.md step 55)
     ws: bool = False
+    #: with ``ws``: the producer never waits for its own copies, each of its threads arriving
+    #: on the stage as they land (docs/perf-notes.md step 60); opt-in, not yet run
+    land: bool = False
 
     def head_blocks(self, num_heads: int) -> int:
         return num_heads // self.heads
