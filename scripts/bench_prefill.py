@@ -162,6 +162,27 @@ def fa3_varlen(path: str):
     return make
 
 
+def makers(variants: str, fa3: str | None = None, peers: bool = True) -> dict:
+    """The runner factories of a bench (``name -> make(inputs, query, qsl, row)``): ours, one
+    per ``--variants`` entry (``label:field=value,...;...``, ``pagedattn-<label>``), then,
+    with ``peers``, FlashInfer's paged prefill (when it imports) and FA3's varlen call (with
+    ``fa3``)."""
+    out = {"pagedattn": ours}
+    for spec in filter(None, variants.split(";")):
+        label, _, fields = spec.partition(":")
+        out["pagedattn-" + label] = ours_with(
+            {k: int(v) for k, v in (f.split("=") for f in fields.split(",") if f)})
+    if peers:
+        try:
+            import flashinfer  # noqa: F401, PLC0415
+            out["flashinfer"] = flashinfer_prefill
+        except ImportError:
+            print("flashinfer: not importable, left out", flush=True)
+        if fa3:
+            out["fa3-varlen"] = fa3_varlen(fa3)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(r.name for r in ROWS))
@@ -187,19 +208,8 @@ def main(argv=None) -> int:
         return 2
     device = "cpu" if dry else "cuda"
     shape = (4, 2, 16) if dry else (HEADS, KV_HEADS, HEAD_DIM)
-    makers = {"pagedattn": ours}
-    for spec in filter(None, args.variants.split(";")):
-        label, _, fields = spec.partition(":")
-        makers["pagedattn-" + label] = ours_with(
-            {k: int(v) for k, v in (f.split("=") for f in fields.split(",") if f)})
+    factories = makers(args.variants, args.fa3, peers=not dry)
     if not dry:
-        try:
-            import flashinfer  # noqa: F401, PLC0415
-            makers["flashinfer"] = flashinfer_prefill
-        except ImportError:
-            print("flashinfer: not importable, left out", flush=True)
-        if args.fa3:
-            makers["fa3-varlen"] = fa3_varlen(args.fa3)
         from pagedattn.bench import timing  # noqa: PLC0415
     results, failures = [], 0
     for row in rows:
@@ -212,7 +222,7 @@ def main(argv=None) -> int:
         if sum(row.new) <= args.oracle_tokens:
             ref = pagedattn.paged_attention_reference(query, *inputs[1:], qsl).out
         outs = {}
-        for name, make in makers.items():
+        for name, make in factories.items():
             try:
                 fn = make(inputs, query, qsl, row)
                 outs[name] = fn()

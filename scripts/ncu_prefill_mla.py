@@ -14,8 +14,9 @@ kernels in the order given::
     ncu ... python3 scripts/ncu_prefill_mla.py mla --rows ds-tp1-b64-c4k,ds-tp8-b64-c4k
 
 ``prefill``: a row of ``scripts/bench_prefill.py`` (Llama-3-8B heads, bf16), our default
-plan, each ``--variants`` entry (that script's ``label:field=value,...`` form), FA3's paged
-varlen call (``--fa3``) and FlashInfer's paged prefill (when ``import flashinfer`` works).
+plan, each ``--variants`` entry (that script's ``label:field=value,...`` form), FlashInfer's
+paged prefill (when ``import flashinfer`` works) and FA3's paged varlen call (``--fa3``):
+``bench_prefill.makers``, the bench's own runners.
 ``mla``: rows of ``pagedattn.bench.mla`` (DeepSeek-V3's latent), each ``--ours`` variant
 (``default``, ``gluon``, ``gluon-ws``, ``plain``) and FlashInfer's MLA wrapper where it takes
 the row. Prints each call's label as it is profiled. Exits 2 without a CUDA GPU or for an
@@ -39,20 +40,8 @@ def _prefill_runs(args) -> list[tuple[str, Callable]]:
 
     row = next(r for r in bp.ROWS if r.name == args.row)
     inputs, query, qsl, _ = bp.build(row, "cuda", torch.bfloat16)
-    runs = [("pagedattn", bp.ours(inputs, query, qsl, row))]
-    for spec in filter(None, args.variants.split(";")):
-        label, _, fields = spec.partition(":")
-        make = bp.ours_with({k: int(v) for k, v in (f.split("=") for f in fields.split(",")
-                                                    if f)})
-        runs.append((f"pagedattn-{label}", make(inputs, query, qsl, row)))
-    if args.fa3:
-        runs.append(("fa3-varlen", bp.fa3_varlen(args.fa3)(inputs, query, qsl, row)))
-    try:
-        import flashinfer  # noqa: F401, PLC0415 (a peer: imported only where it runs)
-        runs.append(("flashinfer", bp.flashinfer_prefill(inputs, query, qsl, row)))
-    except ImportError:
-        print("flashinfer: not importable, left out", flush=True)
-    return runs
+    return [(name, make(inputs, query, qsl, row))
+            for name, make in bp.makers(args.variants, args.fa3).items()]
 
 
 def _mla_runs(args) -> list[tuple[str, Callable]]:

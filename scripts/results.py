@@ -458,17 +458,16 @@ def _since_file(results: Path, short: str) -> Path | None:
     return path if first is None or first.group(1) == short else None
 
 
-def _since_applies(results: Path, short: str) -> bool:
-    return _since_file(results, short) is not None
-
-
-def _since(results: Path, short: str) -> list[str]:
-    """The quoted lines of :func:`_since_file`, and a blank line, or nothing."""
-    path = _since_file(results, short)
+def _since(path: Path | None) -> list[str]:
+    """The "older" banner and the quoted lines of a :func:`_since_file`, each followed by a
+    blank line, or nothing (``None``: the run measured the shipped code)."""
     if path is None:
         return []
     lines = path.read_text(encoding="utf-8").strip().splitlines()
-    return [f"> {line}".rstrip() for line in lines] + [""]
+    return [f"> **Older than the shipped `src/`.** This page measured the commit it names; "
+            f"`src/` has changed since (`{path.name}`, quoted below, lists the changes and "
+            "whether any touches what was measured here).", "",
+            *(f"> {line}".rstrip() for line in lines), ""]
 
 
 def page(results: Path, gpu: str) -> str:
@@ -478,6 +477,7 @@ def page(results: Path, gpu: str) -> str:
     short = commit[:7]
     roof = _float(meta.get("roofline_gbps"))
     peers = sorted({PEER_NAMES.get(r["impl"], r["impl"]) for r in rows} - {"auto"})
+    missing = _missing_rows(rows)
     out = [f"# {meta.get('gpu', gpu)} results (commit {short})", "",
            f"> Measured on commit {short} (`{commit}`): the figures are those of that commit's "
            "`src/`. Made by `scripts/results.py page` from the files named below; "
@@ -485,11 +485,7 @@ def page(results: Path, gpu: str) -> str:
            + (" Sections made from files of other commits say so: "
               + ", ".join(f"`{f}` ({c})" for f, c in _older(results).items()) + "."
               if _older(results) else ""), "",
-           *([f"> **Older than the shipped `src/`.** This page measured the commit it names; "
-              f"`src/` has changed since (`{_since_file(results, short).name}`, quoted below, "
-              "lists the changes and whether any touches what was measured here).", ""]
-             if _since_applies(results, short) else []),
-           *_since(results, short),
+           *_since(_since_file(results, short)),
            f"One {meta.get('gpu', gpu)}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
            f"run of {meta.get('date')}. Read roofline measured in the same run by a "
            f"streaming-read kernel: {roof:,.0f} GB/s (the % columns use it). "
@@ -503,8 +499,8 @@ def page(results: Path, gpu: str) -> str:
            "graph-safe). A peer whose output fails its accuracy check is not counted as "
            f"fastest. Full table: `bench-{gpu}.md` (errors, host µs; CSV and JSON beside it; "
            f"chart `bench-{gpu}-roofline.png`)."
-           + (f" **Partial:** {len(_missing_rows(rows))} rows of the peers set are not in this"
-              f" run ({', '.join(_missing_rows(rows))})." if _missing_rows(rows) else ""), "",
+           + (f" **Partial:** {len(missing)} rows of the peers set are not in this"
+              f" run ({', '.join(missing)})." if missing else ""), "",
            "## Every row against the fastest peer of the same run", "",
            *_peer_table(rows), "", _reached_line(rows), "",
            "## Roofline targets (% of the read roofline, same run)", "", *_targets_table(rows),

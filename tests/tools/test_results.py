@@ -268,15 +268,16 @@ def test_the_since_file_bans_only_the_run_it_names(tmp_path):
     another GPU's run of another commit does not."""
     (tmp_path / results.SINCE).write_text("`src/` has changed since abcdef1 (this bench run) "
                                           "by one refactor.\n", encoding="utf-8")
-    assert results._since_applies(tmp_path, "abcdef1")
-    assert results._since(tmp_path, "abcdef1")[0].startswith("> `src/` has changed since")
-    assert not results._since_applies(tmp_path, "1234567")
-    assert results._since(tmp_path, "1234567") == []
+    assert results._since_file(tmp_path, "abcdef1") is not None
+    assert results._since(results._since_file(tmp_path, "abcdef1"))[2].startswith(
+        "> `src/` has changed since")
+    assert results._since_file(tmp_path, "1234567") is None
+    assert results._since(results._since_file(tmp_path, "1234567")) == []
     # a run's own file, src-since-<commit>.md, speaks for that run
     (tmp_path / "src-since-1234567.md").write_text("`src/` has changed since 1234567 by an "
                                                    "opt-in flag.\n", encoding="utf-8")
     assert results._since_file(tmp_path, "1234567").name == "src-since-1234567.md"
-    assert results._since(tmp_path, "1234567") == [
+    assert results._since(results._since_file(tmp_path, "1234567"))[2:] == [
         "> `src/` has changed since 1234567 by an opt-in flag.", ""]
     assert results._since_file(tmp_path, "abcdef1").name == results.SINCE
 
