@@ -105,6 +105,15 @@ def test_fp8_caches_with_scales(device, fp8):
     _check(inputs, query, qsl, k_scale=torch.tensor([0.5, 2.0], device=device), v_scale=1.5)
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0, 2.5])
+def test_any_softmax_scale(device, scale):
+    """The unmasked loop takes a row's max before the scale where the scale is >= 0
+    (``SCALE_NONNEG``): a negative scale, zero and a large one against the oracle, over
+    cached prefixes long enough for unmasked tiles on every machine."""
+    inputs, query, qsl = _batch([300, 160, 9], [21, 1, 9], device, seed=12)
+    _check(inputs, query, qsl, scale=scale)
+
+
 def _heads(device, seed, low, high):
     return head_values(device, seed, low, high, SHAPE["num_q_heads"])
 

@@ -31,8 +31,11 @@ writes inside its tensors, and reports what it clamped (:mod:`pagedattn.kernels.
 
 **Numbers.** Scores live in the exp2 domain (``q·k · scale · log2 e``); fp8 caches dot in
 fp16 (converted in registers, exact; a bf16/fp32 query scaled per row by a power of two into
-fp16's range first, as in the decode kernel), fp32 in split bf16 (``bf16x3``). Variants
-(``VARIANTS``: window, soft-cap, sinks, ALiBi) are constexpr flags that leave no code when off.
+fp16's range first, as in the decode kernel), fp32 in split bf16 (``bf16x3``). The unmasked
+loop takes a row's max of the raw scores and scales it once (``max(qk) · c == max(qk · c)``
+for ``c >= 0``, which the host knows: ``SCALE_NONNEG``), so a score costs one FMA before its
+``exp2``. Variants (``VARIANTS``: window, soft-cap, sinks, ALiBi) are constexpr flags that
+leave no code when off.
 
 Builds on :mod:`pagedattn.kernels.softmax`, ``paging`` and ``steps`` (the query load, the
 sink) and ``errors``; the launcher is :mod:`pagedattn.launch.prefill`.
@@ -150,18 +153,27 @@ def _prefill_schedule_kernel(query_start_loc_ptr, seq_lens_ptr, sched_ptr, error
 
 
 @triton.jit
+def _scaled_row_max(qk, qk_scale):
+    """``max(qk · c)`` over each row for a scale ``c >= 0`` per row, as ``max(qk) · c``: the same
+    float32 (rounding is monotone), one product a row instead of one a score."""
+    return tl.max(qk, axis=1) * qk_scale
+
+
+@triton.jit
 def _prefill_tiles(acc, m_i, l_i, q, qk_scale, alibi2, pos, lo, hi, kv_lo, kv_end, window_left,
                    softcap, key_cache_ptr, value_cache_ptr, bt_row_ptr, stride_bt_p,
                    num_pages, page_bad, kv_head_off_k, kv_head_off_v, offs_n, offs_d, mask_d,
                    stride_k_page, stride_k_tok, stride_k_d, stride_v_page, stride_v_tok,
                    stride_v_d, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   VARIANTS: tl.constexpr, MASKED: tl.constexpr):
+                   VARIANTS: tl.constexpr, MASKED: tl.constexpr, SCALE_NONNEG: tl.constexpr):
     """Key tiles ``[lo, hi)`` (multiples of ``BLOCK_N``) folded into the rows' state ``(acc,
     m_i, l_i)``. ``MASKED``: each row sees the keys ``p <= pos`` within ``[kv_lo, kv_end)``
     (and its window), and the tokens outside ``[kv_lo, kv_end)`` read that range's nearest
     row; unmasked: every row sees every key of every tile (the caller guarantees it), so no
-    mask, clamp or select is formed. ``page_bad``: whether a page id was clamped so far."""
+    mask, clamp or select is formed, and with ``SCALE_NONNEG`` (every row's score scale is
+    ``>= 0``) a row's max is taken before the scale (:func:`_scaled_row_max`). ``page_bad``:
+    whether a page id was clamped so far."""
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + offs_n  # [BLOCK_N]
         if MASKED:
@@ -177,11 +189,14 @@ def _prefill_tiles(acc, m_i, l_i, q, qk_scale, alibi2, pos, lo, hi, kv_lo, kv_en
         k = tl.load(key_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
                     mask=mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
         qk = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        s = qk * qk_scale[:, None]
-        if VARIANTS.HAS_SOFTCAP:
-            s = _soft_cap(s, softcap)
-        if VARIANTS.HAS_ALIBI:
-            s += alibi2[:, None] * (tok[None, :] - pos[:, None]).to(tl.float32)
+        SCALED_MAX: tl.constexpr = SCALE_NONNEG and not (VARIANTS.HAS_SOFTCAP
+                                                        or VARIANTS.HAS_ALIBI)
+        if MASKED or not SCALED_MAX:
+            s = qk * qk_scale[:, None]
+            if VARIANTS.HAS_SOFTCAP:
+                s = _soft_cap(s, softcap)
+            if VARIANTS.HAS_ALIBI:
+                s += alibi2[:, None] * (tok[None, :] - pos[:, None]).to(tl.float32)
         if MASKED:
             seen = (tok[None, :] <= pos[:, None]) & (tok < kv_end)[None, :]
             if VARIANTS.HAS_WINDOW:
@@ -190,10 +205,14 @@ def _prefill_tiles(acc, m_i, l_i, q, qk_scale, alibi2, pos, lo, hi, kv_lo, kv_en
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = _rescale(m_i, m_new)
             p = _probs(s, m_new[:, None])
-        else:  # every row sees every key: finite scores, one FMA and exp2 each
+        elif not SCALED_MAX:  # every row sees every key
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(tl.minimum(s - m_new[:, None], 0.0))
+        else:  # finite scores, the row's max taken before the scale: one FMA and exp2 each
+            m_new = tl.maximum(m_i, _scaled_row_max(qk, qk_scale))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(tl.minimum(qk * qk_scale[:, None] - m_new[:, None], 0.0))
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
                     mask=mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -227,6 +246,7 @@ def _paged_prefill_kernel(
     Q_POW2_SCALE: tl.constexpr,  # fp8 caches: each query row scaled into fp16's range
     SCALE_FROM_PTR: tl.constexpr, HAS_LSE: tl.constexpr,
     VARIANTS: tl.constexpr,  # pagedattn.options.Variants
+    SCALE_NONNEG: tl.constexpr,  # scale >= 0 (k_scale > 0: the API's contract)
 ):
     TOKENS: tl.constexpr = BLOCK_M // G_PACK
     r = tl.program_id(0)
@@ -295,19 +315,19 @@ def _paged_prefill_kernel(
             softcap, key_cache_ptr, value_cache_ptr, bt_row, stride_bt_p, num_pages, page_bad,
             k_head, v_head, offs_n, offs_d, mask_d, stride_k_page, stride_k_tok, stride_k_d,
             stride_v_page, stride_v_tok, stride_v_d, PAGE_SIZE, BLOCK_N, DOT_DTYPE,
-            DOT_PRECISION, VARIANTS, True)
+            DOT_PRECISION, VARIANTS, True, SCALE_NONNEG)
     acc, m_i, l_i, page_bad = _prefill_tiles(
         acc, m_i, l_i, q, qk_scale, alibi2, pos, a_end, full_end, kv_lo, kv_end, window_left,
         softcap, key_cache_ptr, value_cache_ptr, bt_row, stride_bt_p, num_pages, page_bad,
         k_head, v_head, offs_n, offs_d, mask_d, stride_k_page, stride_k_tok, stride_k_d,
         stride_v_page, stride_v_tok, stride_v_d, PAGE_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
-        VARIANTS, False)
+        VARIANTS, False, SCALE_NONNEG)
     acc, m_i, l_i, page_bad = _prefill_tiles(
         acc, m_i, l_i, q, qk_scale, alibi2, pos, tl.maximum(full_end, a_end), kv_end, kv_lo,
         kv_end, window_left, softcap, key_cache_ptr, value_cache_ptr, bt_row, stride_bt_p,
         num_pages, page_bad, k_head, v_head, offs_n, offs_d, mask_d, stride_k_page,
         stride_k_tok, stride_k_d, stride_v_page, stride_v_tok, stride_v_d, PAGE_SIZE, BLOCK_N,
-        DOT_DTYPE, DOT_PRECISION, VARIANTS, True)
+        DOT_DTYPE, DOT_PRECISION, VARIANTS, True, SCALE_NONNEG)
     # a length past the table (reported) reads entries that hold no page: a consequence
     _report(errors_ptr, page_bad & (seq_len == raw_len), BLOCK_TABLES, b, -1)
 

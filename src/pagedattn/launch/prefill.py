@@ -200,7 +200,7 @@ class PrefillLauncher:
             **named_strides("bt", block_tables, "b p"), stride_sl=seq_lens.stride(0),
             **named_strides("o", out, "t h d"),
             **self.constexprs, SCALE_FROM_PTR=tensor_scales, HAS_LSE=lse is not None,
-            VARIANTS=variants(self.options, frozenset(calls)),
+            VARIANTS=variants(self.options, frozenset(calls)), SCALE_NONNEG=scale >= 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **tc.KERNEL_OPTIONS)
         self.last_compiled = compiled
         return {"paged_prefill": compiled}
