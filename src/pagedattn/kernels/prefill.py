@@ -186,9 +186,9 @@ def _prefill_tiles(acc, m_i, l_i, q, qk_scale, alibi2, pos, lo, hi, kv_lo, kv_en
         slot = (tok_ld % PAGE_SIZE).to(tl.int64)
         k_off = page * stride_k_page + slot * stride_k_tok + kv_head_off_k  # [BLOCK_N]
         v_off = page * stride_v_page + slot * stride_v_tok + kv_head_off_v
-        k = tl.load(key_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
-                    mask=mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        qk = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        k = tl.load(key_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_k_d,
+                    mask=mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D], as V's tile
+        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         SCALED_MAX: tl.constexpr = SCALE_NONNEG and not (VARIANTS.HAS_SOFTCAP
                                                         or VARIANTS.HAS_ALIBI)
         if MASKED or not SCALED_MAX:
