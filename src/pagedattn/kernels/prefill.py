@@ -53,7 +53,15 @@ from pagedattn.kernels.errors import (
     _report,
 )
 from pagedattn.kernels.paging import _dim_mask
-from pagedattn.kernels.softmax import LOG2E, _natural_lse, _normalize, _probs, _rescale, _soft_cap
+from pagedattn.kernels.softmax import (
+    LOG2E,
+    _exact_mul,
+    _natural_lse,
+    _normalize,
+    _probs,
+    _rescale,
+    _soft_cap,
+)
 from pagedattn.kernels.steps import _add_sink, _load_query
 
 
@@ -160,20 +168,72 @@ def _scaled_row_max(qk, qk_scale):
 
 
 @triton.jit
+def _scores(qk, qk_scale, alibi2, softcap, tok, pos, VARIANTS: tl.constexpr):
+    """A tile's exp2-domain scores with the soft-cap and ALiBi (each when on)."""
+    s = qk * qk_scale[:, None]
+    if VARIANTS.HAS_SOFTCAP:
+        s = _soft_cap(s, softcap)
+    if VARIANTS.HAS_ALIBI:
+        s += alibi2[:, None] * (tok[None, :] - pos[:, None]).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _unmasked_probs(qk, qk_scale, m_i, alibi2, softcap, tok, pos, VARIANTS: tl.constexpr,
+                    SCALE_NONNEG: tl.constexpr):
+    """``(m_new, alpha, p)`` of a tile every row sees whole: finite scores, so no select.
+    With ``SCALE_NONNEG`` and neither soft-cap nor ALiBi, a row's max is taken before the
+    scale (:func:`_scaled_row_max`): one FMA and one ``exp2`` a score. The clamp at 0 stays: a
+    product fused into the subtraction may exceed its rounded max (case N15)."""
+    if SCALE_NONNEG and not (VARIANTS.HAS_SOFTCAP or VARIANTS.HAS_ALIBI):
+        m_new = tl.maximum(m_i, _scaled_row_max(qk, qk_scale))
+        p = tl.exp2(tl.minimum(qk * qk_scale[:, None] - m_new[:, None], 0.0))
+    else:
+        s = _scores(qk, qk_scale, alibi2, softcap, tok, pos, VARIANTS)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(tl.minimum(s - m_new[:, None], 0.0))
+    return m_new, tl.exp2(m_i - m_new), p
+
+
+@triton.jit
+def _masked_probs(qk, qk_scale, m_i, alibi2, softcap, tok, pos, kv_end, window_left,
+                  VARIANTS: tl.constexpr, ASM: tl.constexpr):
+    """``(m_new, alpha, p)`` of a diagonal (or window-edge) tile: a row sees the keys ``tok <=
+    min(pos, kv_end - 1)`` (and ``>= pos - window_left`` with a window); a row may have seen
+    none yet (its max stays -inf). Without soft-cap and ALiBi the scores are exactly rounded
+    products (:func:`_exact_mul`), so ``s - max`` is exactly 0 at the max and never above: one
+    subtraction and one ``exp2`` a score, against a row max of 0 where it is -inf (every score
+    of such a row is -inf: ``exp2(-inf) = 0``)."""
+    seen = tok[None, :] <= tl.minimum(pos, kv_end - 1)[:, None]
+    if VARIANTS.HAS_WINDOW:
+        seen = seen & (tok[None, :] >= pos[:, None] - window_left)
+    if VARIANTS.HAS_SOFTCAP or VARIANTS.HAS_ALIBI:
+        s = tl.where(seen, _scores(qk, qk_scale, alibi2, softcap, tok, pos, VARIANTS),
+                     float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = _probs(s, m_new[:, None])
+    else:
+        s = tl.where(seen, _exact_mul(qk, qk_scale[:, None], ASM), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+    return m_new, _rescale(m_i, m_new), p
+
+
+@triton.jit
 def _prefill_tiles(acc, m_i, l_i, q, qk_scale, alibi2, pos, lo, hi, kv_lo, kv_end, window_left,
                    softcap, key_cache_ptr, value_cache_ptr, bt_row_ptr, stride_bt_p,
                    num_pages, page_bad, kv_head_off_k, kv_head_off_v, offs_n, offs_d, mask_d,
                    stride_k_page, stride_k_tok, stride_k_d, stride_v_page, stride_v_tok,
                    stride_v_d, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   VARIANTS: tl.constexpr, MASKED: tl.constexpr, SCALE_NONNEG: tl.constexpr):
+                   VARIANTS: tl.constexpr, MASKED: tl.constexpr, SCALE_NONNEG: tl.constexpr,
+                   ASM: tl.constexpr):
     """Key tiles ``[lo, hi)`` (multiples of ``BLOCK_N``) folded into the rows' state ``(acc,
     m_i, l_i)``. ``MASKED``: each row sees the keys ``p <= pos`` within ``[kv_lo, kv_end)``
     (and its window), and the tokens outside ``[kv_lo, kv_end)`` read that range's nearest
-    row; unmasked: every row sees every key of every tile (the caller guarantees it), so no
-    mask, clamp or select is formed, and with ``SCALE_NONNEG`` (every row's score scale is
-    ``>= 0``) a row's max is taken before the scale (:func:`_scaled_row_max`). ``page_bad``:
-    whether a page id was clamped so far."""
+    row (:func:`_masked_probs`); unmasked: every row sees every key of every tile (the caller
+    guarantees it), so no mask, clamp or select is formed (:func:`_unmasked_probs`).
+    ``page_bad``: whether a page id was clamped so far."""
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + offs_n  # [BLOCK_N]
         if MASKED:
@@ -189,30 +249,12 @@ def _prefill_tiles(acc, m_i, l_i, q, qk_scale, alibi2, pos, lo, hi, kv_lo, kv_en
         k = tl.load(key_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_k_d,
                     mask=mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D], as V's tile
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        SCALED_MAX: tl.constexpr = SCALE_NONNEG and not (VARIANTS.HAS_SOFTCAP
-                                                        or VARIANTS.HAS_ALIBI)
-        if MASKED or not SCALED_MAX:
-            s = qk * qk_scale[:, None]
-            if VARIANTS.HAS_SOFTCAP:
-                s = _soft_cap(s, softcap)
-            if VARIANTS.HAS_ALIBI:
-                s += alibi2[:, None] * (tok[None, :] - pos[:, None]).to(tl.float32)
         if MASKED:
-            seen = (tok[None, :] <= pos[:, None]) & (tok < kv_end)[None, :]
-            if VARIANTS.HAS_WINDOW:
-                seen = seen & (tok[None, :] >= pos[:, None] - window_left)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = _rescale(m_i, m_new)
-            p = _probs(s, m_new[:, None])
-        elif not SCALED_MAX:  # every row sees every key
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(tl.minimum(s - m_new[:, None], 0.0))
-        else:  # finite scores, the row's max taken before the scale: one FMA and exp2 each
-            m_new = tl.maximum(m_i, _scaled_row_max(qk, qk_scale))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(tl.minimum(qk * qk_scale[:, None] - m_new[:, None], 0.0))
+            m_new, alpha, p = _masked_probs(qk, qk_scale, m_i, alibi2, softcap, tok, pos,
+                                            kv_end, window_left, VARIANTS, ASM)
+        else:
+            m_new, alpha, p = _unmasked_probs(qk, qk_scale, m_i, alibi2, softcap, tok, pos,
+                                              VARIANTS, SCALE_NONNEG)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
                     mask=mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -247,6 +289,7 @@ def _paged_prefill_kernel(
     SCALE_FROM_PTR: tl.constexpr, HAS_LSE: tl.constexpr,
     VARIANTS: tl.constexpr,  # pagedattn.options.Variants
     SCALE_NONNEG: tl.constexpr,  # scale >= 0 (k_scale > 0: the API's contract)
+    ASM: tl.constexpr,  # inline PTX (not in the interpreter): softmax._exact_mul
 ):
     TOKENS: tl.constexpr = BLOCK_M // G_PACK
     r = tl.program_id(0)
@@ -315,19 +358,19 @@ def _paged_prefill_kernel(
             softcap, key_cache_ptr, value_cache_ptr, bt_row, stride_bt_p, num_pages, page_bad,
             k_head, v_head, offs_n, offs_d, mask_d, stride_k_page, stride_k_tok, stride_k_d,
             stride_v_page, stride_v_tok, stride_v_d, PAGE_SIZE, BLOCK_N, DOT_DTYPE,
-            DOT_PRECISION, VARIANTS, True, SCALE_NONNEG)
+            DOT_PRECISION, VARIANTS, True, SCALE_NONNEG, ASM)
     acc, m_i, l_i, page_bad = _prefill_tiles(
         acc, m_i, l_i, q, qk_scale, alibi2, pos, a_end, full_end, kv_lo, kv_end, window_left,
         softcap, key_cache_ptr, value_cache_ptr, bt_row, stride_bt_p, num_pages, page_bad,
         k_head, v_head, offs_n, offs_d, mask_d, stride_k_page, stride_k_tok, stride_k_d,
         stride_v_page, stride_v_tok, stride_v_d, PAGE_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
-        VARIANTS, False, SCALE_NONNEG)
+        VARIANTS, False, SCALE_NONNEG, ASM)
     acc, m_i, l_i, page_bad = _prefill_tiles(
         acc, m_i, l_i, q, qk_scale, alibi2, pos, tl.maximum(full_end, a_end), kv_end, kv_lo,
         kv_end, window_left, softcap, key_cache_ptr, value_cache_ptr, bt_row, stride_bt_p,
         num_pages, page_bad, k_head, v_head, offs_n, offs_d, mask_d, stride_k_page,
         stride_k_tok, stride_k_d, stride_v_page, stride_v_tok, stride_v_d, PAGE_SIZE, BLOCK_N,
-        DOT_DTYPE, DOT_PRECISION, VARIANTS, True, SCALE_NONNEG)
+        DOT_DTYPE, DOT_PRECISION, VARIANTS, True, SCALE_NONNEG, ASM)
     # a length past the table (reported) reads entries that hold no page: a consequence
     _report(errors_ptr, page_bad & (seq_len == raw_len), BLOCK_TABLES, b, -1)
 

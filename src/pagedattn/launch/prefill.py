@@ -147,7 +147,7 @@ class PrefillLauncher:
             BLOCK_N=cfg.block_n, G_PACK=cfg.g_pack, PAGE_SIZE=page_size, BLOCK_B=BLOCK_B,
             DOT_DTYPE=dot_dtype(kv_dtype, interpret),
             DOT_PRECISION=dot_precision(kv_dtype, interpret),
-            Q_POW2_SCALE=fp8 and q_dtype != torch.float16)
+            Q_POW2_SCALE=fp8 and q_dtype != torch.float16, ASM=not interpret)
         self.gluon = bool(cfg.gluon) and gluon_applies(
             cfg, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, device=device,
             options=options, interpret=interpret)
