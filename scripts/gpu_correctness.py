@@ -158,7 +158,8 @@ def _prefill(mixed=False):
     if mixed:  # three decodes first
         seq_lens, q_lens = [31, 300, 17, 0, 77, 130], [1, 1, 1, 0, 60, 3]
     for dt, layout, page, hd in _grid():
-        for window in (-1, 20):
+        # a negative softmax scale: the unmasked loop's other form (SCALE_NONNEG off)
+        for window, scale in ((-1, None), (20, None), (-1, -0.3)):
             inputs, kv_layout, scales = _inputs(seq_lens, dt, layout, page, hd, seed=window)
             dtype = inputs.query.dtype
             query, qsl, q_lens = _varlen_query(seq_lens, q_lens, hd, dtype, seed=hd)
@@ -169,15 +170,17 @@ def _prefill(mixed=False):
                 head_dim=hd, page_size=page, q_dtype=dtype, kv_dtype=inputs.key_cache.dtype,
                 kv_layout=kv_layout, max_query_len=max(q_lens),
                 num_decodes=3 if mixed else 0, window_left=window)
-            res = plan.run(query, *inputs[1:3], out=out, return_lse=True, **scales)
+            res = plan.run(query, *inputs[1:3], out=out, return_lse=True, scale=scale,
+                           **scales)
             _sync()
             ref = pagedattn.paged_attention_reference(query, *inputs[1:], qsl,
                                                       kv_layout=kv_layout, window_left=window,
-                                                      **scales)
+                                                      scale=scale, **scales)
             ok, err = _check("prefill", out[:n], ref.out[:n], res.lse[:n], ref.lse[:n],
                              inputs.key_cache.dtype)
             ok &= bool(torch.isnan(out[n:]).all())  # padding rows untouched
-            yield (dt, layout, page, hd, f"window{window}"), ok, err
+            yield (dt, layout, page, hd, f"window{window}" + "-scale-0.3" * (scale is not None)
+                   ), ok, err
 
 
 def _prefill_gluon():
