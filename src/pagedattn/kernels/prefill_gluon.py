@@ -132,13 +132,16 @@ def _producer(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty,
 def _softmax_tile(sc, m_i, l_i, j, full_tiles, pos, tok0, kv_end, qk_scale):
     """One tile's online-softmax step in the exp2 domain: ``(p, alpha, m, l)``. Tiles below
     ``full_tiles`` are seen whole by every row (finite scores, no mask); the diagonal ones
-    keep each row's keys ``<= pos`` below ``kv_end`` (``tok0``: the tile's token offsets)."""
-    sc = sc * qk_scale
+    keep each row's keys ``<= pos`` below ``kv_end`` (``tok0``: the tile's token offsets).
+    ``qk_scale >= 0`` (the launcher sends a negative scale to the plain kernel), so a whole
+    tile's row max is taken before the scale, as the plain kernel's ``_unmasked_probs`` does,
+    and clamped at 0: a product fused into the subtraction may exceed its rounded max."""
     if j < full_tiles:
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(sc - m_new[:, None])
+        p = gl.exp2(gl.minimum(sc * qk_scale - m_new[:, None], 0.0))
     else:
+        sc = sc * qk_scale
         tok = j * tok0.shape[0] + tok0
         seen = (tok[None, :] <= pos[:, None]) & (tok < kv_end)[None, :]
         sc = gl.where(seen, sc, float("-inf"))

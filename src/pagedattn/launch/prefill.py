@@ -173,7 +173,8 @@ class PrefillLauncher:
         word = _errors.error_word(self.device)
         dummy = out  # an unused pointer (its flag is off): never read
         cfg = self.config
-        if self.gluon and not calls and _gluon_strides_ok(query, key_cache, value_cache, out):
+        if self.gluon and not calls and scale >= 0 \
+                and _gluon_strides_ok(query, key_cache, value_cache, out):
             return self._launch_gluon(query, key_cache, value_cache, block_tables, seq_lens,
                                       query_start_loc, out, lse, word, scale=scale,
                                       k_scale=k_scale, v_scale=v_scale, k_t=k_t, v_t=v_t,
