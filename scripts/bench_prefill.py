@@ -27,8 +27,9 @@ float64 oracle (rows of at most ``--oracle-tokens`` new tokens), the peers' agai
 
 A ``--variants`` entry adds a ``pagedattn-LABEL`` column: our plan with the prefill
 policy's :class:`~pagedattn.launch.prefill.PrefillConfig` fields (``block_m``, ``block_n``,
-``g_pack``, ``num_warps``, ``num_stages``) or the decode policy's ``DecodeConfig`` fields
-(a mixed step's decodes) replaced while the plan is built and first run.
+``g_pack``, ``num_warps``, ``num_stages``, ``gluon``, ...) replaced while the plan is built
+and first run; a field only the decode policy's ``DecodeConfig`` has (``fold_merge``, ...)
+patches a mixed step's decodes (a field both have patches the prefill policy alone).
     TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/bench_prefill.py --dry-run   # CPU
 """
 
@@ -119,7 +120,7 @@ def ours_with(fields: dict):
     from policy_patch import patched_config  # noqa: PLC0415 (scripts/ is the script's path)
 
     def make(inputs, query, qsl, row: Row):
-        with patched_config(fields):
+        with patched_config(fields, prefill_first=True):
             fn = ours(inputs, query, qsl, row)
             fn()
         return fn

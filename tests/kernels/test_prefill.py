@@ -564,3 +564,36 @@ def test_the_prefill_bench_checks_its_rows_on_the_cpu():
             for line in run.stdout.splitlines() if "pagedattn err" in line]
     assert len(errs) == 7 and max(errs) <= tolerance_for(torch.float32)
     assert_unknown_row_exits_2("bench_prefill.py")
+
+
+def test_the_prefill_bench_variants_leave_the_decode_tiles_alone(monkeypatch):
+    """``bench_prefill.py --variants`` patches the prefill policy (``policy_patch``,
+    ``prefill_first``): a field both policies have leaves a mixed step's decode tiles as the
+    decode policy chose them; without ``prefill_first`` both change; a field neither has
+    raises."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts"))
+    sys.modules.pop("policy_patch", None)
+    from policy_patch import patched_config
+
+    from pagedattn.launch import policy
+    from pagedattn.launch import prefill as prefill_launch
+
+    def tiles():
+        d = policy.choose_config(128, 4, torch.bfloat16, 16, interpret=False)
+        p = prefill_launch.prefill_config(head_dim=128, group=4, kv_dtype=torch.bfloat16,
+                                          page_size=16, max_query_len=None, interpret=False)
+        return d.block_n, p.block_n
+
+    decode_n, prefill_n = tiles()
+    new = 8 if 8 not in (decode_n, prefill_n) else 4
+    with patched_config(dict(block_n=new), prefill_first=True):
+        assert tiles() == (decode_n, new)
+    with patched_config(dict(block_n=new)):
+        assert tiles() == (new, new)
+    assert tiles() == (decode_n, prefill_n)
+    with pytest.raises(ValueError, match="no_such_field"), \
+            patched_config(dict(no_such_field=1)):
+        pass
