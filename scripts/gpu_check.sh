@@ -26,7 +26,8 @@
 #             leaves the step out, SHAPES=... splits the rows over calls
 #   serving   `pagedattn bench-model` on a GGUF -> $OUT/results/serving-$GPU.{md,json}
 #   sanitize  compute-sanitizer memcheck, racecheck, initcheck over scripts/sanitize_driver.py,
-#             and memcheck over its CUDA-graph replays -> $OUT/sanitize-*.log, sanitizer-summary.md
+#             and memcheck over its CUDA-graph replays (memcheck beside initcheck, then
+#             racecheck beside the replays) -> $OUT/sanitize-*.log, sanitizer-summary.md
 #             (SAN_TOOLS="racecheck graphs": the passes `correctness` does not run)
 #             (docs/results/gpu-correctness-<gpu>.md records each pass and the commit)
 #   profile   ncu, auto beside the floor and FA3 on $NCU_SHAPES (scripts/ncu_side_by_side.py);
@@ -253,15 +254,22 @@ phase_sanitize() {
   san warm "$OUT/sanitize-warm.log" python3 scripts/sanitize_driver.py
   # one allocation per tensor: an out-of-bounds read is visible (memcheck) and memory reused
   # from PyTorch's pool does not count as initialized (initcheck)
+  # two rounds of passes side by side: memcheck beside initcheck, then racecheck (its parts
+  # alone once outran their limit) beside the graph replays under memcheck
   local tools=" ${SAN_TOOLS:-memcheck racecheck initcheck graphs} "
   export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-  [[ $tools == *" memcheck "* ]] && san_parts memcheck --tool memcheck --leak-check no
-  [[ $tools == *" racecheck "* ]] && san_parts racecheck --tool racecheck --racecheck-report hazard
-  [[ $tools == *" initcheck "* ]] && san_parts initcheck --tool initcheck
-  unset PYTORCH_NO_CUDA_MEMORY_CACHING  # graph capture needs the caching allocator
-  [[ $tools == *" graphs "* ]] && san memcheck-graphs "$OUT/sanitize-memcheck-graphs.log" \
-    compute-sanitizer --tool memcheck --leak-check no --print-limit 50 \
-    python3 scripts/sanitize_driver.py --graphs-only
+  [[ $tools == *" memcheck "* ]] && san_parts memcheck --tool memcheck --leak-check no &
+  [[ $tools == *" initcheck "* ]] && san_parts initcheck --tool initcheck &
+  wait
+  [[ $tools == *" racecheck "* ]] \
+    && san_parts racecheck --tool racecheck --racecheck-report hazard &
+  # graph capture needs the caching allocator
+  [[ $tools == *" graphs "* ]] && (unset PYTORCH_NO_CUDA_MEMORY_CACHING
+    san memcheck-graphs "$OUT/sanitize-memcheck-graphs.log" \
+      compute-sanitizer --tool memcheck --leak-check no --print-limit 50 \
+      python3 scripts/sanitize_driver.py --graphs-only) &
+  wait
+  unset PYTORCH_NO_CUDA_MEMORY_CACHING
   echo "tools: $tools" >> "$OUT/sanitizer-summary.md"
   echo "parts (scripts/sanitize_driver.py --only): $SAN_PARTS" >> "$OUT/sanitizer-summary.md"
   echo "Driver: $(grep -E "^kernels launched" "$OUT/sanitize-warm.log")" >> "$OUT/sanitizer-summary.md"
