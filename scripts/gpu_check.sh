@@ -38,7 +38,11 @@
 #             row beside FlashInfer's MLA, ours $MLA_OURS), then ncu of ours beside the peers
 #             (scripts/ncu_prefill_mla.py: prefill on $NCU_ROW, MLA at TP1 and TP8 b64-c4k)
 #             -> $OUT/prefill.{json,log}, mla.{json,log}, ncu-prefill.csv, ncu-mla.csv
-#             (about 8 minutes cold; PREFILL_S, MLA_S, NCU_S, WARM_S: per-step limits)
+#             (about 8 minutes cold; PREFILL_S, MLA_S, NCU_S, WARM_S: per-step limits).
+#             ORACLE=1: the gate's oracle (every family) beside the warm step first, into
+#             $OUT/gpu-correctness.{log,json}; if a family fails or hangs, the benches run the
+#             default kernels only (no opt-in variant in a timed row; ORACLE_S its limit).
+#             NCU_WHAT="prefill mla" (default) or fewer; "" leaves ncu out
 #   dropin    the FA drop-in per call, eager, beside FA3 in three calling patterns (the same
 #             tensors, fresh views, fresh tensors; scripts/fa_dropin_per_call.py)
 #             -> $OUT/results/fa-dropin-per-call-$GPU.{json,log}
@@ -303,26 +307,39 @@ phase_compute() {  # the compute-bound kernels: paged prefill and MLA beside the
   [ -f "$PEERS/fa3_peer.py" ] && [ -f "$PEERS/fa3.tar" ] && fa3=(--fa3 "$PEERS/fa3_peer.py")
   # FlashInfer's sm_90 prefill and MLA modules are JIT builds of a minute or two each: one
   # untimed run of each first, side by side, so neither lands inside a timed row
-  stamp "warm: FlashInfer's prefill and MLA modules, our kernels"
+  local variants=${PREFILL_VARIANTS:-} ours=${MLA_OURS:-default}
+  stamp "warm: FlashInfer's prefill and MLA modules, our kernels${ORACLE:+, the oracle beside}"
   timeout "${WARM_S:-170}" python3 scripts/bench_prefill.py "${fa3[@]}" --reps 1 \
     --rows chunks-b8-q512-c4k > "$log/warm-prefill.log" 2>&1 &
   timeout "${WARM_S:-170}" python3 scripts/bench_mla.py --reps 1 --rows ds-tp8-b64-c4k \
     > "$log/warm-mla.log" 2>&1 &
+  if [ -n "${ORACLE:-}" ]; then  # the gate's oracle first: an opt-in kernel that fails or
+    # hangs there (a wrong arrival count) never runs in a timed row
+    timeout "${ORACLE_S:-215}" python3 scripts/gpu_correctness.py --all --jobs 11 \
+      --family-timeout 200 --json "$OUT/gpu-correctness.json" > "$OUT/gpu-correctness.log" 2>&1
+    local orc=$?
+    grep -E "FAIL|CRASH|TIMED" "$OUT/gpu-correctness.log" | head -12
+    sed -n '/^| family/,$p' "$OUT/gpu-correctness.log"
+    if [ $orc -ne 0 ]; then
+      echo "oracle: exit $orc: the benches run the default kernels only"
+      variants="" ours=default
+    fi
+  fi
   wait
-  stamp "prefill: every row beside FA3 and FlashInfer (variants: ${PREFILL_VARIANTS:-none})"
+  stamp "prefill: every row beside FA3 and FlashInfer (variants: ${variants:-none})"
   timeout "${PREFILL_S:-260}" python3 scripts/bench_prefill.py "${fa3[@]}" --reps 10 \
-    --variants "${PREFILL_VARIANTS:-}" --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+    --variants "$variants" --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
   echo "exit $?"; grep -v Warning "$OUT/prefill.log" | tail -9 | cut -c1-700
-  stamp "MLA: every row beside FlashInfer (ours: ${MLA_OURS:-default})"
-  timeout "${MLA_S:-150}" python3 scripts/bench_mla.py --reps 15 --ours "${MLA_OURS:-default}" \
+  stamp "MLA: every row beside FlashInfer (ours: $ours)"
+  timeout "${MLA_S:-150}" python3 scripts/bench_mla.py --reps 15 --ours "$ours" \
     --json "$OUT/mla.json" > "$OUT/mla.log" 2>&1
   echo "exit $?"; grep -v Warning "$OUT/mla.log" | tail -11 | cut -c1-600
   local what
-  for what in prefill mla; do
+  for what in ${NCU_WHAT-prefill mla}; do
     stamp "ncu: $what, ours beside the peers, one call each"
     local args=("$what")
-    [ "$what" = prefill ] && args+=(--row "${NCU_ROW:-prompt-8k}" --variants "${PREFILL_VARIANTS:-}" "${fa3[@]}")
-    [ "$what" = mla ] && args+=(--ours "${MLA_OURS:-default}")
+    [ "$what" = prefill ] && args+=(--row "${NCU_ROW:-prompt-8k}" --variants "$variants" "${fa3[@]}")
+    [ "$what" = mla ] && args+=(--ours "$ours")
     # shellcheck disable=SC2086
     timeout "${NCU_S:-120}" ncu --clock-control none ${NCU_SECTIONS:---section SpeedOfLight \
       --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
