@@ -102,6 +102,22 @@ peer_files() {  # the --peer-file arguments of the peers present in $PEERS
     && PEER_FILES+=(--peer-file "fa3=$PEERS/fa3_peer.py")
   echo "peer files: ${PEER_FILES[*]:-none}"
 }
+oracle() {  # oracle LIMIT ARGS...: every family against the float64 oracle, a process a
+  # family (scripts/gpu_correctness.py --all ARGS) -> $OUT/gpu-correctness.{log,json}; prints
+  # the failed, crashed and timed-out cases; its exit status
+  local limit=$1 rc; shift
+  timeout "$limit" python3 scripts/gpu_correctness.py --all "$@" \
+    --json "$OUT/gpu-correctness.json" > "$OUT/gpu-correctness.log" 2>&1
+  rc=$?
+  grep -E "FAIL|CRASH|TIMED" "$OUT/gpu-correctness.log" | head -20
+  return $rc
+}
+
+print_ncu() {  # print_ncu CSV: each profiled kernel's name, grid and section values
+  python3 -c "import sys; from pagedattn.bench.ncu import read_ncu_csv
+for k in read_ncu_csv(sys.argv[1]): print(k.name[:40], k.grid, k.values)" "$1"
+}
+
 phase_correctness() {
   env_info
   { echo "# GPU correctness gate, commit ${PAGEDATTN_GIT_SHA:-unknown} ($(date -u +%FT%H:%MZ))"
@@ -113,11 +129,9 @@ phase_correctness() {
   stamp "every family against the oracle, the plain driver beside it"
   san warm "$OUT/sanitize-warm.log" python3 scripts/sanitize_driver.py &
   local warm=$!
-  timeout "${CORRECTNESS_S:-260}" python3 scripts/gpu_correctness.py --all --jobs 10 \
-    --json "$OUT/gpu-correctness.json" > "$OUT/gpu-correctness.log" 2>&1
+  oracle "${CORRECTNESS_S:-260}" --jobs 10
   local rc=$?
   wait "$warm"
-  grep -E "FAIL|CRASH" "$OUT/gpu-correctness.log" | head -20
   sed -n '/^| family/,$p' "$OUT/gpu-correctness.log" | tee -a "$OUT/correctness-summary.md"
   echo "oracle pass: exit $rc" | tee -a "$OUT/correctness-summary.md"
   # memcheck and initcheck side by side, each over every part (eight processes: the
@@ -293,8 +307,7 @@ phase_profile() {
       -k regex:'_paged_decode|_merge|_floor_|device_kernel|prepare_varlen' --csv \
       --page details python3 scripts/ncu_side_by_side.py --shape "$shape" "${peers[@]}" \
       > "$OUT/ncu-$shape.csv" 2> "$OUT/ncu-$shape.err"
-    python3 -c "import sys; from pagedattn.bench.ncu import read_ncu_csv
-for k in read_ncu_csv(sys.argv[1]): print(k.name[:40], k.grid, k.values)" "$OUT/ncu-$shape.csv"
+    print_ncu "$OUT/ncu-$shape.csv"
   done
 }
 
@@ -315,10 +328,8 @@ phase_compute() {  # the compute-bound kernels: paged prefill and MLA beside the
     > "$log/warm-mla.log" 2>&1 &
   if [ -n "${ORACLE:-}" ]; then  # the gate's oracle first: an opt-in kernel that fails or
     # hangs there (a wrong arrival count) never runs in a timed row
-    timeout "${ORACLE_S:-215}" python3 scripts/gpu_correctness.py --all --jobs 11 \
-      --family-timeout 200 --json "$OUT/gpu-correctness.json" > "$OUT/gpu-correctness.log" 2>&1
+    oracle "${ORACLE_S:-215}" --jobs 11 --family-timeout 200
     local orc=$?
-    grep -E "FAIL|CRASH|TIMED" "$OUT/gpu-correctness.log" | head -12
     sed -n '/^| family/,$p' "$OUT/gpu-correctness.log"
     if [ $orc -ne 0 ]; then
       echo "oracle: exit $orc: the benches run the default kernels only"
@@ -347,9 +358,7 @@ phase_compute() {  # the compute-bound kernels: paged prefill and MLA beside the
       --csv --page details python3 scripts/ncu_prefill_mla.py "${args[@]}" \
       > "$OUT/ncu-$what.csv" 2> "$log/ncu-$what.err"
     echo "exit $?"; tail -2 "$log/ncu-$what.err" | cut -c1-300
-    grep -q '^"ID"' "$OUT/ncu-$what.csv" && python3 -c "import sys; from pagedattn.bench.ncu import read_ncu_csv
-for k in read_ncu_csv(sys.argv[1]): print(k.name[:40], k.grid, k.values)" "$OUT/ncu-$what.csv" \
-      | cut -c1-900
+    grep -q '^"ID"' "$OUT/ncu-$what.csv" && print_ncu "$OUT/ncu-$what.csv" | cut -c1-900
   done
 }
 
